@@ -1,0 +1,42 @@
+"""nox sessions: tests, lint, bench, integration."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["lint", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+SOURCES = ["src", "tests", "benchmarks", "scripts", "noxfile.py"]
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The test suite (simulators over real sockets; no GPU, no real engine needed)."""
+    session.install("-e", ".[test]")
+    session.run("pytest", "-m", "not integration", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff, flake8-async (Trio's rules) and mypy."""
+    session.install("-e", ".[test]", "ruff", "flake8", "flake8-async", "mypy")
+    session.run("ruff", "check", *SOURCES)
+    session.run("flake8", "--select", "ASYNC", "src", "tests", "benchmarks")
+    session.run("mypy")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks: `nox -s bench` (full) or `nox -s bench -- --quick` (under 2 minutes)."""
+    session.install("-e", ".[test]")
+    session.run("python", "-m", "benchmarks", *session.posargs)
+
+
+@nox.session
+def integration(session: nox.Session) -> None:
+    """Tests against a real llama.cpp llama-server (built once, then cached)."""
+    session.install("-e", ".[test]")
+    session.run("python", "scripts/llama_server.py", "provide")
+    session.run("pytest", "-m", "integration", "tests/integration", *session.posargs,
+                env={"NVPAIR_INTEGRATION": "1"})

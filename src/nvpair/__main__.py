@@ -1,0 +1,3 @@
+from nvpair.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,152 @@
+"""nvpair's HTTP API. Reads serve the latest snapshot: no lock, no await before the answer
+is encoded, never a call to an engine. Encoded bodies are cached per snapshot version."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+from urllib.parse import parse_qs
+
+import trio
+
+from nvpair import views
+from nvpair.asgi import (
+    Receive,
+    Scope,
+    Send,
+    encoder,
+    lifespan,
+    send_bytes,
+    send_error,
+    send_json,
+)
+from nvpair.snapshot import Board, Snapshot
+
+log = logging.getLogger("nvpair.api")
+
+#: Ages in cached answers are at most this old; the cache also turns over with each version.
+AGE_RESOLUTION_S = 0.5
+
+
+class Controller(Protocol):
+    """The write side (lifecycle), when there is one. Its methods never block a read."""
+
+    async def command(self, name: str, action: str) -> tuple[int, dict[str, Any]]: ...
+
+    def logs(self, name: str, tail: int) -> list[str] | None: ...
+
+
+class Api:
+    def __init__(self, board: Board, *, node: str, token: str | None = None,
+                 controller: Controller | None = None) -> None:
+        self.board = board
+        self.node = node
+        self.token = f"Bearer {token}".encode() if token else None
+        self.controller = controller
+        self._cache: dict[str, tuple[int, int, bytes]] = {}
+
+    def cached(self, key: str, build: Callable[[Snapshot, float], object]) -> bytes:
+        snap = self.board.current
+        now = trio.current_time()
+        bucket = int(now / AGE_RESOLUTION_S)
+        hit = self._cache.get(key)
+        if hit is not None and hit[0] == snap.version and hit[1] == bucket:
+            return hit[2]
+        body = encoder.encode(build(snap, now))
+        self._cache[key] = (snap.version, bucket, body)
+        return body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        try:
+            await self.route(scope, receive, send)
+        except Exception:
+            log.exception("error answering %s %s", scope.get("method"), scope.get("path"))
+            await send_error(send, 500, "internal error in nvpair; see its log", "internal_error")
+
+    async def route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path: str = scope["path"]
+        method: str = scope["method"]
+        if path == "/healthz":
+            await send_json(send, 200, {"status": "ok", "node": self.node})
+            return
+        if self.token is not None and not self._authorized(scope):
+            await send_error(send, 401, "missing or wrong bearer token", "invalid_api_key",
+                             [(b"www-authenticate", b"Bearer")])
+            return
+        parts = path.rstrip("/").split("/")
+        if path == "/v1/models":
+            if method != "GET":
+                await send_error(send, 405, "use GET /v1/models")
+                return
+            body = self.cached("models", lambda s, n: views.models_doc(s, n, self.node))
+            await send_bytes(send, 200, body)
+            return
+        if path.rstrip("/") == "/v1/engines":
+            if method != "GET":
+                await send_error(send, 405, "use GET /v1/engines")
+                return
+            body = self.cached("engines", lambda s, n: views.engines_doc(s, n, self.node))
+            await send_bytes(send, 200, body)
+            return
+        if len(parts) >= 4 and parts[:3] == ["", "v1", "engines"]:
+            await self.engine_route(scope, receive, send, parts[3], parts[4:])
+            return
+        await send_error(send, 404, f"no route {method} {path}", "not_found")
+
+    async def engine_route(self, scope: Scope, receive: Receive, send: Send, name: str,
+                           rest: list[str]) -> None:
+        method = scope["method"]
+        snap = self.board.current
+        engine = snap.engine(name)
+        if engine is None:
+            await send_error(send, 404, f"no engine named {name!r}", "engine_not_found")
+            return
+        if not rest:
+            if method != "GET":
+                await send_error(send, 405, f"use GET /v1/engines/{name}")
+                return
+            now = trio.current_time()
+            await send_json(send, 200, views.engine_status(engine, snap, now, self.node))
+            return
+        action = rest[0]
+        if action in ("start", "stop", "restart") and len(rest) == 1:
+            if method != "POST":
+                await send_error(send, 405, f"use POST /v1/engines/{name}/{action}")
+                return
+            if self.controller is None:
+                await send_error(send, 503, "this nvpair has no lifecycle controller")
+                return
+            status, doc = await self.controller.command(name, action)
+            await send_json(send, status, doc)
+            return
+        if action == "logs" and len(rest) == 1:
+            await self.logs_route(scope, send, name)
+            return
+        await send_error(send, 404, f"no route {method} {scope['path']}", "not_found")
+
+    async def logs_route(self, scope: Scope, send: Send, name: str) -> None:
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        raw = query.get("tail", ["100"])[0]
+        if not raw.isdigit() or not 0 < int(raw) <= 100_000:
+            await send_error(send, 400, f"tail: expected a whole number 1-100000, got {raw!r}")
+            return
+        lines = self.controller.logs(name, int(raw)) if self.controller else None
+        if lines is None:
+            await send_error(send, 404, f"engine {name!r} has no logs (it is not managed)",
+                             "no_logs")
+            return
+        await send_json(send, 200, {"engine": name, "lines": lines})
+
+    def _authorized(self, scope: Scope) -> bool:
+        assert self.token is not None
+        for key, value in scope.get("headers", ()):
+            if key == b"authorization":
+                return hmac.compare_digest(bytes(value), self.token)
+        return False

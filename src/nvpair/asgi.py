@@ -1,0 +1,95 @@
+"""Small ASGI helpers: JSON answers, OpenAI-shaped errors, lifespan, reading a capped body.
+
+nvpair serves its API as a plain ASGI app on hypercorn's trio worker. The read path is a
+dictionary lookup and a write of cached bytes; a framework would cost more than it gives
+here (see docs/benchmarks.md for the measured difference).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import msgspec
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+JSON = [(b"content-type", b"application/json")]
+encoder = msgspec.json.Encoder()
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    503: "unavailable_error",
+}
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def send_bytes(
+    send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    hdrs = list(headers if headers is not None else JSON)
+    hdrs.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": hdrs})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_json(send: Send, status: int, doc: object,
+                    extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    await send_bytes(send, status, encoder.encode(doc), JSON + (extra or []))
+
+
+def error_doc(status: int, message: str, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
+                      "code": code, "param": None}}
+
+
+async def send_error(send: Send, status: int, message: str, code: str | None = None,
+                     extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    await send_json(send, status, error_doc(status, message, code), extra)
+
+
+async def read_body(receive: Receive, limit: int) -> bytes:
+    chunks = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+async def lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+def header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return bytes(value)
+    return None

@@ -1,0 +1,1 @@
+"""The ``nvpair`` command line."""

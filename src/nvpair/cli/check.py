@@ -1,0 +1,96 @@
+"""``nvpair check``: validate the configuration and say what nvpair would do."""
+
+from __future__ import annotations
+
+import sys
+
+import msgspec
+
+from nvpair.cli.table import render
+from nvpair.config import EngineSpec, Settings
+from nvpair.manifest import ProbeSpec
+
+PROBE_ORDER = ("ready", "health", "identity", "models")
+
+
+def probe_rows(engine: EngineSpec) -> list[tuple[str, ProbeSpec]]:
+    return [(n, p) for n in PROBE_ORDER if (p := getattr(engine.probes, n)) is not None]
+
+
+def steady_rate_per_hour(engine: EngineSpec) -> float:
+    """Requests per hour an engine gets from nvpair once ready (``ready`` stops then)."""
+    return sum(3600.0 / p.interval_s for n, p in probe_rows(engine) if n != "ready")
+
+
+def report(settings: Settings) -> dict[str, object]:
+    engines = []
+    for e in settings.engines:
+        engines.append(
+            {
+                "name": e.name,
+                "kind": e.kind,
+                "managed": e.managed,
+                "url": e.url,
+                "model": e.model,
+                "optional": e.optional,
+                "probes_per_hour": round(steady_rate_per_hour(e)),
+                "probes": {
+                    n: {
+                        "method": p.method,
+                        "path": p.path,
+                        "cost": p.cost,
+                        "interval_s": p.interval_s,
+                        "timeout_s": p.timeout_s,
+                        "per_hour": round(3600 / p.interval_s),
+                    }
+                    for n, p in probe_rows(e)
+                },
+            }
+        )
+    return {
+        "config": settings.source,
+        "listen": f"{settings.listen_host}:{settings.listen_port}",
+        "node": settings.node,
+        "token": settings.token is not None,
+        "peers": [p.url for p in settings.peers],
+        "engines": engines,
+    }
+
+
+def run(settings: Settings, *, as_json: bool) -> int:
+    if as_json:
+        sys.stdout.write(msgspec.json.encode(report(settings)).decode() + "\n")
+        return 0
+    auth = "bearer token required" if settings.token else "no token (loopback only)"
+    print(f"config   {settings.source}")
+    print(f"listen   http://{settings.listen_host}:{settings.listen_port}  ({auth})")
+    print(f"node     {settings.node}")
+    if settings.peers:
+        print(f"peers    {', '.join(p.url for p in settings.peers)}")
+    print()
+    if not settings.engines:
+        print("no engines configured")
+        return 0
+    rows = []
+    for e in settings.engines:
+        mode = "managed" if e.managed else ("adopt if found" if e.optional else "adopted")
+        rows.append((e.name, e.kind, mode, e.url, e.model or "(as served)"))
+    print(render(("ENGINE", "KIND", "MODE", "URL", "MODEL"), rows))
+    print()
+    prow: list[tuple[object, ...]] = []
+    colours: list[list[str | None]] = []
+    for e in settings.engines:
+        for n, p in probe_rows(e):
+            per_hour = "until ready" if n == "ready" else f"{3600 / p.interval_s:.0f}"
+            prow.append(
+                (e.name, n, f"{p.method} {p.path}", p.cost, f"{p.interval_s:g}s",
+                 f"{p.timeout_s:g}s", per_hour)
+            )
+            cost_colour = {"cheap": None, "queued": "yellow", "generating": "red"}[p.cost]
+            colours.append([None, None, None, cost_colour, None, None, None])
+    print(render(("ENGINE", "PROBE", "REQUEST", "COST", "EVERY", "TIMEOUT", "PER HOUR"), prow,
+                 colours=colours))
+    print()
+    for e in settings.engines:
+        print(f"{e.name}: about {steady_rate_per_hour(e):.0f} probe requests per hour once ready")
+    return 0

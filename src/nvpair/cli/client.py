@@ -1,0 +1,125 @@
+"""Commands that talk to a running nvpair: status, models, start, stop, restart, logs."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+import httpx2
+import msgspec
+
+from nvpair.cli.table import STATE_COLOURS, render
+from nvpair.config import find_config_path, load_settings
+from nvpair.errors import ConfigError, InputError
+
+
+def base_url(args: argparse.Namespace) -> tuple[str, str | None]:
+    """nvpair's URL and token: --url, else the config's listen address and token."""
+    token = os.environ.get("NVPAIR_TOKEN")
+    if args.url:
+        return args.url.rstrip("/"), token
+    if find_config_path(args.config) is None:
+        return "http://127.0.0.1:14322", token
+    settings = load_settings(args.config)
+    host = "127.0.0.1" if settings.listen_host in ("0.0.0.0", "::") else settings.listen_host
+    host = f"[{host}]" if ":" in host else host
+    return f"http://{host}:{settings.listen_port}", token or settings.token
+
+
+def call(args: argparse.Namespace, method: str, path: str) -> Any:
+    url, token = base_url(args)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        response = httpx2.request(method, url + path, headers=headers, timeout=10.0,
+                                  trust_env=False)
+    except httpx2.ConnectError:
+        raise InputError(f"cannot reach nvpair at {url} (is `nvpair serve` running?)") from None
+    except httpx2.HTTPError as exc:
+        raise InputError(f"{method} {url}{path}: {exc}") from None
+    try:
+        doc = msgspec.json.decode(response.content)
+    except msgspec.DecodeError:
+        raise InputError(
+            f"{method} {url}{path}: answered {response.status_code}, not JSON") from None
+    if response.status_code >= 400:
+        message = doc.get("error", {}).get("message") if isinstance(doc, dict) else None
+        raise InputError(f"{method} {path}: {response.status_code}: {message or doc}")
+    return doc
+
+
+def _age(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value < 60:
+        return f"{value:.1f}s"
+    return f"{value / 60:.0f}m"
+
+
+def print_status(engines: list[dict[str, Any]]) -> None:
+    rows, colours = [], []
+    for e in engines:
+        health = e["probes"].get("health") or e["probes"].get("ready") or {}
+        rows.append((e["name"], e["kind"], e["state"], ", ".join(e["models"]) or "-",
+                     _age(e["checked_age_s"]), str(health.get("requests", 0)),
+                     str(e["restarts"]), e["error"] or ""))
+        colours.append([None, None, STATE_COLOURS.get(e["state"]), None, None, None, None, "dim"])
+    print(render(("ENGINE", "KIND", "STATE", "MODELS", "CHECKED", "PROBES", "RESTARTS", "ERROR"),
+                 rows, colours=colours))
+
+
+def run(args: argparse.Namespace) -> int:
+    cmd = args.command
+    if cmd == "status":
+        doc = call(args, "GET", f"/v1/engines/{args.name}" if args.name else "/v1/engines")
+        engines = [doc] if args.name else doc["engines"]
+        if args.json:
+            print(msgspec.json.encode(doc).decode())
+        elif not engines:
+            print("no engines answer yet")
+        else:
+            print_status(engines)
+        return 0
+    if cmd == "models":
+        doc = call(args, "GET", "/v1/models?scope=cluster" if args.cluster else "/v1/models")
+        if args.json:
+            print(msgspec.json.encode(doc).decode())
+            return 0
+        rows = [(m["id"], m["nvpair"]["engine"], m["nvpair"].get("node", ""), m["nvpair"]["state"])
+                for m in doc["data"]]
+        print(render(("MODEL", "ENGINE", "NODE", "STATE"), rows) if rows else "no models listed")
+        return 0
+    if cmd in ("start", "stop", "restart"):
+        doc = call(args, "POST", f"/v1/engines/{args.name}/{cmd}")
+        print(f"{args.name}: {cmd} accepted; state {doc.get('state')}")
+        return 0
+    if cmd == "logs":
+        return follow_logs(args)
+    raise ConfigError(f"unknown command {cmd}")
+
+
+def follow_logs(args: argparse.Namespace) -> int:
+    doc = call(args, "GET", f"/v1/engines/{args.name}/logs?tail={max(1, args.tail)}")
+    lines: list[str] = doc["lines"]
+    for line in lines:
+        print(line)
+    if not args.follow:
+        return 0
+    last = lines[-1] if lines else None
+    try:
+        while True:
+            time.sleep(1.0)
+            doc = call(args, "GET", f"/v1/engines/{args.name}/logs?tail=1000")
+            new: list[str] = doc["lines"]
+            start = 0
+            if last is not None and last in new:
+                start = len(new) - new[::-1].index(last)
+            for line in new[start:]:
+                print(line)
+            sys.stdout.flush()
+            if new:
+                last = new[-1]
+    except KeyboardInterrupt:
+        return 0

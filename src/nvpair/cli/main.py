@@ -1,0 +1,114 @@
+"""Entry point: parse and dispatch. Bad input ends with one line, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from nvpair import __version__
+from nvpair.errors import InputError
+
+DESCRIPTION = """\
+nvpair runs beside LLM inference engines (SGLang, vLLM, llama.cpp, Ollama, TGI, any
+OpenAI-compatible server), probes them on a fixed budget and answers at once what runs
+where. Reads never wait on an engine."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nvpair", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"nvpair {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def config_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--config", "-c", metavar="FILE",
+                       help="config file (default: $NVPAIR_CONFIG, else ./nvpair.toml, "
+                            "else an embedded default that adopts engines on their default ports)")
+
+    p = sub.add_parser("serve", help="run nvpair: probe the engines and serve the API")
+    config_arg(p)
+    p.add_argument("--listen", metavar="HOST:PORT", help="override the config's listen address")
+
+    p = sub.add_parser("check", help="validate the config and manifests; show what nvpair would do")
+    config_arg(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = sub.add_parser("schema", help="print the JSON Schema of the config or of a manifest")
+    p.add_argument("what", choices=("config", "manifest"))
+
+    p = sub.add_parser("demo", help="run nvpair with simulated engines (no GPU needed)")
+    p.add_argument("--listen", metavar="HOST:PORT", default="127.0.0.1:14322")
+
+    sub.add_parser("sim", help="run an engine simulator (see `nvpair sim --help`)", add_help=False)
+
+    for name, helptext in (
+        ("status", "show the engines of a running nvpair"),
+        ("models", "list the models a running nvpair serves"),
+        ("start", "start an engine (managed engines)"),
+        ("stop", "stop an engine"),
+        ("restart", "restart an engine"),
+        ("logs", "show an engine's output"),
+    ):
+        p = sub.add_parser(name, help=helptext)
+        config_arg(p)
+        p.add_argument("--url", help="nvpair's base URL (default: from the config's listen)")
+        if name in ("start", "stop", "restart", "logs"):
+            p.add_argument("name", help="engine name")
+        if name == "status":
+            p.add_argument("name", nargs="?", help="one engine (default: all)")
+        if name == "logs":
+            p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
+            p.add_argument("-n", "--tail", type=int, default=100,
+                           help="lines to show (default 100)")
+        if name in ("status", "models"):
+            p.add_argument("--json", action="store_true", help="machine-readable output")
+        if name == "models":
+            p.add_argument("--cluster", action="store_true", help="include peers' models")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["sim"]:
+        import importlib
+
+        sim_cli = importlib.import_module("nvpair.sim.cli")  # imported only when used
+        return int(sim_cli.main(args_list[1:]))
+    parser = build_parser()
+    args = parser.parse_args(args_list)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return dispatch(args)
+    except InputError as exc:
+        print(f"nvpair: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def dispatch(args: argparse.Namespace) -> int:
+    from nvpair.config import load_settings
+
+    if args.command == "check":
+        from nvpair.cli import check
+
+        return check.run(load_settings(args.config), as_json=args.json)
+    if args.command == "schema":
+        from nvpair.schema import schema_json
+
+        sys.stdout.write(schema_json(args.what) + "\n")
+        return 0
+    if args.command == "serve":
+        from nvpair.cli.serve import run_serve
+
+        return run_serve(load_settings(args.config, listen=args.listen))
+    if args.command == "demo":
+        from nvpair.cli.demo import run_demo
+
+        return run_demo(args.listen)
+    from nvpair.cli import client
+
+    return client.run(args)

@@ -1,0 +1,33 @@
+"""``nvpair serve``."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import trio
+
+from nvpair import service
+from nvpair.config import Settings
+
+
+def run_serve(settings: Settings) -> int:
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx2").setLevel(logging.WARNING)
+    logging.getLogger("httpcore2").setLevel(logging.WARNING)
+
+    def announce(url: str) -> None:
+        auth = " (bearer token required)" if settings.token else ""
+        print(f"nvpair {settings.node}: {len(settings.engines)} engine(s) from {settings.source}",
+              file=sys.stderr)
+        print(f"nvpair listening on {url}{auth}  models: {url}/v1/models  "
+              f"status: {url}/v1/engines  (Ctrl-C to stop)", file=sys.stderr, flush=True)
+
+    try:
+        trio.run(lambda: service.main(settings, announce=announce))
+    except OSError as exc:
+        print(f"nvpair: error: cannot listen on {settings.listen_host}:{settings.listen_port}: "
+              f"{exc.strerror}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,297 @@
+"""The configuration a user writes (TOML), decoded strictly, and the engines it resolves to."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import socket
+import tomllib
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+
+from nvpair.decoding import convert
+from nvpair.errors import ConfigError, ManifestError
+from nvpair.manifest import (
+    BUILTIN_KINDS,
+    Base,
+    Manifest,
+    Port,
+    ProbeOverride,
+    Probes,
+    ProbeSpec,
+    Seconds,
+    check_probes,
+    load_manifest,
+)
+
+DEFAULT_LISTEN = "127.0.0.1:14322"
+EngineName = Annotated[str, msgspec.Meta(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")]
+ArgValue = str | int | float | bool
+
+
+class EngineConfig(Base, frozen=True):
+    name: EngineName
+    kind: str
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: Port | None = None
+    managed: bool = False
+    command: tuple[str, ...] | None = None
+    api_key_file: str | None = None
+    args: dict[str, ArgValue] = {}
+    env: dict[str, str] = {}
+    probes: dict[str, ProbeOverride] = {}
+    #: opt in to probes that run a generation on the engine (see the manifest reference).
+    allow_generating_probes: bool = False
+    #: other names clients may use for this engine's models.
+    aliases: tuple[str, ...] = ()
+    #: hide this engine while nothing answers (used by the embedded default config).
+    optional: bool = False
+
+
+class PeerConfig(Base, frozen=True):
+    url: str
+    token_file: str | None = None
+    name: str | None = None
+
+
+class Config(Base, frozen=True):
+    listen: str = DEFAULT_LISTEN
+    node: str | None = None
+    token_file: str | None = None
+    engines: tuple[EngineConfig, ...] = ()
+    peers: tuple[PeerConfig, ...] = ()
+    #: the one deadline that a model-list sweep over all engines shares.
+    sweep_deadline_s: Seconds = 5.0
+    #: idle keep-alive connections to nvpair's API are closed after this long.
+    keep_alive_s: Seconds = 5.0
+    #: where managed engines' log files go (default: a per-user state directory).
+    log_dir: str | None = None
+
+
+class EngineSpec(msgspec.Struct, frozen=True):
+    """One engine, with its manifest and the config's overrides merged: what the core runs."""
+
+    name: str
+    kind: str
+    manifest: Manifest
+    probes: Probes
+    host: str
+    port: int
+    managed: bool
+    model: str | None = None
+    command: tuple[str, ...] | None = None
+    api_key: str | None = None
+    args: dict[str, ArgValue] = {}
+    env: dict[str, str] = {}
+    aliases: tuple[str, ...] = ()
+    optional: bool = False
+    allow_generating: bool = False
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+class Settings(msgspec.Struct, frozen=True):
+    """The whole resolved configuration."""
+
+    source: str
+    listen_host: str
+    listen_port: int
+    node: str
+    token: str | None
+    engines: tuple[EngineSpec, ...]
+    peers: tuple[PeerConfig, ...]
+    sweep_deadline_s: float
+    keep_alive_s: float
+    log_dir: Path
+
+
+def parse_listen(value: str, source: str) -> tuple[str, int]:
+    m = re.fullmatch(r"\[?(?P<host>[^\[\]]+?)\]?:(?P<port>\d{1,5})", value)
+    if not m or not 1 <= int(m["port"]) <= 65535:
+        raise ConfigError(f"{source}: expected HOST:PORT with a port 1-65535, got {value!r}")
+    return m["host"], int(m["port"])
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def read_secret(path: str, source: str, key: str, base: Path) -> str:
+    full = Path(path).expanduser()
+    if not full.is_absolute():
+        full = base / full
+    try:
+        secret = full.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"{source}: {key}: cannot read {full}: {exc.strerror}") from None
+    if not secret:
+        raise ConfigError(f"{source}: {key}: {full} is empty")
+    return secret
+
+
+def decode_config(data: bytes, source: str) -> Config:
+    try:
+        raw = tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{source}: not valid TOML: not UTF-8 text") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    return convert(raw, Config, source, ConfigError)
+
+
+def default_config() -> Config:
+    """Adopt any built-in engine answering on its default port on 127.0.0.1."""
+    engines = []
+    for kind in BUILTIN_KINDS:
+        if kind == "openai":  # shares vLLM's default port 8000; vllm's identity covers it
+            continue
+        engines.append(EngineConfig(name=kind, kind=kind, optional=True))
+    return Config(engines=tuple(engines))
+
+
+def find_config_path(explicit: str | None) -> Path | None:
+    """--config, else $NVPAIR_CONFIG, else ./nvpair.toml, else None (the embedded default)."""
+    if explicit:
+        return Path(explicit)
+    env = os.environ.get("NVPAIR_CONFIG")
+    if env:
+        return Path(env)
+    local = Path("nvpair.toml")
+    return local if local.is_file() else None
+
+
+def load_settings(explicit: str | None = None, *, listen: str | None = None) -> Settings:
+    """Find, read, decode and resolve the configuration; raise ConfigError/ManifestError."""
+    path = find_config_path(explicit)
+    if path is None:
+        return resolve(default_config(), "(embedded default)", Path.cwd(), listen=listen)
+    source = str(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read config: {exc.strerror}") from None
+    return resolve(decode_config(data, source), source, path.parent, listen=listen)
+
+
+def resolve(config: Config, source: str, base: Path, *, listen: str | None = None) -> Settings:
+    where = "--listen" if listen else f"{source}: listen"
+    host, port = parse_listen(listen or config.listen, where)
+    token = None
+    if config.token_file:
+        token = read_secret(config.token_file, source, "token_file", base)
+    elif not is_loopback(host):
+        raise ConfigError(
+            f"{where}: {host} is not a loopback address; set token_file in the config so "
+            "that the API requires a bearer token"
+        )
+    names: set[str] = set()
+    engines = []
+    for i, eng in enumerate(config.engines):
+        where = f"{source}: engines[{i}]"
+        if eng.name in names:
+            raise ConfigError(f"{where}.name: duplicate engine name {eng.name!r}")
+        names.add(eng.name)
+        engines.append(_resolve_engine(eng, where, base))
+    for i, peer in enumerate(config.peers):
+        if not re.match(r"^https?://[^/\s]+", peer.url):
+            raise ConfigError(
+                f"{source}: peers[{i}].url: expected http(s)://HOST:PORT, got {peer.url!r}")
+        if peer.token_file:
+            read_secret(peer.token_file, source, f"peers[{i}].token_file", base)
+    log_dir = Path(config.log_dir).expanduser() if config.log_dir else _default_log_dir()
+    if not log_dir.is_absolute():
+        log_dir = base / log_dir
+    return Settings(
+        source=source,
+        listen_host=host,
+        listen_port=port,
+        node=config.node or socket.gethostname(),
+        token=token,
+        engines=tuple(engines),
+        peers=config.peers,
+        sweep_deadline_s=config.sweep_deadline_s,
+        keep_alive_s=config.keep_alive_s,
+        log_dir=log_dir,
+    )
+
+
+def _default_log_dir() -> Path:
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "nvpair" / "logs"
+
+
+def _resolve_engine(eng: EngineConfig, where: str, base: Path) -> EngineSpec:
+    try:
+        manifest = load_manifest(eng.kind, base=base)
+    except ManifestError as exc:
+        raise ConfigError(f"{where}.kind: {exc}") from None
+    probes = _merge_probes(manifest.probes, eng.probes, where)
+    check_probes(
+        probes,
+        allow_generating=manifest.allow_generating_probes or eng.allow_generating_probes,
+        where=where,
+    )
+    if eng.managed and not (eng.command or manifest.start.argv):
+        raise ConfigError(
+            f"{where}: managed = true but neither the engine's command nor the "
+            f"{manifest.kind} manifest's start.argv says how to start it"
+        )
+    api_key = None
+    if eng.api_key_file:
+        api_key = read_secret(eng.api_key_file, where, "api_key_file", base)
+    return EngineSpec(
+        name=eng.name,
+        kind=manifest.kind,
+        manifest=manifest,
+        probes=probes,
+        host=eng.host,
+        port=eng.port or manifest.default_port,
+        managed=eng.managed,
+        model=eng.model,
+        command=eng.command,
+        api_key=api_key,
+        args=eng.args,
+        env=eng.env,
+        aliases=eng.aliases,
+        optional=eng.optional,
+        allow_generating=manifest.allow_generating_probes or eng.allow_generating_probes,
+    )
+
+
+def _merge_probes(probes: Probes, overrides: dict[str, ProbeOverride], where: str) -> Probes:
+    merged: dict[str, ProbeSpec | None] = {}
+    for name in ("ready", "health", "identity", "models"):
+        merged[name] = getattr(probes, name)
+    for name, override in overrides.items():
+        if name not in merged:
+            raise ConfigError(
+                f"{where}.probes.{name}: unknown probe (expected ready, health, identity or models)"
+            )
+        current = merged[name]
+        changes = {k: v for k, v in msgspec.structs.asdict(override).items() if v is not None}
+        if current is None:
+            if "path" not in changes:
+                raise ConfigError(
+                    f"{where}.probes.{name}: the manifest has no such probe; give a path")
+            current = ProbeSpec(path=changes["path"])
+        try:
+            merged[name] = msgspec.convert(
+                {**msgspec.structs.asdict(current), **changes}, ProbeSpec, strict=True
+            )
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"{where}.probes.{name}: {exc}") from None
+    ready, health = merged["ready"], merged["health"]
+    assert ready is not None and health is not None
+    return Probes(ready=ready, health=health, identity=merged["identity"], models=merged["models"])

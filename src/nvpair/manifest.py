@@ -1,0 +1,199 @@
+"""Engine manifests: what each kind of engine is, how to start it and how to probe it.
+
+Manifests are JSON files (``engines/<kind>.json`` for the built-in kinds, or any path).
+They are decoded strictly: unknown keys, wrong types and out-of-range values are errors
+that name the file and the key.
+"""
+
+from __future__ import annotations
+
+import re
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+
+from nvpair.decoding import one_line
+from nvpair.errors import ManifestError
+
+Cost = Literal["cheap", "queued", "generating"]
+ProbeName = Literal["ready", "health", "identity", "models"]
+ModelsFormat = Literal["openai", "ollama_tags"]
+
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+Seconds = Annotated[float, msgspec.Meta(gt=0, le=86400)]
+Count = Annotated[int, msgspec.Meta(ge=1, le=1000)]
+
+#: A generating probe costs the engine a real generation; nvpair never runs one more often.
+GENERATING_MIN_INTERVAL_S = 30.0
+
+BUILTIN_KINDS = ("sglang", "vllm", "llamacpp", "ollama", "tgi", "openai")
+
+
+class Base(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Frozen, strict: a typo in a key is an error, not a silently ignored default."""
+
+
+class ProbeSpec(Base, frozen=True):
+    """One HTTP probe: where, what answer counts as success, what it costs and how often."""
+
+    path: str
+    method: Literal["GET", "HEAD", "POST"] = "GET"
+    expect_status: tuple[int, ...] = (200,)
+    cost: Cost = "cheap"
+    interval_s: Seconds = 5.0
+    timeout_s: Seconds = 2.0
+    failure_threshold: Count = 3
+    success_threshold: Count = 1
+    needs_api_key: bool = False
+    #: Tried once when ``path`` answers 404 (an older build of the engine); cost of that path.
+    fallback_path: str | None = None
+    fallback_cost: Cost = "cheap"
+    #: identity: JSON pointers tried in order for the served model name.
+    model_pointers: tuple[str, ...] = ()
+    #: identity: JSON pointer of the engine's version or build.
+    version_pointer: str | None = None
+    #: identity: keys the body must have for the engine to be of this kind.
+    require_keys: tuple[str, ...] = ()
+    #: models: the body's format.
+    format: ModelsFormat = "openai"
+
+    def __post_init__(self) -> None:
+        if not self.path.startswith("/"):
+            raise ValueError(f"path must start with '/', got {self.path!r}")
+        if self.timeout_s > self.interval_s:
+            # A timeout longer than the interval would make probes overlap if we let it.
+            raise ValueError("timeout_s must not exceed interval_s")
+
+
+class ProbeOverride(Base, frozen=True):
+    """Per-engine overrides of a manifest's probe; every key optional."""
+
+    path: str | None = None
+    method: Literal["GET", "HEAD", "POST"] | None = None
+    expect_status: tuple[int, ...] | None = None
+    cost: Cost | None = None
+    interval_s: Seconds | None = None
+    timeout_s: Seconds | None = None
+    failure_threshold: Count | None = None
+    success_threshold: Count | None = None
+    needs_api_key: bool | None = None
+
+
+class Probes(Base, frozen=True):
+    ready: ProbeSpec
+    health: ProbeSpec
+    identity: ProbeSpec | None = None
+    models: ProbeSpec | None = None
+
+
+class StartSpec(Base, frozen=True):
+    #: argv template; placeholders such as {model}, {host}, {port}, {tp} fill whole arguments.
+    argv: tuple[str, ...] = ()
+    env: dict[str, str] = {}
+    #: argv fragments added only when every placeholder in them has a value.
+    optional: tuple[tuple[str, ...], ...] = ()
+    #: default values of placeholders (e.g. tp = 1).
+    defaults: dict[str, str | int | float | bool] = {}
+
+
+class StopSpec(Base, frozen=True):
+    signal: Literal["SIGTERM", "SIGINT", "SIGQUIT", "SIGKILL"] = "SIGTERM"
+    grace_s: Seconds = 30.0
+
+
+class Manifest(Base, frozen=True):
+    """A kind of engine."""
+
+    kind: str
+    display_name: str
+    default_port: Port
+    probes: Probes
+    start: StartSpec = StartSpec()
+    stop: StopSpec = StopSpec()
+    port_open_while_loading: bool = False
+    #: how long a managed engine may take to first answer ready.
+    startup_budget_s: Seconds = 600.0
+    #: opt in to probes whose cost is "generating" (they run a real generation on the engine).
+    allow_generating_probes: bool = False
+    deprecated_paths: tuple[str, ...] = ()
+    notes: str = ""
+
+
+_KIND = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
+
+
+def check_probes(probes: Probes, *, allow_generating: bool, where: str) -> None:
+    """Reject generating probes without the opt-in, and too-frequent generating probes."""
+    for name in ("ready", "health", "identity", "models"):
+        spec: ProbeSpec | None = getattr(probes, name)
+        if spec is None:
+            continue
+        # A generating fallback path is checked when it is used (see probes.py): the
+        # primary path is what runs on every current engine.
+        if spec.cost == "generating" and not allow_generating:
+            raise ManifestError(
+                f"{where}: probes.{name}: cost 'generating' runs a real generation on the engine "
+                "on every probe; set allow_generating_probes = true to opt in"
+            )
+        if spec.cost == "generating" and spec.interval_s < GENERATING_MIN_INTERVAL_S:
+            raise ManifestError(
+                f"{where}: probes.{name}: a generating probe needs interval_s >= "
+                f"{GENERATING_MIN_INTERVAL_S:g}, got {spec.interval_s:g}"
+            )
+        if name in ("identity", "models") and spec.cost == "generating":
+            raise ManifestError(f"{where}: probes.{name}: must not be a generating probe")
+
+
+def decode_manifest(data: bytes, source: str) -> Manifest:
+    """Decode and check one manifest; raise ManifestError with one line."""
+    try:
+        manifest = msgspec.json.decode(data, type=Manifest)
+    except msgspec.ValidationError as exc:
+        raise ManifestError(one_line(source, exc)) from None
+    except msgspec.DecodeError as exc:
+        raise ManifestError(f"{source}: not valid JSON: {_json_where(data, exc)}") from None
+    if not _KIND.match(manifest.kind):
+        raise ManifestError(f"{source}: kind: expected lower-case letters, digits, '-' or '_'")
+    check_probes(manifest.probes, allow_generating=manifest.allow_generating_probes, where=source)
+    return manifest
+
+
+def _json_where(data: bytes, exc: Exception) -> str:
+    text = str(exc)
+    m = re.search(r"\(byte (\d+)\)", text)
+    if not m:
+        return text
+    offset = int(m[1])
+    line = data.count(b"\n", 0, offset) + 1
+    col = offset - (data.rfind(b"\n", 0, offset) + 1) + 1
+    return f"{text.split(' (byte')[0]} at line {line}, column {col}"
+
+
+def builtin_dir() -> Path:
+    """Where the built-in manifests live: inside the installed package, or the source tree."""
+    packaged = Path(str(resources.files("nvpair"))) / "engines"
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parents[2] / "engines"
+
+
+def load_manifest(kind_or_path: str, *, base: Path | None = None) -> Manifest:
+    """A built-in kind's manifest, or the manifest JSON file at a path (relative to ``base``)."""
+    if _KIND.match(kind_or_path) and not kind_or_path.endswith(".json"):
+        path = builtin_dir() / f"{kind_or_path}.json"
+        if not path.is_file():
+            known = ", ".join(sorted(p.stem for p in builtin_dir().glob("*.json")))
+            raise ManifestError(f"unknown engine kind {kind_or_path!r} (built-in: {known})")
+        source = f"engines/{kind_or_path}.json"
+    else:
+        path = Path(kind_or_path).expanduser()
+        if base is not None and not path.is_absolute():
+            path = base / path
+        source = str(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ManifestError(f"{source}: cannot read manifest: {exc.strerror}") from None
+    return decode_manifest(data, source)

@@ -1,0 +1,192 @@
+"""The probe loops of one engine: liveness (``ready`` then ``health``) and ``identity``.
+
+Each request runs under its own cancel scope with the probe's timeout, applied here and only
+here. Loops tick on absolute deadlines with a little jitter; a probe still running when its
+next tick comes is not doubled (the loop is sequential). Outcomes become state on the board.
+"""
+
+from __future__ import annotations
+
+import random
+from functools import partial
+
+import httpx2
+import msgspec
+import trio
+
+from nvpair import probes
+from nvpair.config import EngineSpec
+from nvpair.errors import ProbeError
+from nvpair.manifest import GENERATING_MIN_INTERVAL_S, ProbeSpec
+from nvpair.snapshot import Board, EngineState, ProbeStats
+from nvpair.state import Outcome, after_liveness, enter, record, with_probe
+
+JITTER = 0.05  # fraction of the interval added at random to each tick
+
+
+def open_client(spec: EngineSpec) -> httpx2.AsyncClient:
+    """The engine's one probe client: keep-alive, small explicit pool limits.
+
+    At most three probes of one engine are in flight at once (liveness, identity, models),
+    so the pool never queues, and Trio's deadlines fire before httpx2's own timeouts.
+    """
+    longest = max(p.timeout_s for p in (spec.probes.ready, spec.probes.health,
+                                        spec.probes.identity, spec.probes.models) if p)
+    return httpx2.AsyncClient(
+        base_url=spec.url,
+        timeout=httpx2.Timeout(longest + 1.0),
+        limits=httpx2.Limits(max_connections=4, max_keepalive_connections=2,
+                             keepalive_expiry=4.0),
+        headers={"User-Agent": "nvpair-probe"},
+        trust_env=False,
+    )
+
+
+class Prober:
+    """Runs the probes of one engine against ``client`` and writes outcomes to ``board``."""
+
+    def __init__(self, spec: EngineSpec, board: Board, client: httpx2.AsyncClient) -> None:
+        self.spec = spec
+        self.board = board
+        self.client = client
+        self._paths = {n: p.path for n, p in self._specs().items()}
+        self._locks = {n: trio.Lock() for n in ("ready", "health", "identity", "models")}
+        self._rng = random.Random()
+
+    def _specs(self) -> dict[str, ProbeSpec]:
+        p = self.spec.probes
+        return {n: s for n, s in (("ready", p.ready), ("health", p.health),
+                                  ("identity", p.identity), ("models", p.models)) if s}
+
+    def interval(self, name: str) -> float:
+        spec = self._specs()[name]
+        if self._paths[name] == spec.fallback_path and spec.fallback_cost == "generating":
+            return max(spec.interval_s, GENERATING_MIN_INTERVAL_S)
+        return spec.interval_s
+
+    async def probe(self, name: str) -> tuple[Outcome, probes.Answer | None]:
+        """One request of probe ``name`` under its timeout; never raises for engine trouble."""
+        spec = self._specs()[name]
+        async with self._locks[name]:
+            outcome, answer = await self._attempt(spec, self._paths[name])
+            if (outcome.http_status == 404 and spec.fallback_path
+                    and self._paths[name] != spec.fallback_path):
+                if spec.fallback_cost == "generating" and not self.spec.allow_generating:
+                    return msgspec.structs.replace(outcome, kind="error", error=(
+                        f"the engine has no {spec.path} (an older build?) and its fallback "
+                        f"{spec.fallback_path} generates; set allow_generating_probes = true "
+                        "to use it, or upgrade the engine")), None
+                self._paths[name] = spec.fallback_path
+                outcome, answer = await self._attempt(spec, spec.fallback_path)
+            return outcome, answer
+
+    async def _attempt(self, spec: ProbeSpec, path: str) -> tuple[Outcome, probes.Answer | None]:
+        started = trio.current_time()
+        answer = None
+        with trio.move_on_after(spec.timeout_s) as scope:
+            try:
+                answer = await probes.request(self.client, spec, path, api_key=self.spec.api_key)
+            except ProbeError as exc:
+                return Outcome(ok=False, kind=exc.kind, http_status=exc.http_status,
+                               latency_ms=_ms(started), error=str(exc)), None
+        if scope.cancelled_caught or answer is None:
+            return Outcome(ok=False, kind="timeout", latency_ms=_ms(started),
+                           error=f"GET {path} did not answer within {spec.timeout_s:g} s"), None
+        return Outcome(ok=True, http_status=answer.status, latency_ms=answer.latency_ms), answer
+
+    async def check_identity(self) -> None:
+        """Probe identity once and record the result (a mismatch makes the engine unhealthy)."""
+        spec = self.spec.probes.identity
+        if spec is None:
+            return
+        outcome, answer = await self.probe("identity")
+        now = trio.current_time()
+        identity = names = None
+        if answer is not None:
+            try:
+                identity, names = probes.parse_identity(answer.body, spec, self.spec.kind)
+            except ProbeError as exc:
+                outcome = Outcome(ok=exc.kind != "mismatch", kind=exc.kind,
+                                  http_status=answer.status, latency_ms=answer.latency_ms,
+                                  error=str(exc))
+                if exc.kind == "mismatch":
+                    self._record_mismatch(outcome, now, f"{self.where} {exc}")
+                    return
+        mismatch = None
+        if (identity is not None and self.spec.model and names
+                and not any(probes.same_model(self.spec.model, n) for n in names)):
+                mismatch = f"{self.where} serves {names[0]}, expected {self.spec.model}"
+
+        def change(e: EngineState) -> EngineState:
+            e = with_probe(e, "identity", record(e.probe("identity") or ProbeStats(
+                path=spec.path), outcome, now))
+            if identity is None:
+                return e
+            e = msgspec.structs.replace(e, identity=identity, mismatch=mismatch)
+            if mismatch:
+                return enter(e, "unhealthy", now, error=mismatch)
+            return e  # a cleared mismatch lets the next good health probe make it ready
+
+        self.board.update(self.spec.name, change)
+
+    def _record_mismatch(self, outcome: Outcome, now: float, message: str) -> None:
+        spec = self.spec.probes.identity
+        assert spec is not None
+
+        def change(e: EngineState) -> EngineState:
+            e = with_probe(e, "identity", record(e.probe("identity") or ProbeStats(
+                path=spec.path), outcome, now))
+            e = msgspec.structs.replace(e, mismatch=message)
+            return enter(e, "unhealthy", now, error=message)
+
+        self.board.update(self.spec.name, change)
+
+    @property
+    def where(self) -> str:
+        return f"{self.spec.host}:{self.spec.port}"
+
+    async def run_liveness(self) -> None:
+        """Probe ``ready`` until the engine answers ready, then ``health``; forever."""
+        name = self.spec.name
+        next_tick = trio.current_time()
+        while True:
+            current = self.board.current.engine(name)
+            assert current is not None
+            probe = "ready" if current.state in ("starting", "down") else "health"
+            outcome, _ = await self.probe(probe)
+            if outcome.ok and probe == "ready":
+                # Confirm who answers before listing it: a wrong engine is never listed.
+                await self.check_identity()
+            spec = self._specs()[probe]
+            now = trio.current_time()
+            self.board.update(name, partial(after_liveness, probe=probe, spec=spec,
+                                            outcome=outcome, now=now))
+            next_tick = self._next(next_tick, self.interval(probe))
+            await trio.sleep_until(next_tick + self._jitter(self.interval(probe)))
+
+    async def run_identity(self) -> None:
+        """Re-check identity on its interval while the engine answers."""
+        if self.spec.probes.identity is None:
+            return
+        next_tick = trio.current_time() + self.interval("identity")
+        while True:
+            await trio.sleep_until(next_tick + self._jitter(self.interval("identity")))
+            current = self.board.current.engine(self.spec.name)
+            if current is not None and current.state not in ("starting", "down", "stopped"):
+                await self.check_identity()
+            next_tick = self._next(next_tick, self.interval("identity"))
+
+    def _next(self, previous: float, interval: float) -> float:
+        """The next tick on an absolute schedule; missed ticks are skipped, never doubled."""
+        now = trio.current_time()
+        nxt = previous + interval
+        if nxt < now:
+            nxt = now + interval * 0.5
+        return nxt
+
+    def _jitter(self, interval: float) -> float:
+        return self._rng.uniform(0, JITTER * interval)
+
+
+def _ms(started: float) -> float:
+    return (trio.current_time() - started) * 1000

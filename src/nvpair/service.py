@@ -1,0 +1,76 @@
+"""The service: one nursery that owns the engines' supervisors, the sweep and the API server."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+
+import msgspec
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+
+from nvpair.api import Api
+from nvpair.config import Settings
+from nvpair.prober import Prober
+from nvpair.snapshot import Board
+from nvpair.supervisor import initial_state, run_probes
+from nvpair.sweep import Sweep
+
+log = logging.getLogger("nvpair")
+
+
+class Running(msgspec.Struct, frozen=False):
+    """Started value of ``run``: where the API listens, and the live parts (for tests)."""
+
+    url: str
+    board: Board
+    sweep: Sweep
+    stop: Callable[[], None]
+
+
+def hypercorn_config(settings: Settings) -> HypercornConfig:
+    cfg = HypercornConfig()
+    host = f"[{settings.listen_host}]" if ":" in settings.listen_host else settings.listen_host
+    cfg.bind = [f"{host}:{settings.listen_port}"]
+    cfg.keep_alive_timeout = settings.keep_alive_s
+    cfg.graceful_timeout = 5.0
+    cfg.accesslog = None
+    cfg.errorlog = logging.getLogger("hypercorn.error")
+    cfg.include_server_header = False
+    return cfg
+
+
+async def run(settings: Settings, *,
+              task_status: trio.TaskStatus[Running] = trio.TASK_STATUS_IGNORED) -> None:
+    """Run nvpair until ``stop()`` is called (or cancelled). Started value: ``Running``."""
+    board = Board(tuple(initial_state(spec) for spec in settings.engines))
+    registry: dict[str, Prober] = {}
+    sweep = Sweep(board, registry, settings.sweep_deadline_s)
+    api = Api(board, node=settings.node, token=settings.token)
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery, trio.open_nursery() as engines:
+        for spec in settings.engines:
+            await engines.start(run_probes, spec, board, registry)
+        await engines.start(sweep.run)
+        serve: Callable[..., Awaitable[None]] = hypercorn_serve
+        binds = await nursery.start(
+            lambda task_status: serve(api, hypercorn_config(settings),
+                                      shutdown_trigger=shutdown.wait, task_status=task_status)
+        )
+        task_status.started(Running(url=binds[0], board=board, sweep=sweep, stop=shutdown.set))
+        await shutdown.wait()
+        engines.cancel_scope.cancel(reason="nvpair is shutting down")
+
+
+async def main(settings: Settings, *, announce: Callable[[str], None] = print) -> None:
+    """``nvpair serve``: run until SIGINT or SIGTERM, then shut down cleanly."""
+    async with trio.open_nursery() as nursery:
+        running: Running = await nursery.start(run, settings)
+        announce(running.url)
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                log.info("got %s, shutting down", signal.Signals(signum).name)
+                running.stop()
+                break

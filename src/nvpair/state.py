@@ -1,0 +1,98 @@
+"""How probe outcomes move an engine between states. Pure functions of (state, outcome, time).
+
+    starting --ready ok--> ready --health fails--> stale --threshold--> unhealthy
+       ^                    ^  \\                     |                    |
+       |                    |   +--- health ok -------+------- ok x N -----+
+       +-- 503 / timeout ---+-- refused (no listener, process gone) --> down --answers--> starting
+    stopped: on purpose (lifecycle); an identity mismatch makes an engine unhealthy.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from nvpair.manifest import ProbeSpec
+from nvpair.snapshot import EngineState, ProbeStats, State
+
+
+class Outcome(msgspec.Struct, frozen=True):
+    """The result of one probe request as the loop saw it."""
+
+    ok: bool
+    kind: str = "ok"  # ok, refused, timeout, status, error, body, mismatch
+    http_status: int | None = None
+    latency_ms: float | None = None
+    error: str | None = None
+
+
+def record(stats: ProbeStats, outcome: Outcome, now: float) -> ProbeStats:
+    """Counters after one more request."""
+    latency = outcome.latency_ms or 0.0
+    return msgspec.structs.replace(
+        stats,
+        ok=outcome.ok,
+        http_status=outcome.http_status,
+        latency_ms=outcome.latency_ms,
+        at=now,
+        consecutive_failures=0 if outcome.ok else stats.consecutive_failures + 1,
+        consecutive_successes=stats.consecutive_successes + 1 if outcome.ok else 0,
+        requests=stats.requests + 1,
+        failures=stats.failures + (0 if outcome.ok else 1),
+        timeouts=stats.timeouts + (1 if outcome.kind == "timeout" else 0),
+        latency_ms_max=max(stats.latency_ms_max, latency),
+        latency_ms_total=stats.latency_ms_total + latency,
+        error=None if outcome.ok else outcome.error,
+    )
+
+
+def with_probe(engine: EngineState, name: str, stats: ProbeStats) -> EngineState:
+    probes = tuple((n, stats if n == name else s) for n, s in engine.probes)
+    if all(n != name for n, _ in engine.probes):
+        probes += ((name, stats),)
+    return msgspec.structs.replace(engine, probes=probes)
+
+
+def enter(engine: EngineState, state: State, now: float, **changes: object) -> EngineState:
+    since = engine.since if engine.state == state else now
+    return msgspec.structs.replace(engine, state=state, since=since, **changes)
+
+
+def after_liveness(
+    engine: EngineState, probe: str, spec: ProbeSpec, outcome: Outcome, now: float
+) -> EngineState:
+    """Apply a ``ready`` or ``health`` probe outcome."""
+    old = engine.probe(probe) or ProbeStats(path=spec.path)
+    stats = record(old, outcome, now)
+    engine = with_probe(engine, probe, stats)
+    if engine.state == "stopped":
+        return engine
+    if outcome.ok:
+        engine = msgspec.structs.replace(engine, checked_at=now)
+        if engine.mismatch:
+            return enter(engine, "unhealthy", now, error=engine.mismatch)
+        recovering = engine.state in ("unhealthy", "starting", "down")
+        if recovering and stats.consecutive_successes < spec.success_threshold:
+            return engine
+        return enter(engine, "ready", now, error=None)
+    error = outcome.error
+    if outcome.kind == "refused":
+        # Nothing listens: a managed engine that is loading (port closed while loading)
+        # is still starting; anything else is down.
+        if engine.managed and engine.state == "starting":
+            return msgspec.structs.replace(engine, error=error)
+        return enter(engine, "down", now, error=error)
+    if probe == "ready" or engine.state in ("starting", "down"):
+        return enter(engine, "starting", now, error=error)
+    if stats.consecutive_failures >= spec.failure_threshold:
+        return enter(engine, "unhealthy", now, error=error)
+    if engine.state == "unhealthy":
+        return msgspec.structs.replace(engine, error=error)
+    return enter(engine, "stale", now, error=error)
+
+
+def effective_state(engine: EngineState, now: float, overdue_after: float) -> State:
+    """``ready`` turns ``stale`` when no successful health probe came for too long."""
+    if (engine.state == "ready" and engine.checked_at is not None
+            and now - engine.checked_at > overdue_after):
+        return "stale"
+    return engine.state

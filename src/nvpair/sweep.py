@@ -1,0 +1,138 @@
+"""The model-list sweep: every due engine is listed concurrently under one shared deadline.
+
+An engine that misses the deadline keeps its previous list, marked stale. Reads never wait
+for a sweep: they serve whatever the last sweep published.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import msgspec
+import trio
+
+from nvpair import probes
+from nvpair.errors import ProbeError
+from nvpair.prober import Prober
+from nvpair.snapshot import LISTED_STATES, Board, EngineState, Model, ProbeStats
+from nvpair.state import Outcome, enter, record, with_probe
+
+#: States in which an engine is listed (and so re-listed when due).
+LISTABLE = LISTED_STATES | {"unhealthy"}
+
+
+class Sweep:
+    """Decides which engines are due and lists them in batches that share one deadline."""
+
+    def __init__(self, board: Board, probers: Mapping[str, Prober], deadline_s: float) -> None:
+        self.board = board
+        self.probers = probers
+        self.deadline_s = deadline_s
+        self._next_due: dict[str, float] = {}
+        self._in_flight: set[str] = set()
+        self._was_listable: dict[str, bool] = {}
+        self.batches = 0
+
+    def due(self, now: float) -> list[str]:
+        names = []
+        for e in self.board.current.engines:
+            listable = e.state in LISTABLE and e.name in self.probers
+            if listable and not self._was_listable.get(e.name, False):
+                self._next_due[e.name] = now  # just became reachable: list it at once
+            self._was_listable[e.name] = listable
+            if (listable and e.name not in self._in_flight
+                    and self.probers[e.name].spec.probes.models is not None
+                    and now >= self._next_due.get(e.name, now)):
+                names.append(e.name)
+        return names
+
+    def next_wake(self) -> float:
+        pending = [t for n, t in self._next_due.items()
+                   if self._was_listable.get(n) and n not in self._in_flight]
+        return min(pending, default=float("inf"))
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            version = -1
+            while True:
+                now = trio.current_time()
+                names = self.due(now)
+                if names:
+                    self._in_flight.update(names)
+                    nursery.start_soon(self._batch, names)
+                version = self.board.current.version
+                with trio.move_on_at(self.next_wake()):
+                    await self.board.wait_changed(version)
+
+    async def _batch(self, names: list[str]) -> None:
+        """List ``names`` concurrently; whatever has not answered by the deadline is stale."""
+        self.batches += 1
+        done: set[str] = set()
+        started = trio.current_time()
+        try:
+            with trio.move_on_after(self.deadline_s):
+                async with trio.open_nursery() as nursery:
+                    for name in names:
+                        nursery.start_soon(self._list_one, name, done)
+        finally:
+            now = trio.current_time()
+            for name in names:
+                self._in_flight.discard(name)
+                prober = self.probers[name]
+                spec = prober.spec.probes.models
+                interval = spec.interval_s if spec else 60.0
+                self._next_due[name] = started + interval
+                if name not in done:
+                    self._mark_missed(name, now)
+
+    async def _list_one(self, name: str, done: set[str]) -> None:
+        prober = self.probers[name]
+        spec = prober.spec.probes.models
+        assert spec is not None
+        outcome, answer = await prober.probe("models")
+        now = trio.current_time()
+        models: tuple[Model, ...] | None = None
+        if answer is not None:
+            try:
+                models = probes.parse_models(answer.body, spec.format, prober._paths["models"])
+            except ProbeError as exc:
+                outcome = Outcome(ok=False, kind=exc.kind, http_status=answer.status,
+                                  latency_ms=answer.latency_ms, error=str(exc))
+        mismatch = None
+        want = prober.spec.model
+        ident = prober.spec.probes.identity
+        if (models is not None and want and not (ident and ident.model_pointers)
+                and not any(probes.same_model(want, m.id) for m in models)):
+            served = ", ".join(m.id for m in models) or "no model"
+            mismatch = f"{prober.where} serves {served}, expected {want}"
+
+        def change(e: EngineState) -> EngineState:
+            e = with_probe(e, "models", record(e.probe("models") or ProbeStats(path=spec.path),
+                                               outcome, now))
+            if models is None:
+                return msgspec.structs.replace(e, models_stale=bool(e.models))
+            e = msgspec.structs.replace(e, models=models, models_at=now, models_stale=False)
+            if mismatch:
+                e = msgspec.structs.replace(e, mismatch=mismatch)
+                return enter(e, "unhealthy", now, error=mismatch)
+            if e.mismatch and not (ident and ident.model_pointers):
+                e = msgspec.structs.replace(e, mismatch=None)
+            return e
+
+        self.board.update(name, change)
+        done.add(name)
+
+    def _mark_missed(self, name: str, now: float) -> None:
+        prober = self.probers[name]
+        spec = prober.spec.probes.models
+        assert spec is not None
+        outcome = Outcome(ok=False, kind="timeout", error=(
+            f"model list did not answer within the {self.deadline_s:g} s sweep deadline"))
+
+        def change(e: EngineState) -> EngineState:
+            e = with_probe(e, "models", record(e.probe("models") or ProbeStats(path=spec.path),
+                                               outcome, now))
+            return msgspec.structs.replace(e, models_stale=True)
+
+        self.board.update(name, change)

@@ -1,0 +1,107 @@
+"""What the API answers, computed from one snapshot: pure functions, no I/O, no awaits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nvpair.snapshot import LISTED_STATES, EngineState, Snapshot
+from nvpair.state import effective_state
+
+
+def _age(now: float, at: float | None) -> float | None:
+    return None if at is None else round(max(0.0, now - at), 3)
+
+
+def engine_status(e: EngineState, snap: Snapshot, now: float, node: str) -> dict[str, Any]:
+    """The status object of one engine (see docs/api.md)."""
+    state = effective_state(e, now, e.overdue_after_s)
+    return {
+        "name": e.name,
+        "kind": e.kind,
+        "node": node,
+        "url": e.url,
+        "managed": e.managed,
+        "state": state,
+        "state_age_s": _age(now, e.since),
+        "models": [m.id for m in e.models],
+        "models_stale": e.models_stale,
+        "models_age_s": _age(now, e.models_at),
+        "aliases": list(e.aliases),
+        "identity": None if e.identity is None else {
+            "model": e.identity.model, "version": e.identity.version},
+        "pid": e.pid,
+        "checked_age_s": _age(now, e.checked_at),
+        "probes": {
+            name: {
+                "path": p.path,
+                "ok": p.ok,
+                "http_status": p.http_status,
+                "latency_ms": None if p.latency_ms is None else round(p.latency_ms, 2),
+                "age_s": _age(now, p.at),
+                "consecutive_failures": p.consecutive_failures,
+                "requests": p.requests,
+                "failures": p.failures,
+                "timeouts": p.timeouts,
+                "latency_ms_max": round(p.latency_ms_max, 2),
+                "latency_ms_mean": (round(p.latency_ms_total / p.requests, 2)
+                                    if p.requests else None),
+                "error": p.error,
+            }
+            for name, p in e.probes
+        },
+        "restarts": e.restarts,
+        "exit_code": e.exit_code,
+        "exited_at": e.exited_at,
+        "error": e.error,
+        "version": snap.version,
+    }
+
+
+def visible(e: EngineState) -> bool:
+    """Optional engines (the embedded default's guesses) are hidden while nothing answers."""
+    return not (e.optional and e.state in ("down", "starting") and e.checked_at is None)
+
+
+def engines_doc(snap: Snapshot, now: float, node: str) -> dict[str, Any]:
+    return {
+        "node": node,
+        "version": snap.version,
+        "engines": [engine_status(e, snap, now, node) for e in snap.engines if visible(e)],
+    }
+
+
+def models_doc(snap: Snapshot, now: float, node: str) -> dict[str, Any]:
+    """OpenAI's list shape; one item per model id, ready engines first."""
+    items: dict[str, dict[str, Any]] = {}
+    order = sorted(snap.engines,
+                   key=lambda e: effective_state(e, now, e.overdue_after_s) != "ready")
+    for e in order:
+        state = effective_state(e, now, e.overdue_after_s)
+        if state not in LISTED_STATES:
+            continue
+        names: list[tuple[str, int, str, str | None]] = [
+            (m.id, m.created, m.owned_by, None) for m in e.models]
+        if e.models:
+            names += [(a, e.models[0].created, e.models[0].owned_by, e.models[0].id)
+                      for a in e.aliases]
+        for model_id, created, owned_by, alias_of in names:
+            if model_id in items:
+                items[model_id]["nvpair"]["engines"].append(e.name)
+                continue
+            items[model_id] = {
+                "id": model_id,
+                "object": "model",
+                "created": created,
+                "owned_by": owned_by or e.kind,
+                "nvpair": {
+                    "engine": e.name,
+                    "engines": [e.name],
+                    "kind": e.kind,
+                    "node": node,
+                    "state": state,
+                    "stale": state == "stale" or e.models_stale,
+                    "checked_age_s": _age(now, e.checked_at),
+                    "alias_of": alias_of,
+                },
+            }
+    return {"object": "list", "data": list(items.values())}

@@ -1,0 +1,134 @@
+from pathlib import Path
+
+import pytest
+
+from nvpair.config import load_settings
+from nvpair.errors import ConfigError, InputError
+
+GOOD = """
+listen = "127.0.0.1:14322"
+node = "spark-1"
+
+[[engines]]
+name = "head"
+kind = "sglang"
+model = "deepseek-ai/DeepSeek-V4.1-Flash"
+port = 30000
+[engines.args]
+tp = 4
+[engines.probes.health]
+interval_s = 10
+
+[[engines]]
+name = "small"
+kind = "llamacpp"
+managed = true
+model = "/models/gemma.gguf"
+
+[[peers]]
+url = "http://10.0.0.2:14322"
+"""
+
+
+def settings_for(write, text: str, name: str = "nvpair.toml"):
+    return load_settings(str(write(name, text)))
+
+
+def error_for(write, text: str) -> str:
+    with pytest.raises(InputError) as info:
+        settings_for(write, text)
+    return str(info.value)
+
+
+def test_good_config_resolves(write) -> None:
+    s = settings_for(write, GOOD)
+    assert (s.listen_host, s.listen_port, s.node) == ("127.0.0.1", 14322, "spark-1")
+    head, small = s.engines
+    assert head.url == "http://127.0.0.1:30000"
+    assert head.probes.health.interval_s == 10
+    assert head.probes.health.path == "/ping"  # the manifest's, only the interval overridden
+    assert head.args == {"tp": 4}
+    assert small.port == 8080 and small.managed
+    assert s.peers[0].url == "http://10.0.0.2:14322"
+
+
+def test_embedded_default_adopts_builtin_kinds(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("NVPAIR_CONFIG", raising=False)
+    s = load_settings()
+    assert s.source == "(embedded default)"
+    assert {e.kind for e in s.engines} == {"sglang", "vllm", "llamacpp", "ollama", "tgi"}
+    assert all(e.optional and not e.managed for e in s.engines)
+
+
+def test_env_var_names_the_config(write, monkeypatch) -> None:
+    path = write("elsewhere.toml", 'node = "x"\n')
+    monkeypatch.setenv("NVPAIR_CONFIG", str(path))
+    assert load_settings().node == "x"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("listen = \n", r"nvpair.toml: not valid TOML: .*line 1"),
+        ("[[engines]]\nname = 'a'\nkind = 'vllm'\nprot = 1\n",
+         r"nvpair.toml: engines\[0\].prot: unknown key \(check the spelling\)$"),
+        ("[[engines]]\nname='a'\nkind='vllm'\n[[engines]]\nname='b'\nkind='vllm'\nport='80'\n",
+         r"nvpair.toml: engines\[1\].port: expected int, got str$"),
+        ("[[engines]]\nname = 'a'\nkind = 'vllm'\nport = 70000\n",
+         r"nvpair.toml: engines\[0\].port: expected int <= 65535$"),
+        ("[[engines]]\nname = 'a'\nkind = 'vllm'\n[[engines]]\nname = 'a'\nkind = 'tgi'\n",
+         r"nvpair.toml: engines\[1\].name: duplicate engine name 'a'$"),
+        ("[[engines]]\nname = 'a'\nkind = 'sglangg'\n",
+         r"nvpair.toml: engines\[0\].kind: unknown engine kind 'sglangg' \(built-in: .*\)$"),
+        ("[[engines]]\nname = 'a'\nkind = 'missing.json'\n",
+         r"nvpair.toml: engines\[0\].kind: .*missing.json: cannot read manifest"),
+        ("[[engines]]\nname = 'a'\nkind = 'openai'\nmanaged = true\n",
+         r"engines\[0\]: managed = true but neither the engine's command nor"),
+        ("listen = '0.0.0.0:14322'\n",
+         r"listen: 0.0.0.0 is not a loopback address; set token_file"),
+        ("token_file = 'nope'\n", r"nvpair.toml: token_file: cannot read .*nope"),
+        ("[[engines]]\nname = 'Bad Name'\nkind = 'vllm'\n",
+         r"engines\[0\].name: expected lower-case letters, digits"),
+        ("[[engines]]\nname = 'a'\nkind = 'vllm'\n[engines.probes.health]\ncost = 'generating'\n"
+         "interval_s = 60\ntimeout_s = 20\n",
+         r"engines\[0\]: probes.health: cost 'generating' .* allow_generating_probes"),
+        ("[[engines]]\nname = 'a'\nkind = 'vllm'\n[engines.probes.healthz]\ninterval_s = 1\n",
+         r"engines\[0\].probes.healthz: unknown probe"),
+        ("listen = 'localhost'\n", r"listen: expected HOST:PORT"),
+        ("[[peers]]\nurl = 'ftp://x'\n", r"peers\[0\].url: expected http\(s\)://HOST:PORT"),
+    ],
+)
+def test_bad_config_gives_one_line(write, text: str, expected: str) -> None:
+    message = error_for(write, text)
+    assert "\n" not in message
+    import re
+
+    assert re.search(expected, message), message
+
+
+def test_generating_probe_with_opt_in(write) -> None:
+    s = settings_for(write, "[[engines]]\nname = 'a'\nkind = 'sglang'\n"
+                            "allow_generating_probes = true\n[engines.probes.health]\n"
+                            "path = '/health'\ncost = 'generating'\ninterval_s = 60\n"
+                            "timeout_s = 25\n")
+    assert s.engines[0].probes.health.cost == "generating"
+    assert s.engines[0].allow_generating
+
+
+def test_non_loopback_with_token(write) -> None:
+    write("token", "s3cret\n")
+    s = settings_for(write, "listen = '0.0.0.0:14322'\ntoken_file = 'token'\n")
+    assert s.token == "s3cret"
+
+
+def test_unreadable_api_key_file(write) -> None:
+    msg = error_for(write, "[[engines]]\nname = 'a'\nkind = 'vllm'\n"
+                           "api_key_file = '/nonexistent/k'\n")
+    assert msg.endswith("nvpair.toml: engines[0]: api_key_file: cannot read /nonexistent/k: "
+                        "No such file or directory")
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config: No such file"):
+        load_settings(str(tmp_path / "absent.toml"))
