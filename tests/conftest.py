@@ -18,3 +18,29 @@ def write(tmp_path: Path):
         return path
 
     return _write
+
+
+@pytest.fixture
+async def stub_port(nursery):
+    """The port of a stub engine (tests/stub_http.py) running as its own process."""
+    import subprocess
+    import sys
+
+    import trio
+
+    proc = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "tests.stub_http"], stdout=subprocess.PIPE,
+        cwd=str(Path(__file__).parent.parent))
+    try:
+        with trio.fail_after(20):
+            line = b""
+            while not line.endswith(b"\n"):
+                assert proc.stdout is not None
+                chunk = await proc.stdout.receive_some(64)
+                assert chunk, "stub exited"
+                line += chunk
+        yield int(line)
+    finally:
+        proc.kill()
+        with trio.move_on_after(5, shield=True):
+            await proc.wait()

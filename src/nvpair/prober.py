@@ -24,7 +24,9 @@ from nvpair.state import Outcome, after_liveness, enter, record, with_probe
 JITTER = 0.05  # fraction of the interval added at random to each tick
 
 
-def open_client(spec: EngineSpec) -> httpx2.AsyncClient:
+def open_client(
+    spec: EngineSpec, transport: httpx2.AsyncBaseTransport | None = None
+) -> httpx2.AsyncClient:
     """The engine's one probe client: keep-alive, small explicit pool limits.
 
     At most three probes of one engine are in flight at once (liveness, identity, models),
@@ -39,6 +41,7 @@ def open_client(spec: EngineSpec) -> httpx2.AsyncClient:
                              keepalive_expiry=4.0),
         headers={"User-Agent": "nvpair-probe"},
         trust_env=False,
+        transport=transport,
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import MutableMapping
 
+import httpx2
 import trio
 
 from nvpair.config import EngineSpec
@@ -31,13 +32,14 @@ async def run_probes(
     board: Board,
     registry: MutableMapping[str, Prober],
     *,
+    transport: httpx2.AsyncBaseTransport | None = None,
     task_status: trio.TaskStatus[Prober] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Probe one engine until cancelled. Started value: its Prober (registered for the sweep).
 
     Cancellation closes the engine's client, so no connection outlives the loops.
     """
-    async with open_client(spec) as client, trio.open_nursery() as nursery:
+    async with open_client(spec, transport) as client, trio.open_nursery() as nursery:
         prober = Prober(spec, board, client)
         registry[spec.name] = prober
         try:

@@ -1,0 +1,50 @@
+"""A minimal HTTP/1.1 stub engine on a real socket: /fast, /slow, /hang, /close (keep-alive)."""
+
+from __future__ import annotations
+
+import trio
+
+
+async def _handle(stream: trio.SocketStream) -> None:
+    buffer = b""
+    try:
+        while True:
+            while b"\r\n\r\n" not in buffer:
+                data = await stream.receive_some(65536)
+                if not data:
+                    return
+                buffer += data
+            head, _, buffer = buffer.partition(b"\r\n\r\n")
+            path = head.split(b" ", 2)[1].decode()
+            if path == "/hang":  # never answer; close when the client goes
+                while await stream.receive_some(65536):
+                    pass
+                return
+            if path == "/slow":
+                await trio.sleep(1.0)
+            if path == "/close":
+                return
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        return
+    finally:
+        await stream.aclose()
+
+
+async def serve_stub(*, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve until cancelled. Started value: the port."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.serve_listeners, _handle, listeners)
+        task_status.started(port)
+
+
+async def _main() -> None:
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(serve_stub)
+        print(port, flush=True)
+
+
+if __name__ == "__main__":
+    trio.run(_main)

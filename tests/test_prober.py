@@ -1,0 +1,134 @@
+"""The probe loops of one engine, with a fake engine and Trio's autojump clock."""
+
+import pytest
+import trio
+from tests.fakes import FakeEngine, engine_spec, vllm_routes
+
+from nvpair.snapshot import Board
+from nvpair.supervisor import initial_state, run_probes
+
+
+async def start(nursery: trio.Nursery, spec, fake: FakeEngine) -> Board:
+    board = Board((initial_state(spec),))
+    await nursery.start(lambda task_status: run_probes(spec, board, {}, transport=fake.transport(),
+                                                      task_status=task_status))
+    return board
+
+
+async def test_ready_then_health_at_the_manifest_rate(nursery, autojump_clock) -> None:
+    spec = engine_spec("vllm")
+    fake = FakeEngine(vllm_routes())
+    board = await start(nursery, spec, fake)
+    await trio.sleep(0.1)
+    assert board.current.engines[0].state == "ready"
+    before = fake.counts["/health"]
+    await trio.sleep(600)
+    # 5 s health interval (plus up to 5 % jitter): about 115-120 probes in 600 s, never more.
+    sent = fake.counts["/health"] - before
+    assert 110 <= sent <= 121, sent
+    assert fake.max_in_flight <= 2  # liveness and identity may overlap; never doubled
+
+
+async def test_hung_engine_turns_stale_then_unhealthy(nursery, autojump_clock) -> None:
+    spec = engine_spec("vllm")
+    fake = FakeEngine(vllm_routes())
+    board = await start(nursery, spec, fake)
+    await trio.sleep(1)
+    assert board.current.engines[0].state == "ready"
+    fake.hang.add("/health")
+    hung_at = trio.current_time()
+    states: list[tuple[float, str]] = []
+    version = board.current.version
+    while not states or states[-1][1] != "unhealthy":
+        snap = await board.wait_changed(version)
+        version = snap.version
+        e = snap.engines[0]
+        if not states or states[-1][1] != e.state:
+            states.append((trio.current_time() - hung_at, e.state))
+    health = spec.probes.health
+    # stale within one interval + timeout; unhealthy after failure_threshold timeouts.
+    assert [s for _, s in states] == ["stale", "unhealthy"], states
+    assert states[0][0] <= health.interval_s * 1.05 + health.timeout_s
+    limit = health.failure_threshold * (health.interval_s * 1.05 + health.timeout_s)
+    assert states[-1][0] <= limit
+    e = board.current.engines[0]
+    assert e.probe("health").timeouts >= 3  # type: ignore[union-attr]
+    # Every request to the hung path was cancelled; none left in flight beyond the current one.
+    assert fake.in_flight <= 1
+
+
+async def test_refused_engine_is_down_and_comes_back(nursery, autojump_clock) -> None:
+    spec = engine_spec("vllm")
+    fake = FakeEngine(vllm_routes())
+    fake.refuse = True
+    board = await start(nursery, spec, fake)
+    await trio.sleep(1)
+    assert board.current.engines[0].state == "down"
+    fake.refuse = False
+    await trio.sleep(3)
+    assert board.current.engines[0].state == "ready"
+
+
+async def test_identity_mismatch_is_reported_not_listed(nursery, autojump_clock) -> None:
+    spec = engine_spec("llamacpp", model="deepseek-v4.1-flash", port=30000)
+    fake = FakeEngine({
+        "/health": (200, {"status": "ok"}),
+        "/props": (200, {"model_alias": "qwen3-8b", "model_path": "/m/qwen3-8b.gguf",
+                         "build_info": "b1-x", "total_slots": 4}),
+    })
+    board = await start(nursery, spec, fake)
+    await trio.sleep(2)
+    e = board.current.engines[0]
+    assert e.state == "unhealthy"
+    assert e.error == "127.0.0.1:30000 serves qwen3-8b, expected deepseek-v4.1-flash"
+
+
+async def test_wrong_kind_is_reported(nursery, autojump_clock) -> None:
+    spec = engine_spec("llamacpp")
+    fake = FakeEngine({"/health": (200, {"status": "ok"}), "/props": (200, {"hello": 1})})
+    board = await start(nursery, spec, fake)
+    await trio.sleep(2)
+    e = board.current.engines[0]
+    assert e.state == "unhealthy"
+    assert "does not look like llamacpp" in (e.error or "")
+
+
+async def test_generating_fallback_needs_opt_in(nursery, autojump_clock) -> None:
+    spec = engine_spec("sglang")
+    fake = FakeEngine({"/health": (200, "")})  # an old SGLang: no /ready, /health generates
+    board = await start(nursery, spec, fake)
+    await trio.sleep(10)
+    e = board.current.engines[0]
+    assert e.state == "starting"
+    assert "allow_generating_probes" in (e.error or "")
+    assert fake.counts["/health"] == 0
+
+
+async def test_generating_fallback_with_opt_in_runs_at_a_low_rate(nursery, autojump_clock) -> None:
+    spec = engine_spec("sglang", allow_generating_probes=True)
+    fake = FakeEngine({"/health": (200, ""), "/model_info": (200, {
+        "model_path": "m", "is_generation": True})})
+    fake.delay["/health"] = 1.0  # it generates a token
+    board = await start(nursery, spec, fake)
+    await trio.sleep(300)
+    assert board.current.engines[0].state == "ready"
+    # /ping is missing too, so health falls back to /health: at most one per 30 s.
+    assert fake.counts["/health"] <= 300 / 30 + 2
+
+
+@pytest.mark.parametrize("readers", [1, 50])
+async def test_reads_never_trigger_probes(nursery, autojump_clock, readers: int) -> None:
+    spec = engine_spec("vllm")
+    fake = FakeEngine(vllm_routes())
+    board = await start(nursery, spec, fake)
+
+    async def reader() -> None:
+        for _ in range(1000):
+            assert board.current.engines[0].name == "e"
+            await trio.sleep(0.01)
+
+    async with trio.open_nursery() as readers_nursery:
+        for _ in range(readers):
+            readers_nursery.start_soon(reader)
+    # 10 s of reading: the same probe count whatever the number of readers.
+    assert fake.counts["/health"] <= 10 / 5 + 2
