@@ -42,5 +42,5 @@ def integration(session: nox.Session) -> None:
     """Tests against a real llama.cpp llama-server (built once, then cached)."""
     session.install("-e", ".[test]")
     session.run("python", "scripts/llama_server.py", "provide")
-    session.run("pytest", "-m", "integration", "tests/integration", *session.posargs,
+    session.run("pytest", "tests/integration", "-m", "integration", *session.posargs,
                 env={"NVPAIR_INTEGRATION": "1"})

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 from urllib.parse import parse_qs
 
+import msgspec
 import trio
 
 from nvpair import views
@@ -38,25 +39,68 @@ class Controller(Protocol):
     def logs(self, name: str, tail: int) -> list[str] | None: ...
 
 
+class ClusterView(Protocol):
+    """Peers' models, kept in memory by the peers broker (never fetched on a read)."""
+
+    @property
+    def version(self) -> int: ...
+
+    def models(self, now: float) -> list[dict[str, Any]]:
+        """OpenAI model items of every listed peer, each with an ``nvpair`` object."""
+        ...
+
+
+class Handler(Protocol):
+    """An ASGI handler for the paths of a ``Mount``."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None: ...
+
+
+class Mount(msgspec.Struct, frozen=True):
+    """Routes served by another part of nvpair (router, peers): exact paths or a prefix.
+
+    ``own_auth``: the handler checks its own credentials (e.g. the cluster token of peer
+    adverts), so the user token is not asked for.
+    """
+
+    handler: Handler
+    paths: frozenset[str] = frozenset()
+    prefix: str | None = None
+    own_auth: bool = False
+
+    def matches(self, path: str) -> bool:
+        return path in self.paths or (self.prefix is not None and path.startswith(self.prefix))
+
+
 class Api:
     def __init__(self, board: Board, *, node: str, token: str | None = None,
-                 controller: Controller | None = None) -> None:
+                 controller: Controller | None = None, mounts: Sequence[Mount] = (),
+                 cluster: ClusterView | None = None) -> None:
         self.board = board
         self.node = node
         self.token = f"Bearer {token}".encode() if token else None
         self.controller = controller
-        self._cache: dict[str, tuple[int, int, bytes]] = {}
+        self.mounts = tuple(mounts)
+        self.cluster = cluster
+        self._cache: dict[str, tuple[tuple[int, int], int, bytes]] = {}
 
     def cached(self, key: str, build: Callable[[Snapshot, float], object]) -> bytes:
         snap = self.board.current
         now = trio.current_time()
+        version = (snap.version, self.cluster.version if self.cluster else 0)
         bucket = int(now / AGE_RESOLUTION_S)
         hit = self._cache.get(key)
-        if hit is not None and hit[0] == snap.version and hit[1] == bucket:
+        if hit is not None and hit[0] == version and hit[1] == bucket:
             return hit[2]
         body = encoder.encode(build(snap, now))
-        self._cache[key] = (snap.version, bucket, body)
+        self._cache[key] = (version, bucket, body)
         return body
+
+    def cluster_models(self, snap: Snapshot, now: float) -> dict[str, Any]:
+        doc = views.models_doc(snap, now, self.node)
+        if self.cluster is not None:
+            doc["data"].extend(self.cluster.models(now))
+        return doc
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -76,16 +120,24 @@ class Api:
         if path == "/healthz":
             await send_json(send, 200, {"status": "ok", "node": self.node})
             return
+        mount = next((m for m in self.mounts if m.matches(path)), None)
+        if mount is not None and mount.own_auth:
+            await mount.handler(scope, receive, send)
+            return
         if self.token is not None and not self._authorized(scope):
             await send_error(send, 401, "missing or wrong bearer token", "invalid_api_key",
                              [(b"www-authenticate", b"Bearer")])
             return
         parts = path.rstrip("/").split("/")
-        if path == "/v1/models":
+        if path in ("/v1/models", "/v1/cluster/models"):
             if method != "GET":
-                await send_error(send, 405, "use GET /v1/models")
+                await send_error(send, 405, f"use GET {path}")
                 return
-            body = self.cached("models", lambda s, n: views.models_doc(s, n, self.node))
+            query = scope.get("query_string", b"")
+            if path == "/v1/cluster/models" or b"scope=cluster" in query:
+                body = self.cached("cluster-models", self.cluster_models)
+            else:
+                body = self.cached("models", lambda s, n: views.models_doc(s, n, self.node))
             await send_bytes(send, 200, body)
             return
         if path.rstrip("/") == "/v1/engines":
@@ -97,6 +149,9 @@ class Api:
             return
         if len(parts) >= 4 and parts[:3] == ["", "v1", "engines"]:
             await self.engine_route(scope, receive, send, parts[3], parts[4:])
+            return
+        if mount is not None:
+            await mount.handler(scope, receive, send)
             return
         await send_error(send, 404, f"no route {method} {path}", "not_found")
 

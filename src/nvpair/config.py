@@ -50,6 +50,10 @@ class EngineConfig(Base, frozen=True):
     aliases: tuple[str, ...] = ()
     #: hide this engine while nothing answers (used by the embedded default config).
     optional: bool = False
+    #: how long a managed engine may take to become ready (default: the manifest's).
+    startup_budget_s: Seconds | None = None
+    #: seconds between SIGTERM and SIGKILL when stopping (default: the manifest's).
+    stop_grace_s: Seconds | None = None
 
 
 class PeerConfig(Base, frozen=True):
@@ -90,6 +94,8 @@ class EngineSpec(msgspec.Struct, frozen=True):
     aliases: tuple[str, ...] = ()
     optional: bool = False
     allow_generating: bool = False
+    startup_budget_s: float = 600.0
+    stop_grace_s: float = 30.0
 
     @property
     def url(self) -> str:
@@ -114,8 +120,8 @@ class Settings(msgspec.Struct, frozen=True):
 
 def parse_listen(value: str, source: str) -> tuple[str, int]:
     m = re.fullmatch(r"\[?(?P<host>[^\[\]]+?)\]?:(?P<port>\d{1,5})", value)
-    if not m or not 1 <= int(m["port"]) <= 65535:
-        raise ConfigError(f"{source}: expected HOST:PORT with a port 1-65535, got {value!r}")
+    if not m or not 0 <= int(m["port"]) <= 65535:  # 0: any free port
+        raise ConfigError(f"{source}: expected HOST:PORT with a port 0-65535, got {value!r}")
     return m["host"], int(m["port"])
 
 
@@ -251,7 +257,7 @@ def _resolve_engine(eng: EngineConfig, where: str, base: Path) -> EngineSpec:
     api_key = None
     if eng.api_key_file:
         api_key = read_secret(eng.api_key_file, where, "api_key_file", base)
-    return EngineSpec(
+    spec = EngineSpec(
         name=eng.name,
         kind=manifest.kind,
         manifest=manifest,
@@ -267,7 +273,17 @@ def _resolve_engine(eng: EngineConfig, where: str, base: Path) -> EngineSpec:
         aliases=eng.aliases,
         optional=eng.optional,
         allow_generating=manifest.allow_generating_probes or eng.allow_generating_probes,
+        startup_budget_s=eng.startup_budget_s or manifest.startup_budget_s,
+        stop_grace_s=eng.stop_grace_s or manifest.stop.grace_s,
     )
+    if spec.managed:
+        from nvpair.command import CommandError, build_command
+
+        try:
+            build_command(manifest, spec.command, placeholder_values(spec))
+        except CommandError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+    return spec
 
 
 def _merge_probes(probes: Probes, overrides: dict[str, ProbeOverride], where: str) -> Probes:
@@ -295,3 +311,15 @@ def _merge_probes(probes: Probes, overrides: dict[str, ProbeOverride], where: st
     ready, health = merged["ready"], merged["health"]
     assert ready is not None and health is not None
     return Probes(ready=ready, health=health, identity=merged["identity"], models=merged["models"])
+
+
+def placeholder_values(spec: EngineSpec) -> dict[str, object]:
+    """Placeholder values for a resolved engine (the same rule as ``_values``)."""
+    values: dict[str, object] = dict(spec.manifest.start.defaults)
+    values.update(spec.args)
+    values.update(host=spec.host, port=spec.port, name=spec.name)
+    if spec.model is not None:
+        values["model"] = spec.model
+    if spec.api_key is not None:
+        values["api_key"] = spec.api_key
+    return values

@@ -103,6 +103,15 @@ class StopSpec(Base, frozen=True):
     grace_s: Seconds = 30.0
 
 
+class RestartSpec(Base, frozen=True):
+    """Exponential backoff between restarts of a managed engine that exited."""
+
+    initial_s: Seconds = 1.0
+    max_s: Seconds = 60.0
+    #: the backoff resets once the engine has been ready this long.
+    reset_after_s: Seconds = 60.0
+
+
 class Manifest(Base, frozen=True):
     """A kind of engine."""
 
@@ -112,6 +121,7 @@ class Manifest(Base, frozen=True):
     probes: Probes
     start: StartSpec = StartSpec()
     stop: StopSpec = StopSpec()
+    restart: RestartSpec = RestartSpec()
     port_open_while_loading: bool = False
     #: how long a managed engine may take to first answer ready.
     startup_budget_s: Seconds = 600.0

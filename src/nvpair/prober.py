@@ -162,10 +162,12 @@ class Prober:
                 await self.check_identity()
             spec = self._specs()[probe]
             now = trio.current_time()
-            self.board.update(name, partial(after_liveness, probe=probe, spec=spec,
-                                            outcome=outcome, now=now))
-            next_tick = self._next(next_tick, self.interval(probe))
-            await trio.sleep_until(next_tick + self._jitter(self.interval(probe)))
+            after = self.board.update(name, partial(after_liveness, probe=probe, spec=spec,
+                                                    outcome=outcome, now=now))
+            # The next tick follows the interval of the probe that runs next.
+            interval = self.interval("ready" if after.state in ("starting", "down") else "health")
+            next_tick = self._next(next_tick, interval)
+            await trio.sleep_until(next_tick + self._jitter(interval))
 
     async def run_identity(self) -> None:
         """Re-check identity on its interval while the engine answers."""

@@ -29,6 +29,8 @@ async def request(
     headers = {}
     if api_key and spec.needs_api_key:
         headers["Authorization"] = f"Bearer {api_key}"
+    if client.is_closed:
+        raise ProbeError("error", "the engine's probe client is closed (engine stopping)")
     started = trio.current_time()
     for attempt in (1, 2):
         try:

@@ -13,9 +13,10 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from nvpair.api import Api
 from nvpair.config import Settings
+from nvpair.lifecycle import EngineRunner, Lifecycles
 from nvpair.prober import Prober
 from nvpair.snapshot import Board
-from nvpair.supervisor import initial_state, run_probes
+from nvpair.supervisor import initial_state
 from nvpair.sweep import Sweep
 
 log = logging.getLogger("nvpair")
@@ -27,6 +28,7 @@ class Running(msgspec.Struct, frozen=False):
     url: str
     board: Board
     sweep: Sweep
+    runners: dict[str, EngineRunner]
     stop: Callable[[], None]
 
 
@@ -48,19 +50,25 @@ async def run(settings: Settings, *,
     board = Board(tuple(initial_state(spec) for spec in settings.engines))
     registry: dict[str, Prober] = {}
     sweep = Sweep(board, registry, settings.sweep_deadline_s)
-    api = Api(board, node=settings.node, token=settings.token)
+    runners = {spec.name: EngineRunner(spec, board, registry, settings.log_dir)
+               for spec in settings.engines}
+    api = Api(board, node=settings.node, token=settings.token,
+              controller=Lifecycles(runners, board))
     shutdown = trio.Event()
     async with trio.open_nursery() as nursery, trio.open_nursery() as engines:
-        for spec in settings.engines:
-            await engines.start(run_probes, spec, board, registry)
+        for runner in runners.values():
+            await engines.start(runner.run)
         await engines.start(sweep.run)
         serve: Callable[..., Awaitable[None]] = hypercorn_serve
         binds = await nursery.start(
             lambda task_status: serve(api, hypercorn_config(settings),
                                       shutdown_trigger=shutdown.wait, task_status=task_status)
         )
-        task_status.started(Running(url=binds[0], board=board, sweep=sweep, stop=shutdown.set))
+        task_status.started(Running(url=binds[0], board=board, sweep=sweep, runners=runners,
+                                    stop=shutdown.set))
         await shutdown.wait()
+        # hypercorn stops accepting and drains in-flight requests; engines stop with their
+        # grace periods (each SIGTERM, wait, SIGKILL, in parallel).
         engines.cancel_scope.cancel(reason="nvpair is shutting down")
 
 

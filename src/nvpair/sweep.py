@@ -60,34 +60,34 @@ class Sweep:
                 names = self.due(now)
                 if names:
                     self._in_flight.update(names)
-                    nursery.start_soon(self._batch, names)
+                    nursery.start_soon(self._batch, {n: self.probers[n] for n in names})
                 version = self.board.current.version
                 with trio.move_on_at(self.next_wake()):
                     await self.board.wait_changed(version)
 
-    async def _batch(self, names: list[str]) -> None:
+    async def _batch(self, probers: dict[str, Prober]) -> None:
         """List ``names`` concurrently; whatever has not answered by the deadline is stale."""
         self.batches += 1
+        names = list(probers)
         done: set[str] = set()
         started = trio.current_time()
         try:
             with trio.move_on_after(self.deadline_s):
                 async with trio.open_nursery() as nursery:
-                    for name in names:
-                        nursery.start_soon(self._list_one, name, done)
+                    for prober in probers.values():
+                        nursery.start_soon(self._list_one, prober, done)
         finally:
             now = trio.current_time()
             for name in names:
                 self._in_flight.discard(name)
-                prober = self.probers[name]
-                spec = prober.spec.probes.models
+                spec = probers[name].spec.probes.models
                 interval = spec.interval_s if spec else 60.0
                 self._next_due[name] = started + interval
                 if name not in done:
-                    self._mark_missed(name, now)
+                    self._mark_missed(probers[name], now)
 
-    async def _list_one(self, name: str, done: set[str]) -> None:
-        prober = self.probers[name]
+    async def _list_one(self, prober: Prober, done: set[str]) -> None:
+        name = prober.spec.name
         spec = prober.spec.probes.models
         assert spec is not None
         outcome, answer = await prober.probe("models")
@@ -123,8 +123,8 @@ class Sweep:
         self.board.update(name, change)
         done.add(name)
 
-    def _mark_missed(self, name: str, now: float) -> None:
-        prober = self.probers[name]
+    def _mark_missed(self, prober: Prober, now: float) -> None:
+        name = prober.spec.name
         spec = prober.spec.probes.models
         assert spec is not None
         outcome = Outcome(ok=False, kind="timeout", error=(

@@ -1,0 +1,64 @@
+"""Build a managed engine's argv and environment from its template. Never through a shell.
+
+Each template element is one argv element; a placeholder such as ``{model}`` is replaced by
+text inside that element, so no value can ever become extra arguments or shell syntax.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from nvpair.manifest import Manifest
+
+_PLACEHOLDER = re.compile(r"\{([a-z_][a-z0-9_]*)\}")
+
+
+class CommandError(ValueError):
+    pass
+
+
+def _text(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def fill(template: str, values: Mapping[str, object]) -> str:
+    missing = [n for n in _PLACEHOLDER.findall(template) if n not in values]
+    if missing:
+        raise KeyError(missing[0])
+    return _PLACEHOLDER.sub(lambda m: _text(values[m[1]]), template)
+
+
+def build_command(
+    manifest: Manifest, command: tuple[str, ...] | None, values: Mapping[str, object]
+) -> tuple[list[str], dict[str, str]]:
+    """(argv, extra environment). Raises CommandError naming a placeholder with no value."""
+    where = "command" if command else f"the {manifest.kind} manifest's start.argv"
+    template = list(command or manifest.start.argv)
+    if not template:
+        raise CommandError("no command: give `command` or a manifest with start.argv")
+    argv = []
+    for part in template:
+        try:
+            argv.append(fill(part, values))
+        except KeyError as exc:
+            raise CommandError(
+                f"{where} needs a value for {{{exc.args[0]}}}: set it in the engine's "
+                f"config (model, host, port) or under [engines.args]"
+            ) from None
+    if not command:
+        for fragment in manifest.start.optional:
+            try:
+                filled = [fill(part, values) for part in fragment]
+            except KeyError:
+                continue  # optional: left out unless every placeholder has a value
+            argv.extend(filled)
+    env = {}
+    for key, template_value in manifest.start.env.items():
+        try:
+            env[key] = fill(template_value, values)
+        except KeyError as exc:
+            raise CommandError(f"start.env.{key} needs a value for {{{exc.args[0]}}}") from None
+    return argv, env

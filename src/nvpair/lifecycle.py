@@ -1,0 +1,346 @@
+"""Engine lifecycles: start, stop and restart, with backoff, for managed and adopted engines.
+
+Only writers touch a runner: API commands (``request``, sync) and the runner's own task.
+Reads never do: they keep serving the snapshot while an engine starts, stops or crashes.
+
+One operation runs at a time per engine. A repeat of the operation in progress is accepted
+(202, idempotent); a conflicting one gets 409, except ``stop``, which always wins (it
+aborts a start that is still loading).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+from collections.abc import Callable, MutableMapping
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import trio
+
+from nvpair import probes
+from nvpair.command import build_command
+from nvpair.config import EngineSpec, placeholder_values
+from nvpair.errors import ProbeError
+from nvpair.logs import EngineLog
+from nvpair.prober import Prober, open_client
+from nvpair.snapshot import Board, EngineState
+from nvpair.supervisor import run_probes
+
+log = logging.getLogger("nvpair.lifecycle")
+
+Action = Literal["start", "stop", "restart"]
+
+
+class EngineRunner:
+    """Owns one engine: its probes and, for a managed engine, its process group."""
+
+    def __init__(self, spec: EngineSpec, board: Board, registry: MutableMapping[str, Prober],
+                 log_dir: Path | None) -> None:
+        self.spec = spec
+        self.board = board
+        self.registry = registry
+        self.desired: Literal["running", "stopped"] = "running"
+        self.operation: str | None = None
+        self._restart = False
+        self._wake = trio.Event()
+        restart = spec.manifest.restart
+        self.backoff = restart.initial_s
+        self.starts = 0
+        self.log = None
+        if spec.managed:
+            path = None if log_dir is None else log_dir / f"{spec.name}.log"
+            self.log = EngineLog(path, redact=(spec.api_key or "",))
+
+    # -- the write API (sync: it only records what is wanted and wakes the task) ----------
+
+    def request(self, action: Action) -> tuple[int, str | None]:
+        if action == "stop":
+            if self.desired == "stopped":
+                return 202, None
+            self.desired = "stopped"
+            self.operation = "stopping"
+        elif action == "start":
+            if self.operation == "stopping":
+                return 409, f"engine {self.spec.name} is stopping; start it once it has stopped"
+            if self.desired == "running":
+                return 202, None
+            self.desired = "running"
+            self.operation = "starting"
+        else:
+            if self.operation == "stopping":
+                return 409, f"engine {self.spec.name} is stopping; start it once it has stopped"
+            if self._restart:
+                return 202, None
+            self.desired = "running"
+            self._restart = True
+            self.operation = "restarting"
+        self._kick()
+        return 202, None
+
+    def _kick(self) -> None:
+        self._wake.set()
+        self._wake = trio.Event()
+
+    async def _until(self, predicate: Callable[[], bool]) -> None:
+        while not predicate():
+            await self._wake.wait()
+
+    def _set(self, **changes: Any) -> None:
+        self.board.update(self.spec.name, lambda e: _enter(e, changes))
+
+    # -- the task ------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the engine until cancelled; cancellation stops a managed engine gracefully."""
+        task_status.started()
+        try:
+            while True:
+                if self.desired == "stopped":
+                    self._set(state="stopped", pid=None, models=(), models_stale=False, error=None)
+                    self.operation = None
+                    await self._until(lambda: self.desired == "running")
+                    continue
+                self._restart = False
+                if self.spec.managed:
+                    await self._run_process()
+                else:
+                    await self._adopt()
+        finally:
+            if self.log is not None:
+                self.log.close()
+
+    async def _adopt(self) -> None:
+        """Probe an engine nvpair does not own; never signal it."""
+        self._set(state="starting", error=None)
+        self.operation = None
+        async with trio.open_nursery() as nursery:
+            await nursery.start(run_probes, self.spec, self.board, self.registry)
+            await self._until(lambda: self.desired != "running" or self._restart)
+            nursery.cancel_scope.cancel(reason="stop requested")
+
+    async def _run_process(self) -> None:
+        spec = self.spec
+        taken = await self._port_taken()
+        if taken:
+            self._set(state="down", pid=None, error=taken)
+            self.operation = None
+            await self._back_off()
+            return
+        argv, extra_env = build_command(spec.manifest, spec.command, placeholder_values(spec))
+        env = {**os.environ, **extra_env, **spec.env}
+        assert self.log is not None
+        self.log.write(f"[nvpair] starting: {_shown(argv, spec.api_key)}")
+        try:
+            proc = await trio.lowlevel.open_process(
+                argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, start_new_session=True)
+        except OSError as exc:
+            message = f"cannot start {argv[0]}: {exc.strerror or exc}"
+            self.log.write(f"[nvpair] {message}")
+            self._set(state="down", pid=None, error=message)
+            self.operation = None
+            await self._back_off()
+            return
+        self.starts += 1
+        self._set(state="starting", pid=proc.pid, error=None, exit_code=None, exited_at=None,
+                  models=(), restarts=self.starts - 1)
+        self.operation = None
+        why = "exited"
+        try:
+            async with trio.open_nursery() as nursery:
+                assert proc.stdout is not None
+                nursery.start_soon(self.log.pump, proc.stdout)
+                await nursery.start(run_probes, spec, self.board, self.registry)
+                budget = trio.CancelScope()
+
+                async def watch_budget() -> None:
+                    nonlocal why
+                    with budget:
+                        with trio.move_on_after(spec.startup_budget_s):
+                            await self._until_ready()
+                            return
+                        why = "budget"
+                        nursery.cancel_scope.cancel(reason="startup budget exceeded")
+
+                async def watch_requests() -> None:
+                    nonlocal why
+                    await self._until(lambda: self.desired != "running" or self._restart)
+                    why = "stop" if self.desired != "running" else "restart"
+                    nursery.cancel_scope.cancel(reason=f"{why} requested")
+
+                nursery.start_soon(watch_budget)
+                nursery.start_soon(watch_requests)
+                await proc.wait()
+                nursery.cancel_scope.cancel(reason="engine process exited")
+        finally:
+            ready_for = self._ready_for()
+            with trio.CancelScope(shield=True):
+                await self._terminate(proc)
+            self.log.write(f"[nvpair] process {proc.pid} ended: {_describe(proc.returncode)}")
+        await self._after_exit(proc.returncode, why, ready_for)
+
+    async def _after_exit(self, code: int | None, why: str, ready_for: float) -> None:
+        spec = self.spec
+        if why in ("stop", "restart"):
+            self._set(state="stopped" if why == "stop" else "starting", pid=None, models=(),
+                      exit_code=code, exited_at=_wall())
+            return
+        if why == "budget":
+            last = self.board.current.engine(spec.name)
+            detail = f" (last probe: {last.error})" if last and last.error else ""
+            error = f"not ready within its startup budget of {spec.startup_budget_s:g} s{detail}"
+        else:
+            error = f"engine process {_describe(code)}"
+        if ready_for >= spec.manifest.restart.reset_after_s:
+            self.backoff = spec.manifest.restart.initial_s
+        self._set(state="down", pid=None, models=(), exit_code=code, exited_at=_wall(),
+                  error=error)
+        log.warning("%s: %s; restarting in %.1f s", spec.name, error, self.backoff)
+        await self._back_off()
+
+    async def _back_off(self) -> None:
+        """Wait the backoff (a stop or restart request ends it early), then double it."""
+        with trio.move_on_after(self.backoff):
+            await self._until(lambda: self.desired != "running" or self._restart)
+        self.backoff = min(self.backoff * 2, self.spec.manifest.restart.max_s)
+
+    async def _until_ready(self) -> None:
+        version = -1
+        while True:
+            snap = await self.board.wait_changed(version)
+            version = snap.version
+            e = snap.engine(self.spec.name)
+            if e is not None and e.state in ("ready", "stale"):
+                return
+
+    def _ready_for(self) -> float:
+        e = self.board.current.engine(self.spec.name)
+        if e is None or e.state not in ("ready", "stale", "unhealthy"):
+            return 0.0
+        return trio.current_time() - e.since
+
+    async def _terminate(self, proc: trio.Process) -> None:
+        """Stop signal to the process group, the grace period, then SIGKILL; always reap."""
+        if proc.returncode is None:
+            stop = getattr(signal, self.spec.manifest.stop.signal)
+            _killpg(proc.pid, stop)
+            with trio.move_on_after(self.spec.stop_grace_s):
+                await proc.wait()
+            if proc.returncode is None:
+                _killpg(proc.pid, signal.SIGKILL)
+                await proc.wait()
+        # The leader is gone; ranks or helpers left in its group are orphans: end them.
+        _killpg(proc.pid, signal.SIGKILL)
+
+    async def _port_taken(self) -> str | None:
+        """What already answers on the engine's port, if anything (so we never spawn a twin)."""
+        spec = self.spec
+        # Refused: free (or bound by a loading engine that does not listen yet). A connect
+        # that hangs means a listener that does not accept: taken, too.
+        with trio.move_on_after(1.0):
+            try:
+                stream = await trio.open_tcp_stream(spec.host, spec.port)
+            except OSError:
+                return None
+            await stream.aclose()
+        where = f"port {spec.port}"
+        answer = await _identify(spec)
+        return f"{where} is taken by {answer}; nvpair will not start a second engine there"
+
+
+async def _identify(spec: EngineSpec) -> str:
+    ident = spec.probes.identity
+    name = spec.manifest.display_name
+    async with open_client(spec) as client:
+        names: tuple[str, ...] = ()
+        with trio.move_on_after(3.0):
+            if ident is not None:
+                try:
+                    answer = await probes.request(client, ident, ident.path, api_key=spec.api_key)
+                    _identity, names = probes.parse_identity(answer.body, ident, spec.kind)
+                except ProbeError as exc:
+                    if exc.kind == "mismatch":
+                        return f"something that does not answer like {name}"
+                    if exc.kind == "refused":
+                        return "a process that accepts connections but is not serving HTTP"
+            models = spec.probes.models
+            if not names and models is not None:
+                try:
+                    answer = await probes.request(client, models, models.path,
+                                                  api_key=spec.api_key)
+                    names = tuple(m.id for m in probes.parse_models(answer.body, models.format,
+                                                                    models.path))
+                except ProbeError:
+                    pass
+    serving = f" serving {', '.join(names)}" if names else ""
+    return f"another {name}{serving}"
+
+
+def _enter(e: EngineState, changes: dict[str, Any]) -> EngineState:
+    state = changes.get("state", e.state)
+    if state != e.state:
+        changes = {**changes, "since": trio.current_time()}
+    return msgspec.structs.replace(e, **changes)
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _describe(code: int | None) -> str:
+    if code is None:
+        return "is still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _shown(argv: list[str], secret: str | None) -> str:
+    return " ".join("***" if secret and secret in a else a for a in argv)
+
+
+def _wall() -> float:
+    import time
+
+    return round(time.time(), 3)
+
+
+class Lifecycles:
+    """The API's controller: commands and logs for every engine, by name."""
+
+    def __init__(self, runners: dict[str, EngineRunner], board: Board) -> None:
+        self.runners = runners
+        self.board = board
+
+    async def command(self, name: str, action: str) -> tuple[int, dict[str, Any]]:
+        from nvpair.views import engine_status
+
+        runner = self.runners[name]
+        status, message = runner.request(action)  # type: ignore[arg-type]
+        snap = self.board.current
+        engine = snap.engine(name)
+        assert engine is not None
+        if status != 202:
+            return status, {"error": {"message": message, "type": "conflict_error",
+                                      "code": "engine_busy", "param": None}}
+        doc = engine_status(engine, snap, trio.current_time(), "")
+        doc["operation"] = runner.operation or action
+        if not runner.spec.managed:
+            doc["note"] = ("adopted engine: nvpair never signals it; stop unlists it and "
+                           "stops probing, start resumes probing")
+        return 202, doc
+
+    def logs(self, name: str, tail: int) -> list[str] | None:
+        runner = self.runners.get(name)
+        if runner is None or runner.log is None:
+            return None
+        return runner.log.tail(tail)

@@ -1,0 +1,117 @@
+"""vLLM (engine-surfaces §2 and §6.2): refused while loading, a /health that only reads a dead
+flag (so it stays 200 while the engine is hung), and the headless worker with no listener.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import trio
+
+from nvpair.sim.engine import Engine, Router
+from nvpair.sim.http import Reply, Request
+from nvpair.sim.openai_api import OpenAIApi
+
+#: paths the API key guards (prefixes); /health, /version, /metrics and /load stay open.
+_GUARDED = ("/v1", "/v2", "/inference", "/cohere")
+
+
+class VLLM(Engine):
+    kind = "vllm"
+    serves_while_dead = True
+
+    def add_routes(self, router: Router) -> None:
+        router.add("GET", "/health", self.health)
+        router.add("GET,POST", "/ping", self.health)
+        router.add("GET", "/version", self.version)
+        router.add("GET", "/v1/models", self.models)
+        router.add("GET", "/load", self.load)
+        router.add("GET", "/metrics", self.metrics)
+        OpenAIApi(self).add_routes(router)
+
+    def auth_exempt(self, path: str) -> bool:
+        return not path.startswith(_GUARDED)
+
+    async def before_route(self, request: Request, reply: Reply) -> bool:
+        lag = self.options.loop_lag_s if self.state.busy else 0.0
+        await trio.sleep(lag)
+        return False
+
+    async def unhealthy(self, request: Request, reply: Reply) -> None:
+        if request.path in ("/health", "/ping"):
+            await reply.send(503, content_type=None)
+        else:
+            await super().unhealthy(request, reply)
+
+    async def admit(self, request: Request, reply: Reply, model: object) -> str | None:
+        return await admit_served_name(self, reply, model)
+
+    async def health(self, request: Request, reply: Reply) -> None:
+        await reply.send(503 if self.state.phase == "dead" else 200, content_type=None)
+
+    async def version(self, request: Request, reply: Reply) -> None:
+        await reply.send_json(200, {"version": self.options.engine_version})
+
+    async def load(self, request: Request, reply: Reply) -> None:
+        await reply.send_json(200, {"server_load": self.state.active})
+
+    async def models(self, request: Request, reply: Reply) -> None:
+        name, created = self.served_model, int(time.time())
+        await reply.send_json(200, {"object": "list", "data": [{
+            "id": name, "object": "model", "created": created, "owned_by": "vllm",
+            "root": self.options.model_name, "parent": None,
+            "max_model_len": self.options.context_length,
+            "permission": [{
+                "id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission",
+                "created": created, "allow_create_engine": False, "allow_sampling": True,
+                "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                "allow_fine_tuning": False, "organization": "*", "group": None,
+                "is_blocking": False,
+            }],
+        }]})
+
+    async def metrics(self, request: Request, reply: Reply) -> None:
+        state = self.state
+        label = f'{{engine="0",model_name="{self.served_model}"}}'
+        tokens = state.tokens_generated
+        lines = [
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{label} {float(state.active)}",
+            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.",
+            "# TYPE vllm:num_requests_waiting gauge",
+            f"vllm:num_requests_waiting{label} 0.0",
+            "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.",
+            "# TYPE vllm:kv_cache_usage_perc gauge",
+            f"vllm:kv_cache_usage_perc{label} {0.01 * state.active}",
+            "# HELP vllm:iteration_tokens_total Histogram of number of tokens per engine_step.",
+            "# TYPE vllm:iteration_tokens_total histogram",
+            f"vllm:iteration_tokens_total_sum{label} {float(tokens)}",
+            f"vllm:iteration_tokens_total_count{label} {float(tokens)}",
+            "# HELP vllm:generation_tokens_total Number of generation tokens processed.",
+            "# TYPE vllm:generation_tokens_total counter",
+            f"vllm:generation_tokens_total{label} {float(tokens)}",
+        ]
+        await self.send_prometheus(reply, "\n".join(lines) + "\n")
+
+
+class VLLMHeadless(VLLM):
+    """``--headless``: the workers of a node with rank >= 1; no HTTP surface at all."""
+
+    headless = True
+
+
+async def admit_served_name(engine: Engine, reply: Reply, model: object) -> str | None:
+    """vLLM-style model check: the served name or nothing; 404 otherwise."""
+    await trio.lowlevel.checkpoint()
+    served = engine.served_model
+    if model is None or model == served:
+        return served
+    body: dict[str, Any] = {"error": {
+        "message": f"The model `{model}` does not exist.", "type": "NotFoundError",
+        "param": "model", "code": 404,
+    }}
+    await reply.send_json(404, body)
+    return None

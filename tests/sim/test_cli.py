@@ -1,0 +1,119 @@
+"""``python -m nvpair.sim`` as a real process: the banner, SIGTERM, crashes and children."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import httpx2
+import trio
+
+from nvpair.sim.cli import build_parser, options_from_args
+
+BANNER = re.compile(
+    r"sim (?P<kind>\w+) listening on 127\.0\.0\.1:(?P<port>\d+)"
+    r" control 127\.0\.0\.1:(?P<control>\d+)"
+)
+
+
+async def _banner(proc: trio.Process) -> re.Match[str]:
+    assert proc.stdout is not None
+    text = b""
+    while True:
+        chunk = await proc.stdout.receive_some(4096)
+        assert chunk, f"simulator exited early: {text!r}"
+        text += chunk
+        if b"\n" in text:
+            break
+    match = BANNER.match(text.decode().splitlines()[0])
+    assert match, text
+    return match
+
+
+async def _spawn(*args: str) -> trio.Process:
+    return await trio.lowlevel.open_process(
+        [sys.executable, "-m", "nvpair.sim", *args, "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def test_sigterm_exits_cleanly_after_the_engine_shutdown():
+    with trio.fail_after(20):
+        proc = await _spawn("sglang", "--load-s", "0", "--warmup-s", "0", "--stop-s", "0.3",
+                            "--health-tick-s", "0.1", "--spawn-children", "2")
+        try:
+            match = await _banner(proc)
+            assert match["kind"] == "sglang"
+            async with httpx2.AsyncClient(timeout=5) as client:
+                control = f"http://127.0.0.1:{match['control']}"
+                stats = (await client.get(f"{control}/__sim/wait?phase=ready")).json()
+                assert stats["phase"] == "ready" and stats["listening"]
+                children = stats["engine"]["child_pids"]
+                assert len(children) == 2 and all(_alive(pid) for pid in children)
+                health = await client.get(f"http://127.0.0.1:{match['port']}/health")
+                assert health.status_code == 200
+                proc.send_signal(signal.SIGTERM)
+                assert await proc.wait() == 0
+            assert not any(_alive(pid) for pid in children)
+            assert proc.stderr is not None
+            errors = (await proc.stderr.receive_some(65536)).decode()
+            assert "Traceback" not in errors and "SIGTERM received" in errors
+        finally:
+            proc.kill()
+
+
+async def test_crash_fault_exits_with_its_code():
+    with trio.fail_after(20):
+        proc = await _spawn("vllm", "--load-s", "0", "--fault", "crash", "--fault-seconds",
+                            "0.2", "--fault-exit-code", "7")
+        try:
+            await _banner(proc)
+            assert await proc.wait() == 7
+        finally:
+            proc.kill()
+
+
+async def test_sigint_exits_cleanly_while_loading():
+    with trio.fail_after(20):
+        proc = await _spawn("tgi", "--load-s", "60")
+        try:
+            await _banner(proc)
+            proc.send_signal(signal.SIGINT)
+            assert await proc.wait() == 0
+            assert proc.stderr is not None
+            assert b"Traceback" not in await proc.stderr.receive_some(65536)
+        finally:
+            proc.kill()
+
+
+def test_cli_defaults_and_engine_flags(monkeypatch):
+    monkeypatch.setenv("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "0")
+    monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "5")
+    args = build_parser().parse_args([
+        "sglang", "--model-path", "m", "--served-model-name", "s", "--skip-server-warmup",
+        "--fault", "slow", "--fault-paths", "/health,/ping", "--fault-seconds", "2",
+    ])
+    options = options_from_args(args)
+    assert (options.port, options.load_s, options.warmup_s) == (30000, 2.0, 0.0)
+    assert (options.model, options.served) == ("m", "s")
+    assert options.health_generation is False and options.health_timeout_s == 5.0
+    assert options.fault is not None and options.fault.paths == ("/health", "/ping")
+    assert options.hard_exit is True
+
+    monkeypatch.setenv("OLLAMA_HOST", "127.0.0.1:12345")
+    ollama = options_from_args(build_parser().parse_args(["ollama", "--models", "a,b"]))
+    assert ollama.port == 12345 and ollama.models == ("a", "b")
+    vllm = options_from_args(build_parser().parse_args([
+        "vllm", "--headless", "--nnodes", "2", "--node-rank", "1", "--master-port", "29501"]))
+    assert vllm.dist_init_addr == "127.0.0.1:29501" and vllm.headless

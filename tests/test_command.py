@@ -1,0 +1,36 @@
+import pytest
+
+from nvpair.command import CommandError, build_command
+from nvpair.manifest import load_manifest
+
+
+def test_placeholders_fill_whole_arguments_never_split() -> None:
+    argv, _ = build_command(load_manifest("llamacpp"), None, {
+        "model": "/models/a b; rm -rf / $(x).gguf", "host": "127.0.0.1", "port": 8080})
+    assert argv[:3] == ["llama-server", "-m", "/models/a b; rm -rf / $(x).gguf"]
+    assert argv[3:] == ["--host", "127.0.0.1", "--port", "8080"]
+
+
+def test_optional_fragments_only_with_values() -> None:
+    m = load_manifest("sglang")
+    values = {"model": "m", "host": "h", "port": 1, "tp": 4}
+    argv, _ = build_command(m, None, values)
+    assert "--api-key" not in argv and "--nnodes" not in argv
+    assert argv[-2:] == ["--tp-size", "4"]
+    argv, _ = build_command(m, None, {**values, "api_key": "k", "served_name": "s"})
+    assert argv[-4:] == ["--served-model-name", "s", "--api-key", "k"]
+
+
+def test_env_placeholders() -> None:
+    argv, env = build_command(load_manifest("ollama"), None, {"host": "127.0.0.1", "port": 1})
+    assert argv == ["ollama", "serve"] and env == {"OLLAMA_HOST": "127.0.0.1:1"}
+
+
+def test_missing_required_placeholder_names_it() -> None:
+    with pytest.raises(CommandError, match=r"needs a value for \{model\}"):
+        build_command(load_manifest("vllm"), None, {"host": "h", "port": 1, "tp": 1})
+
+
+def test_config_command_overrides_template() -> None:
+    argv, _ = build_command(load_manifest("openai"), ("srv", "--port={port}"), {"port": 9})
+    assert argv == ["srv", "--port=9"]

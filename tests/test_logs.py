@@ -1,0 +1,38 @@
+from pathlib import Path
+
+import trio
+import trio.testing
+
+from nvpair.logs import EngineLog
+
+
+def test_ring_keeps_the_last_lines_and_masks_secrets(tmp_path: Path) -> None:
+    log = EngineLog(tmp_path / "e.log", ring=3, redact=("sk-secret",))
+    for i in range(5):
+        log.write(f"line {i} key=sk-secret")
+    assert log.tail(10) == [f"line {i} key=***" for i in (2, 3, 4)]
+    assert log.tail(1) == ["line 4 key=***"]
+    log.close()
+    text = (tmp_path / "e.log").read_text()
+    assert "sk-secret" not in text and text.count("\n") == 5
+
+
+def test_file_rotates_at_its_cap(tmp_path: Path) -> None:
+    log = EngineLog(tmp_path / "e.log", max_bytes=100)
+    for i in range(30):
+        log.write(f"{i:05d} " + "x" * 20)
+    log.close()
+    assert (tmp_path / "e.log.1").exists()
+    assert (tmp_path / "e.log").stat().st_size <= 100 + 30
+
+
+async def test_pump_splits_lines_across_chunks(tmp_path: Path) -> None:
+    log = EngineLog(None)
+    send, receive = trio.testing.memory_stream_pair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(log.pump, receive)
+        await send.send_all(b"hel")
+        await send.send_all(b"lo\nwor")
+        await send.send_all(b"ld\r\npartial")
+        await send.aclose()
+    assert log.tail(5) == ["hello", "world", "partial"]

@@ -1,0 +1,263 @@
+"""nvpair as a whole, over real sockets, against simulators (the core's acceptance tests)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx2
+import pytest
+import trio
+from tests.managed import free_port, group_members, wait_state
+
+from nvpair import service
+from nvpair.config import load_settings
+from nvpair.sim import SimOptions, serve_sim
+
+FAST_READ_S = 0.1  # generous for a 2-core machine; a read that waited on a probe takes 1 s+
+
+
+def config(tmp: Path, body: str, **top: object) -> Path:
+    head = "listen = '127.0.0.1:0'\n" + "".join(f"{k} = {v!r}\n" for k, v in top.items())
+    path = tmp / "nvpair.toml"
+    path.write_text(head + body)
+    return path
+
+
+def engine(name: str, kind: str, port: int, extra: str = "") -> str:
+    return f"[[engines]]\nname = '{name}'\nkind = '{kind}'\nport = {port}\n{extra}\n"
+
+
+async def timed_get(client: httpx2.AsyncClient, path: str) -> tuple[float, httpx2.Response]:
+    start = trio.current_time()
+    r = await client.get(path)
+    return trio.current_time() - start, r
+
+
+async def test_slow_generating_health_never_slows_the_model_list(nursery, tmp_path) -> None:
+    quick = await nursery.start(serve_sim, SimOptions(kind="vllm", model="quick"))
+    head = await nursery.start(serve_sim, SimOptions(kind="sglang", model="deepseek-v4.1-flash",
+                                                     health_tick_s=2.0))
+    await head.wait_phase("ready")
+    # Opt in to SGLang's generating /health (2 s here) as the readiness probe, so a slow
+    # probe is in flight while clients read.
+    probes = ("allow_generating_probes = true\n[engines.probes.ready]\npath = '/health'\n"
+              "cost = 'generating'\ninterval_s = 30\ntimeout_s = 25\n")
+    body = engine("quick", "vllm", quick.port) + engine("head", "sglang", head.port, probes)
+    settings = load_settings(str(config(tmp_path, body)))
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, settings)
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            await head.wait_until(lambda s: s.path("/health").in_flight > 0)
+            worst, reads, listed = 0.0, 0, set()
+            while head.stats().path("/health").in_flight > 0:
+                elapsed, r = await timed_get(client, "/v1/models")
+                assert r.status_code == 200
+                listed |= {m["id"] for m in r.json()["data"]}
+                worst, reads = max(worst, elapsed), reads + 1
+            await wait_state(running.board, "head", "ready", where=lambda e: bool(e.models))
+            ids = {m["id"] for m in (await client.get("/v1/models")).json()["data"]}
+    assert reads > 10 and worst < FAST_READ_S, (reads, worst)
+    assert "quick" in listed  # the quick engine was listed while the slow probe ran
+    assert ids == {"quick", "deepseek-v4.1-flash"}
+    assert head.stats().path("/health").count == 1  # once per 30 s, and never in parallel
+
+
+async def test_default_sglang_manifest_never_calls_generating_endpoints(nursery, tmp_path) -> None:
+    sim = await nursery.start(serve_sim, SimOptions(kind="sglang", model="m"))
+    await sim.wait_phase("ready")
+    settings = load_settings(str(config(tmp_path, engine("head", "sglang", sim.port))))
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, settings)
+        await wait_state(running.board, "head", "ready", where=lambda e: bool(e.models))
+    stats = sim.stats()
+    for path in ("/health", "/health_generate", "/server_info", "/get_server_info"):
+        assert stats.path(path).count == 0, path
+    assert stats.path("/ready").count >= 1
+
+
+async def test_hung_engine_goes_stale_then_unhealthy_while_reads_stay_fast(
+        nursery, tmp_path) -> None:
+    sim = await nursery.start(serve_sim, SimOptions(kind="vllm", model="m"))
+    await sim.wait_phase("ready")
+    probes = "[engines.probes.health]\ninterval_s = 0.5\ntimeout_s = 0.5\nfailure_threshold = 3\n"
+    settings = load_settings(str(config(tmp_path, engine("e", "vllm", sim.port, probes))))
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, settings)
+        await wait_state(running.board, "e", "ready")
+        sim.set_fault("hang", paths=["/health"])
+        hung_at = trio.current_time()
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            worst = 0.0
+
+            async def poll() -> None:
+                nonlocal worst
+                while True:
+                    elapsed, r = await timed_get(client, "/v1/engines/e")
+                    assert r.status_code == 200
+                    worst = max(worst, elapsed)
+                    await trio.sleep(0.01)
+
+            async with trio.open_nursery() as readers:
+                readers.start_soon(poll)
+                await wait_state(running.board, "e", "stale")
+                stale_after = trio.current_time() - hung_at
+                e = await wait_state(running.board, "e", "unhealthy")
+                unhealthy_after = trio.current_time() - hung_at
+                readers.cancel_scope.cancel()
+    # stale within interval + timeout (+ jitter and slack); unhealthy after 3 of those.
+    assert stale_after <= 0.5 * 1.05 + 0.5 + 0.5, stale_after
+    assert unhealthy_after <= 3 * (0.5 * 1.05 + 0.5) + 1.0, unhealthy_after
+    assert e.probe("health").timeouts >= 3  # type: ignore[union-attr]
+    assert worst < FAST_READ_S, worst
+
+
+@pytest.mark.parametrize("readers", [1, 50])
+async def test_probe_count_does_not_grow_with_readers(nursery, tmp_path, readers: int) -> None:
+    sim = await nursery.start(serve_sim, SimOptions(kind="vllm", model="m"))
+    await sim.wait_phase("ready")
+    probes = "[engines.probes.health]\ninterval_s = 0.5\ntimeout_s = 0.5\n"
+    settings = load_settings(str(config(tmp_path, engine("e", "vllm", sim.port, probes))))
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, settings)
+        await wait_state(running.board, "e", "ready", where=lambda e: bool(e.models))
+        sim.reset_stats()
+        start = trio.current_time()
+        requests = 0
+        async with httpx2.AsyncClient(base_url=running.url,
+                                      limits=httpx2.Limits(max_connections=64)) as client:
+
+            async def reader() -> None:
+                nonlocal requests
+                while trio.current_time() - start < 3.0:
+                    for path in ("/v1/models", "/v1/engines/e"):
+                        assert (await client.get(path)).status_code == 200
+                        requests += 1
+
+            async with trio.open_nursery() as n:
+                for _ in range(readers):
+                    n.start_soon(reader)
+        elapsed = trio.current_time() - start
+    health = sim.stats().path("/health").count
+    # 0.5 s interval over ~3 s: about 6 probes, whatever the number of readers.
+    assert health <= elapsed / 0.5 + 2, (health, elapsed)
+    assert requests >= readers
+
+
+async def test_identity_mismatch_is_reported(nursery, tmp_path) -> None:
+    sim = await nursery.start(serve_sim, SimOptions(kind="sglang", model="qwen3-8b"))
+    await sim.wait_phase("ready")
+    body = engine("head", "sglang", sim.port, "model = 'deepseek-v4.1-flash'")
+    settings = load_settings(str(config(tmp_path, body)))
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, settings)
+        e = await wait_state(running.board, "head", "unhealthy")
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            status = (await client.get("/v1/engines/head")).json()
+            models = (await client.get("/v1/models")).json()["data"]
+    assert e.error == f"127.0.0.1:{sim.port} serves qwen3-8b, expected deepseek-v4.1-flash"
+    assert status["state"] == "unhealthy" and status["error"] == e.error
+    assert models == []
+
+
+async def test_sweep_lists_quick_engines_within_the_deadline(nursery, tmp_path) -> None:
+    body = ""
+    quick = []
+    for i in range(4):
+        sim = await nursery.start(serve_sim, SimOptions(kind="vllm", model=f"quick-{i}"))
+        quick.append(sim)
+        body += engine(f"q{i}", "vllm", sim.port)
+    for i in range(2):
+        sim = await nursery.start(serve_sim, SimOptions(kind="vllm", model=f"slow-{i}"))
+        sim.set_fault("hang", paths=["/v1/models"])
+        body += engine(f"s{i}", "vllm", sim.port)
+    settings = load_settings(str(config(tmp_path, body, sweep_deadline_s=2.0)))
+    start = trio.current_time()
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, settings)
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            while True:
+                elapsed, r = await timed_get(client, "/v1/models")
+                assert elapsed < FAST_READ_S
+                ids = {m["id"] for m in r.json()["data"]}
+                if ids >= {f"quick-{i}" for i in range(4)}:
+                    break
+                await trio.sleep(0.05)
+    assert trio.current_time() - start < 2.0 + 1.0
+    assert not ids & {"slow-0", "slow-1"}
+
+
+async def test_idle_keep_alive_connections_are_closed(nursery, tmp_path) -> None:
+    settings = load_settings(str(config(tmp_path, "", keep_alive_s=0.5)))
+    with trio.fail_after(20):
+        running = await nursery.start(service.run, settings)
+        port = int(running.url.rsplit(":", 1)[1])
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        await stream.send_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+        received = b""
+        while b'"ok"' not in received:
+            received += await stream.receive_some(4096)
+        opened = trio.current_time()
+        # The server must close the idle connection: we read EOF, not a hang.
+        while await stream.receive_some(4096):
+            pass
+        closed_after = trio.current_time() - opened
+        await stream.aclose()
+    assert closed_after < 0.5 + 1.0
+
+
+async def test_openai_client_lists_models(nursery, tmp_path) -> None:
+    sim = await nursery.start(serve_sim, SimOptions(kind="llamacpp", model="gemma3-270m"))
+    await sim.wait_phase("ready")
+    settings = load_settings(str(config(tmp_path, engine("g", "llamacpp", sim.port))))
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, settings)
+        await wait_state(running.board, "g", "ready", where=lambda e: bool(e.models))
+        url = running.url
+
+        def list_models() -> list[str]:
+            import openai
+
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+            return [m.id for m in client.models.list()]
+
+        ids = await trio.to_thread.run_sync(list_models)
+    assert ids == ["gemma3-270m"]
+
+
+async def test_serve_sigterm_leaves_no_process_behind(tmp_path) -> None:
+    port = free_port()
+    command = [sys.executable, "-m", "nvpair.sim", "vllm", "--model", "m", "--port", "{port}",
+               "--load-s", "0.2", "--no-control", "--spawn-children", "2",
+               "--children-ignore-sigterm"]
+    body = engine("e", "vllm", port, f"managed = true\ncommand = {command!r}\n"
+                  "[engines.probes.ready]\ninterval_s = 0.1\ntimeout_s = 0.1\n")
+    path = config(tmp_path, body, log_dir=str(tmp_path / "logs"))
+    api_port = free_port()
+    with trio.fail_after(60):
+        proc = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "nvpair", "serve", "--config", str(path),
+             "--listen", f"127.0.0.1:{api_port}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            async with httpx2.AsyncClient(base_url=f"http://127.0.0.1:{api_port}") as client:
+                while True:
+                    try:
+                        doc = (await client.get("/v1/engines/e")).json()
+                    except httpx2.ConnectError:
+                        doc = {}
+                    if doc.get("state") == "ready":
+                        break
+                    await trio.sleep(0.05)  # an external process: nothing to wait on but it
+            pid = doc["pid"]
+            members = group_members(pid)
+            assert len(members) == 3  # the engine and its two children
+            proc.send_signal(signal.SIGTERM)
+            code = await proc.wait()
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+    assert code == 0
+    assert group_members(pid) == []
