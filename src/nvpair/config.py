@@ -62,6 +62,23 @@ class PeerConfig(Base, frozen=True):
     name: str | None = None
 
 
+class RouterConfig(Base, frozen=True):
+    """The OpenAI front door (POST /v1/chat/completions and friends)."""
+
+    enabled: bool = True
+    #: request bodies above this are refused with 413.
+    max_body_bytes: Annotated[int, msgspec.Meta(ge=1024, le=1 << 30)] = 16 * 1024 * 1024
+    connect_timeout_s: Seconds = 2.0
+    #: time allowed until the engine answers with its status line (prefill can be long).
+    first_byte_timeout_s: Seconds = 600.0
+    #: longest silence between two chunks of a response; there is no total timeout.
+    idle_timeout_s: Seconds = 120.0
+    #: consecutive failed requests (refused or 5xx) that make an engine suspect.
+    suspect_after: Annotated[int, msgspec.Meta(ge=1, le=100)] = 3
+    #: how long a suspect engine gets no traffic while others can serve.
+    cooldown_s: Seconds = 5.0
+
+
 class Config(Base, frozen=True):
     listen: str = DEFAULT_LISTEN
     node: str | None = None
@@ -74,6 +91,7 @@ class Config(Base, frozen=True):
     keep_alive_s: Seconds = 5.0
     #: where managed engines' log files go (default: a per-user state directory).
     log_dir: str | None = None
+    router: RouterConfig = RouterConfig()
 
 
 class EngineSpec(msgspec.Struct, frozen=True):
@@ -116,6 +134,7 @@ class Settings(msgspec.Struct, frozen=True):
     sweep_deadline_s: float
     keep_alive_s: float
     log_dir: Path
+    router: RouterConfig = RouterConfig()
 
 
 def parse_listen(value: str, source: str) -> tuple[str, int]:
@@ -230,6 +249,7 @@ def resolve(config: Config, source: str, base: Path, *, listen: str | None = Non
         sweep_deadline_s=config.sweep_deadline_s,
         keep_alive_s=config.keep_alive_s,
         log_dir=log_dir,
+        router=config.router,
     )
 
 

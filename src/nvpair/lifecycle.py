@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 from collections.abc import Callable, MutableMapping
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,6 +29,7 @@ from nvpair.config import EngineSpec, placeholder_values
 from nvpair.errors import ProbeError
 from nvpair.logs import EngineLog
 from nvpair.prober import Prober, open_client
+from nvpair.router.traffic import Traffic
 from nvpair.snapshot import Board, EngineState
 from nvpair.supervisor import run_probes
 
@@ -40,8 +42,9 @@ class EngineRunner:
     """Owns one engine: its probes and, for a managed engine, its process group."""
 
     def __init__(self, spec: EngineSpec, board: Board, registry: MutableMapping[str, Prober],
-                 log_dir: Path | None) -> None:
+                 log_dir: Path | None, traffic: Traffic | None = None) -> None:
         self.spec = spec
+        self.traffic = traffic
         self.board = board
         self.registry = registry
         self.desired: Literal["running", "stopped"] = "running"
@@ -101,7 +104,9 @@ class EngineRunner:
         try:
             while True:
                 if self.desired == "stopped":
-                    self._set(state="stopped", pid=None, models=(), models_stale=False, error=None)
+                    # The last model list stays (unlisted while stopped): a request for it
+                    # gets "not ready" (503), not "no such model" (404).
+                    self._set(state="stopped", pid=None, error=None)
                     self.operation = None
                     await self._until(lambda: self.desired == "running")
                     continue
@@ -119,7 +124,8 @@ class EngineRunner:
         self._set(state="starting", error=None)
         self.operation = None
         async with trio.open_nursery() as nursery:
-            await nursery.start(run_probes, self.spec, self.board, self.registry)
+            await nursery.start(partial(run_probes, self.spec, self.board, self.registry,
+                                        traffic=self.traffic))
             await self._until(lambda: self.desired != "running" or self._restart)
             nursery.cancel_scope.cancel(reason="stop requested")
 
@@ -148,14 +154,15 @@ class EngineRunner:
             return
         self.starts += 1
         self._set(state="starting", pid=proc.pid, error=None, exit_code=None, exited_at=None,
-                  models=(), restarts=self.starts - 1)
+                  restarts=self.starts - 1)
         self.operation = None
         why = "exited"
         try:
             async with trio.open_nursery() as nursery:
                 assert proc.stdout is not None
                 nursery.start_soon(self.log.pump, proc.stdout)
-                await nursery.start(run_probes, spec, self.board, self.registry)
+                await nursery.start(partial(run_probes, spec, self.board, self.registry,
+                                            traffic=self.traffic))
                 budget = trio.CancelScope()
 
                 async def watch_budget() -> None:
@@ -187,7 +194,7 @@ class EngineRunner:
     async def _after_exit(self, code: int | None, why: str, ready_for: float) -> None:
         spec = self.spec
         if why in ("stop", "restart"):
-            self._set(state="stopped" if why == "stop" else "starting", pid=None, models=(),
+            self._set(state="stopped" if why == "stop" else "starting", pid=None,
                       exit_code=code, exited_at=_wall())
             return
         if why == "budget":
@@ -198,7 +205,7 @@ class EngineRunner:
             error = f"engine process {_describe(code)}"
         if ready_for >= spec.manifest.restart.reset_after_s:
             self.backoff = spec.manifest.restart.initial_s
-        self._set(state="down", pid=None, models=(), exit_code=code, exited_at=_wall(),
+        self._set(state="down", pid=None, exit_code=code, exited_at=_wall(),
                   error=error)
         log.warning("%s: %s; restarting in %.1f s", spec.name, error, self.backoff)
         await self._back_off()

@@ -18,10 +18,13 @@ from nvpair import probes
 from nvpair.config import EngineSpec
 from nvpair.errors import ProbeError
 from nvpair.manifest import GENERATING_MIN_INTERVAL_S, ProbeSpec
+from nvpair.router.traffic import Traffic
 from nvpair.snapshot import Board, EngineState, ProbeStats
 from nvpair.state import Outcome, after_liveness, enter, record, with_probe
 
 JITTER = 0.05  # fraction of the interval added at random to each tick
+#: health ticks skipped in a row at most while real requests prove the engine healthy.
+PASSIVE_MAX_IN_A_ROW = 3
 
 
 def open_client(
@@ -48,8 +51,11 @@ def open_client(
 class Prober:
     """Runs the probes of one engine against ``client`` and writes outcomes to ``board``."""
 
-    def __init__(self, spec: EngineSpec, board: Board, client: httpx2.AsyncClient) -> None:
+    def __init__(self, spec: EngineSpec, board: Board, client: httpx2.AsyncClient,
+                 traffic: Traffic | None = None) -> None:
         self.spec = spec
+        self.traffic = traffic
+        self._passive_in_a_row = 0
         self.board = board
         self.client = client
         self._paths = {n: p.path for n, p in self._specs().items()}
@@ -156,7 +162,9 @@ class Prober:
             current = self.board.current.engine(name)
             assert current is not None
             probe = "ready" if current.state in ("starting", "down") else "health"
-            outcome, _ = await self.probe(probe)
+            outcome = self._passive(probe, current.state)
+            if outcome is None:
+                outcome, _ = await self.probe(probe)
             if outcome.ok and probe == "ready":
                 # Confirm who answers before listing it: a wrong engine is never listed.
                 await self.check_identity()
@@ -168,6 +176,19 @@ class Prober:
             interval = self.interval("ready" if after.state in ("starting", "down") else "health")
             next_tick = self._next(next_tick, interval)
             await trio.sleep_until(next_tick + self._jitter(interval))
+
+    def _passive(self, probe: str, state: str) -> Outcome | None:
+        """A health tick that real traffic makes unnecessary: at most 3 in a row."""
+        if (probe != "health" or state != "ready" or self.traffic is None
+                or self._passive_in_a_row >= PASSIVE_MAX_IN_A_ROW):
+            self._passive_in_a_row = 0
+            return None
+        if not self.traffic.proves_healthy(self.spec.name, trio.current_time(),
+                                           self.interval("health")):
+            self._passive_in_a_row = 0
+            return None
+        self._passive_in_a_row += 1
+        return Outcome(ok=True, kind="passive")
 
     async def run_identity(self) -> None:
         """Re-check identity on its interval while the engine answers."""

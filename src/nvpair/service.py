@@ -11,10 +11,12 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
-from nvpair.api import Api
+from nvpair.api import Api, Mount
 from nvpair.config import Settings
 from nvpair.lifecycle import EngineRunner, Lifecycles
 from nvpair.prober import Prober
+from nvpair.router import ROUTED_PATHS, Router, Traffic
+from nvpair.router.view import TrafficView
 from nvpair.snapshot import Board
 from nvpair.supervisor import initial_state
 from nvpair.sweep import Sweep
@@ -29,6 +31,7 @@ class Running(msgspec.Struct, frozen=False):
     board: Board
     sweep: Sweep
     runners: dict[str, EngineRunner]
+    traffic: Traffic
     stop: Callable[[], None]
 
 
@@ -50,26 +53,38 @@ async def run(settings: Settings, *,
     board = Board(tuple(initial_state(spec) for spec in settings.engines))
     registry: dict[str, Prober] = {}
     sweep = Sweep(board, registry, settings.sweep_deadline_s)
-    runners = {spec.name: EngineRunner(spec, board, registry, settings.log_dir)
+    traffic = Traffic(settings.router)
+    runners = {spec.name: EngineRunner(spec, board, registry, settings.log_dir, traffic)
                for spec in settings.engines}
+    router = Router(board, settings.engines, settings.router, traffic)
+    mounts = [Mount(handler=TrafficView(traffic), paths=frozenset({"/v1/router"}))]
+    if settings.router.enabled:
+        mounts.append(Mount(handler=router, paths=ROUTED_PATHS))
     api = Api(board, node=settings.node, token=settings.token,
-              controller=Lifecycles(runners, board))
+              controller=Lifecycles(runners, board), mounts=mounts)
     shutdown = trio.Event()
-    async with trio.open_nursery() as nursery, trio.open_nursery() as engines:
-        for runner in runners.values():
-            await engines.start(runner.run)
-        await engines.start(sweep.run)
-        serve: Callable[..., Awaitable[None]] = hypercorn_serve
-        binds = await nursery.start(
-            lambda task_status: serve(api, hypercorn_config(settings),
-                                      shutdown_trigger=shutdown.wait, task_status=task_status)
-        )
-        task_status.started(Running(url=binds[0], board=board, sweep=sweep, runners=runners,
-                                    stop=shutdown.set))
-        await shutdown.wait()
-        # hypercorn stops accepting and drains in-flight requests; engines stop with their
-        # grace periods (each SIGTERM, wait, SIGKILL, in parallel).
-        engines.cancel_scope.cancel(reason="nvpair is shutting down")
+    # Lifetimes, outermost last to end: the router's engine clients, the engines, the API.
+    # On shutdown the API drains first, then engines stop, then the clients close.
+    async with trio.open_nursery() as outer:
+        await outer.start(router.run)
+        async with trio.open_nursery() as engines:
+            for runner in runners.values():
+                await engines.start(runner.run)
+            await engines.start(sweep.run)
+            async with trio.open_nursery() as http:
+                serve: Callable[..., Awaitable[None]] = hypercorn_serve
+                binds = await http.start(
+                    lambda task_status: serve(api, hypercorn_config(settings),
+                                              shutdown_trigger=shutdown.wait,
+                                              task_status=task_status)
+                )
+                task_status.started(Running(url=binds[0], board=board, sweep=sweep,
+                                            runners=runners, traffic=traffic,
+                                            stop=shutdown.set))
+            # hypercorn has stopped accepting and drained in-flight requests; engines stop
+            # with their grace periods (each SIGTERM, wait, SIGKILL, in parallel).
+            engines.cancel_scope.cancel(reason="nvpair is shutting down")
+        outer.cancel_scope.cancel(reason="nvpair is shutting down")
 
 
 async def main(settings: Settings, *, announce: Callable[[str], None] = print) -> None:

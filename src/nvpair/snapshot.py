@@ -34,6 +34,8 @@ class ProbeStats(msgspec.Struct, frozen=True):
     latency_ms_max: float = 0.0
     latency_ms_total: float = 0.0
     error: str | None = None
+    #: ticks skipped because real requests had just succeeded (passive health).
+    passive: int = 0
 
 
 class Model(msgspec.Struct, frozen=True):

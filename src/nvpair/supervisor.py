@@ -9,6 +9,7 @@ import trio
 
 from nvpair.config import EngineSpec
 from nvpair.prober import Prober, open_client
+from nvpair.router.traffic import Traffic
 from nvpair.snapshot import Board, EngineState
 
 
@@ -33,6 +34,7 @@ async def run_probes(
     registry: MutableMapping[str, Prober],
     *,
     transport: httpx2.AsyncBaseTransport | None = None,
+    traffic: Traffic | None = None,
     task_status: trio.TaskStatus[Prober] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Probe one engine until cancelled. Started value: its Prober (registered for the sweep).
@@ -40,7 +42,7 @@ async def run_probes(
     Cancellation closes the engine's client, so no connection outlives the loops.
     """
     async with open_client(spec, transport) as client, trio.open_nursery() as nursery:
-        prober = Prober(spec, board, client)
+        prober = Prober(spec, board, client, traffic)
         registry[spec.name] = prober
         try:
             nursery.start_soon(prober.run_liveness)

@@ -46,6 +46,7 @@ def engine_status(e: EngineState, snap: Snapshot, now: float, node: str) -> dict
                 "latency_ms_mean": (round(p.latency_ms_total / p.requests, 2)
                                     if p.requests else None),
                 "error": p.error,
+                "passive": p.passive,
             }
             for name, p in e.probes
         },

@@ -249,5 +249,6 @@ async def run_llama_server(
             yield server
             return
         finally:
-            await stop_process(proc)
+            with trio.move_on_after(60, shield=True):  # stop_process bounds itself; belt and braces
+                await stop_process(proc)
     raise ServerStartError("could not bind a free port after 3 attempts")

@@ -1,0 +1,90 @@
+"""What real requests tell about engines: in-flight counts, outcomes and passive health.
+
+The rule (docs/router.md): a connection refused or a 5xx answer counts against an engine;
+a client that goes away never does. ``suspect_after`` failures in a row make the engine
+*suspect* for ``cooldown_s``: it gets no traffic while another engine can serve the model.
+A success clears it. While real requests succeed, the engine's health probe is skipped
+(recorded as passive), at most three intervals in a row: real traffic proves health.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import trio
+
+from nvpair.config import RouterConfig
+
+
+class EngineTraffic(msgspec.Struct):
+    in_flight: int = 0
+    requests: int = 0
+    failures: int = 0
+    consecutive_failures: int = 0
+    client_gone: int = 0
+    last_ok_at: float | None = None
+    suspect_until: float | None = None
+    last_error: str | None = None
+
+
+class Traffic:
+    """Mutable, owned by the router; read by the prober (sync calls only, no awaits)."""
+
+    def __init__(self, config: RouterConfig | None = None) -> None:
+        self.config = config or RouterConfig()
+        self.engines: dict[str, EngineTraffic] = {}
+
+    def of(self, name: str) -> EngineTraffic:
+        entry = self.engines.get(name)
+        if entry is None:
+            entry = self.engines[name] = EngineTraffic()
+        return entry
+
+    def suspect(self, name: str, now: float) -> bool:
+        until = self.of(name).suspect_until
+        return until is not None and now < until
+
+    def started(self, name: str) -> None:
+        entry = self.of(name)
+        entry.in_flight += 1
+        entry.requests += 1
+
+    def finished(self, name: str, outcome: str, error: str | None = None) -> None:
+        """``outcome``: ok, failed (counts against the engine) or client_gone (never)."""
+        entry = self.of(name)
+        entry.in_flight -= 1
+        now = trio.current_time()
+        if outcome == "ok":
+            entry.consecutive_failures = 0
+            entry.last_ok_at = now
+            entry.suspect_until = None
+        elif outcome == "failed":
+            entry.failures += 1
+            entry.consecutive_failures += 1
+            entry.last_error = error
+            if entry.consecutive_failures >= self.config.suspect_after:
+                entry.suspect_until = now + self.config.cooldown_s
+        else:
+            entry.client_gone += 1
+
+    def proves_healthy(self, name: str, now: float, interval: float) -> bool:
+        """A real request succeeded within the last probe interval."""
+        entry = self.engines.get(name)
+        return (entry is not None and entry.last_ok_at is not None
+                and now - entry.last_ok_at < interval and entry.consecutive_failures == 0)
+
+    def doc(self, now: float) -> dict[str, Any]:
+        return {
+            name: {
+                "in_flight": t.in_flight,
+                "requests": t.requests,
+                "failures": t.failures,
+                "consecutive_failures": t.consecutive_failures,
+                "client_gone": t.client_gone,
+                "last_ok_age_s": None if t.last_ok_at is None else round(now - t.last_ok_at, 3),
+                "suspect": t.suspect_until is not None and now < t.suspect_until,
+                "last_error": t.last_error,
+            }
+            for name, t in self.engines.items()
+        }

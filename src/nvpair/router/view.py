@@ -1,0 +1,19 @@
+"""``GET /v1/router``: what real traffic has shown, per engine (the router's own counters)."""
+
+from __future__ import annotations
+
+import trio
+
+from nvpair.asgi import Receive, Scope, Send, send_error, send_json
+from nvpair.router.traffic import Traffic
+
+
+class TrafficView:
+    def __init__(self, traffic: Traffic) -> None:
+        self.traffic = traffic
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["method"] != "GET":
+            await send_error(send, 405, "use GET /v1/router")
+            return
+        await send_json(send, 200, {"engines": self.traffic.doc(trio.current_time())})

@@ -1,0 +1,259 @@
+"""The OpenAI front door against scripted engines and simulators, over real sockets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx2
+import msgspec
+import pytest
+import trio
+import trio.testing
+from tests.managed import wait_state
+from tests.router.script_engine import ScriptEngine, json_script, sse_script
+
+from nvpair import service
+from nvpair.config import load_settings
+from nvpair.streams import close_early
+
+CHAT = "/v1/chat/completions"
+
+
+def body(model: str = "m", stream: bool = False, **extra: object) -> bytes:
+    return msgspec.json.encode({"model": model, "stream": stream,
+                                "messages": [{"role": "user", "content": "hi"}], **extra})
+
+
+async def start(nursery: trio.Nursery, tmp: Path, engines: dict[str, ScriptEngine],
+                extra: str = "", top: str = ""):  # type: ignore[no-untyped-def]
+    text = f"listen = '127.0.0.1:0'\n{top}\n"
+    for name, eng in engines.items():
+        if not eng.port:
+            await nursery.start(eng.serve)
+        text += (f"[[engines]]\nname = '{name}'\nkind = 'openai'\nport = {eng.port}\n{extra}\n"
+                 "[engines.probes.ready]\ninterval_s = 0.1\ntimeout_s = 0.1\n")
+    path = tmp / "nvpair.toml"
+    path.write_text(text)
+    running = await nursery.start(service.run, load_settings(str(path)))
+    for name in engines:
+        await wait_state(running.board, name, "ready", where=lambda e: bool(e.models))
+    return running
+
+
+async def test_stream_bytes_reach_the_client_unchanged(nursery, tmp_path) -> None:
+    eng = ScriptEngine("m")
+    script = sse_script(500, model="m")  # 500 identical-shaped chunks: nothing is re-framed
+    eng.script = lambda path, raw: script
+    with trio.fail_after(30):
+        running = await start(nursery, tmp_path, {"e": eng})
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            r = await client.post(CHAT, content=body(stream=True))
+    assert r.status_code == 200
+    assert r.headers["content-type"] == "text/event-stream"
+    assert r.headers["x-nvpair-engine"] == "e"
+    assert r.content == b"".join(data for _, data in script[1:])
+    assert eng.requests[0][1] == body(stream=True)  # the request body passed untouched
+
+
+async def test_non_stream_and_embeddings_pass_through(nursery, tmp_path) -> None:
+    eng = ScriptEngine("m")
+    doc = {"object": "chat.completion", "choices": [], "odd": {"keys": [1, None]}}
+    eng.script = lambda path, raw: json_script({"path": path, **doc})
+    with trio.fail_after(30):
+        running = await start(nursery, tmp_path, {"e": eng})
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            chat = await client.post(CHAT, content=body())
+            emb = await client.post("/v1/embeddings",
+                                    content=msgspec.json.encode({"model": "m", "input": "x"}))
+    assert chat.content == msgspec.json.encode({"path": CHAT, **doc})
+    assert emb.json()["path"] == "/v1/embeddings"
+
+
+async def test_routes_by_alias_and_adds_the_engine_key_never_the_user_token(
+        nursery, tmp_path) -> None:
+    eng = ScriptEngine("org/model-7b")
+    (tmp_path / "key").write_text("engine-secret")
+    (tmp_path / "token").write_text("user-token")
+    with trio.fail_after(30):
+        running = await start(nursery, tmp_path, {"e": eng},
+                              extra="aliases = ['fast']\napi_key_file = 'key'",
+                              top="token_file = 'token'")
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            denied = await client.post(CHAT, content=body("fast"))
+            r = await client.post(CHAT, content=body("fast"),
+                                  headers={"Authorization": "Bearer user-token"})
+    assert denied.status_code == 401
+    assert r.status_code == 200
+    headers = eng.requests[-1][2]
+    assert headers["authorization"] == "Bearer engine-secret"
+    assert "user-token" not in str(eng.requests)
+
+
+async def test_unknown_model_is_404_and_not_ready_is_503_without_connecting(
+        nursery, tmp_path) -> None:
+    eng = ScriptEngine("m")
+    with trio.fail_after(30):
+        running = await start(nursery, tmp_path, {"e": eng})
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            missing = await client.post(CHAT, content=body("nope"))
+            await client.post("/v1/engines/e/stop")
+            await wait_state(running.board, "e", "stopped")
+            connections = eng.connections
+            start_t = trio.current_time()
+            busy = await client.post(CHAT, content=body("m"))
+            elapsed = trio.current_time() - start_t
+    assert missing.status_code == 404
+    assert missing.json() == {"error": {"message": "The model `nope` does not exist.",
+                                        "type": "not_found_error", "code": "model_not_found",
+                                        "param": None}}
+    assert busy.status_code == 503 and busy.headers["retry-after"]
+    assert busy.json()["error"]["code"] == "engine_not_ready"
+    assert eng.connections == connections  # answered from the snapshot
+    assert elapsed < 0.1
+
+
+async def test_bad_requests_are_4xx(nursery, tmp_path) -> None:
+    eng = ScriptEngine("m")
+    with trio.fail_after(30):
+        running = await start(nursery, tmp_path, {"e": eng},
+                              top="[router]\nmax_body_bytes = 2048")
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            big = await client.post(CHAT, content=body(pad="x" * 4096))
+            bad = await client.post(CHAT, content=b"{not json")
+            nomodel = await client.post(CHAT, content=b"{}")
+            get = await client.get(CHAT)
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+    assert bad.status_code == 400 and nomodel.status_code == 400
+    assert get.status_code == 405
+    assert eng.posts == 0
+
+
+@pytest.mark.parametrize("when", ["mid-stream", "before-first-byte", "non-stream"])
+async def test_client_disconnect_aborts_the_engine_request(nursery, tmp_path, when: str) -> None:
+    eng = ScriptEngine("m")
+    if when == "mid-stream":
+        eng.script = lambda path, raw: sse_script(1000, gap=0.01)
+    elif when == "before-first-byte":
+        eng.script = lambda path, raw: [(30.0, b"HTTP/1.1 200 OK\r\n\r\n")]
+    else:
+        eng.script = lambda path, raw: json_script({"late": True}, delay=30.0)
+    with trio.fail_after(30):
+        running = await start(nursery, tmp_path, {"e": eng})
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            # mid-stream: leave after the first chunk; otherwise leave after 0.3 s of waiting
+            with trio.move_on_after(30 if when == "mid-stream" else 0.3):
+                async with client.stream("POST", CHAT,
+                                         content=body(stream=when != "non-stream")) as r:
+                    chunks = r.aiter_raw()
+                    try:
+                        await chunks.__anext__()
+                    finally:
+                        with trio.move_on_after(5, shield=True):
+                            await close_early(chunks)
+            left_at = trio.current_time()
+            await eng.closed.wait()
+    seen = eng.closed_at[0] - left_at
+    assert seen < 0.1, seen
+    await trio.testing.wait_all_tasks_blocked(0.05)
+    gone = running.traffic.of("e")
+    assert gone.client_gone == 1 and gone.failures == 0  # a client leaving never counts
+
+
+async def sse_events(client: httpx2.AsyncClient, payload: bytes) -> list[bytes]:
+    r = await client.post(CHAT, content=payload)
+    return [e for e in r.content.split(b"\n\n") if e]
+
+
+async def test_silent_engine_is_cut_after_the_idle_gap(nursery, tmp_path) -> None:
+    eng = ScriptEngine("m")
+    script = sse_script(3)
+    eng.script = lambda path, raw: [*script[:3], (60.0, b"data: late\n\n")]
+    with trio.fail_after(30):
+        running = await start(nursery, tmp_path, {"e": eng},
+                              top="[router]\nidle_timeout_s = 0.5")
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            t0 = trio.current_time()
+            events = await sse_events(client, body(stream=True))
+            elapsed = trio.current_time() - t0
+    assert 0.5 <= elapsed < 2.0
+    assert events[:2] == [e.strip() for _, e in script[1:3]]
+    error = msgspec.json.decode(events[-1].removeprefix(b"data: "))
+    assert error["error"]["code"] == "engine_error" and "no data" in error["error"]["message"]
+    assert b"[DONE]" not in b"".join(events)
+
+
+async def test_slow_but_steady_stream_is_not_cut(nursery, tmp_path) -> None:
+    eng = ScriptEngine("m")
+    script = sse_script(8, gap=0.2)
+    eng.script = lambda path, raw: script
+    with trio.fail_after(30):
+        running = await start(nursery, tmp_path, {"e": eng},
+                              top="[router]\nidle_timeout_s = 0.5")
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            r = await client.post(CHAT, content=body(stream=True))
+    assert r.content == b"".join(d for _, d in script[1:])  # 1.8 s in all, gaps under 0.5 s
+
+
+async def test_engine_death_mid_stream_ends_with_an_error_event(nursery, tmp_path) -> None:
+    eng = ScriptEngine("m")
+    script = sse_script(5)
+    # A chunked body cut in the middle: the engine process died.
+    head = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n")
+    chunk = script[1][1]
+    eng.script = lambda path, raw: [(0.0, head), (0.0, b"%x\r\n%s\r\n" % (len(chunk), chunk)),
+                                    (0.0, b"ff\r\npartial")]
+    with trio.fail_after(30):
+        running = await start(nursery, tmp_path, {"e": eng})
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            events = await sse_events(client, body(stream=True))
+    assert events[0] == chunk.strip()
+    assert b"the engine cut the answer" in events[-1]
+    assert b"[DONE]" not in b"".join(events)
+    await trio.testing.wait_all_tasks_blocked(0.05)  # nvpair's handler finishes its cleanup
+    assert running.traffic.of("e").failures == 1
+
+
+async def test_long_stream_passes_intact(nursery, tmp_path) -> None:
+    eng = ScriptEngine("m")
+    script = sse_script(20_000)  # a long generation at a fast token rate
+    eng.script = lambda path, raw: script
+    with trio.fail_after(60):
+        running = await start(nursery, tmp_path, {"e": eng})
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            r = await client.post(CHAT, content=body(stream=True))
+    assert r.content == b"".join(d for _, d in script[1:])
+
+
+async def test_least_in_flight_spreads_and_refused_is_retried(nursery, tmp_path) -> None:
+    fast, slow = ScriptEngine("m"), ScriptEngine("m")
+    fast.script = lambda path, raw: json_script({"by": "fast"}, delay=0.02)
+    slow.script = lambda path, raw: json_script({"by": "slow"}, delay=0.2)
+    with trio.fail_after(60):
+        running = await start(nursery, tmp_path, {"fast": fast, "slow": slow})
+        async with httpx2.AsyncClient(base_url=running.url,
+                                      limits=httpx2.Limits(max_connections=16)) as client:
+            served: list[str] = []
+
+            async def worker() -> None:
+                for _ in range(10):
+                    served.append((await client.post(CHAT, content=body())).json()["by"])
+
+            async with trio.open_nursery() as n:
+                for _ in range(8):
+                    n.start_soon(worker)
+    # The slow engine (10x slower) holds requests longer, so it is picked less often.
+    assert 0 < served.count("slow") <= 0.4 * len(served), served.count("slow")
+
+
+async def test_refused_connection_is_retried_on_another_engine(nursery, tmp_path) -> None:
+    a, b = ScriptEngine("m"), ScriptEngine("m")
+    b.script = lambda path, raw: json_script({"by": "b"})
+    with trio.fail_after(30):
+        running = await start(nursery, tmp_path, {"a": a, "b": b})
+        # a's port now refuses, but its next health probe is seconds away: still "ready".
+        await a.close_listener()
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            results = [(await client.post(CHAT, content=body())).json()["by"] for _ in range(6)]
+    assert results == ["b"] * 6 and b.posts == 6
+    assert running.traffic.of("a").requests >= 1  # a was tried, refused, and b took it
