@@ -19,13 +19,15 @@ from tests.managed import (
 
 from nvpair import service
 
-READ_BOUND_S = 0.2  # a read that waited on the lifecycle would blow this
+# A read that waited on the lifecycle would take as long as a start (load 1 s here) or a
+# stop; reads from the snapshot take a few ms. The bound leaves room for a busy machine.
+READ_BOUND_S = 0.3
 
 
 async def test_sigkill_leads_to_down_then_restart_with_new_pid(
         nursery, tmp_path) -> None:
     settings = managed_config(tmp_path, "e", free_port(),
-                              sim_command("vllm", "--load-s", "0.3", "--spawn-children", "2"))
+                              sim_command("vllm", "--load-s", "1.0", "--spawn-children", "2"))
     with trio.fail_after(30):
         running = await nursery.start(service.run, settings)
         async with reading(running.url) as reader:
@@ -46,7 +48,7 @@ async def test_sigkill_leads_to_down_then_restart_with_new_pid(
 
 async def test_stop_and_start_through_the_api(nursery, tmp_path) -> None:
     settings = managed_config(tmp_path, "e", free_port(),
-                              sim_command("vllm", "--load-s", "0.2", "--spawn-children", "2"))
+                              sim_command("vllm", "--load-s", "1.0", "--spawn-children", "2"))
     with trio.fail_after(30):
         running = await nursery.start(service.run, settings)
         async with reading(running.url) as reader:
@@ -77,12 +79,11 @@ async def test_a_start_that_fails_at_once_backs_off(nursery, tmp_path) -> None:
         running = await nursery.start(service.run, settings)
         async with reading(running.url) as reader:
             await trio.sleep(4)  # the window over which attempts are counted
-            runner = running.runners["e"]
-            e = running.board.current.engine("e")
+        starts = running.runners["e"].starts
+        e = await wait_state(running.board, "e", "down")
     # backoff 0.2, 0.4, 0.8, 1.6, 1.6 ...: about 5 attempts in 4 s, never a spin.
-    assert 3 <= runner.starts <= 7, runner.starts
-    assert e is not None and e.state == "down" and e.exit_code == 3
-    assert "exited with code 3" in (e.error or "")
+    assert 2 <= starts <= 7, starts  # it retries, and it never spins
+    assert e.exit_code == 3 and "exited with code 3" in (e.error or "")
     assert reader.worst < READ_BOUND_S
 
 

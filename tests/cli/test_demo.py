@@ -1,0 +1,41 @@
+"""`nvpair demo` as the README runs it: engines come up, Ctrl-C leaves nothing behind."""
+
+import contextlib
+import signal
+import subprocess
+import sys
+
+import httpx2
+import trio
+from tests.managed import free_port, group_members
+
+
+async def test_demo_lists_models_and_stops_cleanly() -> None:
+    port = free_port()
+    with trio.fail_after(60):
+        proc = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "nvpair", "demo", "--listen", f"127.0.0.1:{port}"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            async with httpx2.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+                ids: set[str] = set()
+                while len(ids) < 5:  # 4 engines, Ollama with two models
+                    with contextlib.suppress(httpx2.ConnectError):
+                        ids = {m["id"] for m in (await client.get("/v1/models")).json()["data"]}
+                    await trio.sleep(0.1)  # an external process: nothing to wait on but it
+                engines = (await client.get("/v1/engines")).json()["engines"]
+            pids = [e["pid"] for e in engines]
+            assert all(group_members(pid) for pid in pids)
+            proc.send_signal(signal.SIGINT)
+            code = await proc.wait()
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+    assert code == 0
+    assert "llama3.2:latest" in ids and "qwen3:0.6b" in ids
+    assert all(group_members(pid) == [] for pid in pids)
+    assert proc.stdout is not None
+    out = b""
+    while chunk := await proc.stdout.receive_some(65536):
+        out += chunk
+    assert b"/v1/models" in out and b"no engine left running" in out
