@@ -87,13 +87,27 @@ async def run(settings: Settings, *,
         outer.cancel_scope.cancel(reason="nvpair is shutting down")
 
 
-async def main(settings: Settings, *, announce: Callable[[str], None] = print) -> None:
-    """``nvpair serve``: run until SIGINT or SIGTERM, then shut down cleanly."""
+async def main(settings: Settings, *, announce: Callable[[str], None] = print,
+               watch: Callable[[Board], Awaitable[None]] | None = None) -> None:
+    """``nvpair serve``: run until SIGINT or SIGTERM, then shut down cleanly.
+
+    ``watch(board)`` runs beside it (the CLI prints engine state changes with it).
+    """
+    watching = trio.CancelScope()
+
+    async def watch_board(board: Board) -> None:
+        assert watch is not None
+        with watching:
+            await watch(board)
+
     async with trio.open_nursery() as nursery:
         running: Running = await nursery.start(run, settings)
         announce(running.url)
+        if watch is not None:
+            nursery.start_soon(watch_board, running.board)
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for signum in signals:
                 log.info("got %s, shutting down", signal.Signals(signum).name)
                 running.stop()
+                watching.cancel(reason="shutting down")
                 break

@@ -12,6 +12,7 @@ import msgspec
 import trio
 
 from nvpair import service
+from nvpair.cli.progress import print_transitions
 from nvpair.config import Config, resolve
 
 #: (name, kind, model, extra simulator flags)
@@ -59,7 +60,8 @@ it (see probes in {url}/v1/engines/sglang). Ctrl-C stops nvpair and every engine
                   flush=True)
 
         try:
-            trio.run(lambda: service.main(settings, announce=announce))
+            trio.run(lambda: service.main(settings, announce=announce,
+                                                   watch=print_transitions))
         except OSError as exc:
             print(f"nvpair: error: cannot listen on {listen}: {exc.strerror}", file=sys.stderr)
             return 1

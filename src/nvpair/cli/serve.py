@@ -8,6 +8,7 @@ import sys
 import trio
 
 from nvpair import service
+from nvpair.cli.progress import print_transitions
 from nvpair.config import Settings
 
 
@@ -25,7 +26,8 @@ def run_serve(settings: Settings) -> int:
               f"status: {url}/v1/engines  (Ctrl-C to stop)", file=sys.stderr, flush=True)
 
     try:
-        trio.run(lambda: service.main(settings, announce=announce))
+        trio.run(lambda: service.main(settings, announce=announce,
+                                                   watch=print_transitions))
     except OSError as exc:
         print(f"nvpair: error: cannot listen on {settings.listen_host}:{settings.listen_port}: "
               f"{exc.strerror}", file=sys.stderr)

@@ -1,0 +1,48 @@
+"""Engine state changes, printed as they happen while ``nvpair serve`` runs."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+import trio
+import trio.lowlevel
+
+from nvpair.cli.table import STATE_COLOURS, paint, use_colour
+from nvpair.snapshot import Board, EngineState
+
+
+def describe(e: EngineState) -> str:
+    detail = ""
+    if e.state in ("ready", "stale") and e.models:
+        detail = "serving " + ", ".join(m.id for m in e.models[:4])
+        if len(e.models) > 4:
+            detail += f" and {len(e.models) - 4} more"
+    elif e.error:
+        detail = e.error
+    return detail
+
+
+async def print_transitions(board: Board, stream: TextIO = sys.stderr) -> None:
+    """Print one line per engine state change (optional engines only once they answer)."""
+    colour = use_colour(stream)
+    seen: dict[str, str] = {}
+    version = -1
+    width = max((len(e.name) for e in board.current.engines), default=8)
+    while True:
+        snap = await board.wait_changed(version)
+        version = snap.version
+        for e in snap.engines:
+            before = seen.get(e.name)
+            if before == e.state or (e.optional and e.checked_at is None):
+                continue
+            seen[e.name] = e.state
+            arrow = f"{before} -> " if before else ""
+            state = paint(e.state, STATE_COLOURS.get(e.state), colour)
+            stamp = time.strftime("%H:%M:%S")
+            line = f"{stamp} {e.name.ljust(width)}  {arrow}{state}"
+            if detail := describe(e):
+                line += f"  {paint(detail, 'dim', colour)}"
+            print(line, file=stream, flush=True)
+        await trio.lowlevel.checkpoint()  # let a burst of changes land before printing the next
