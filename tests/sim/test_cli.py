@@ -117,3 +117,18 @@ def test_cli_defaults_and_engine_flags(monkeypatch):
     vllm = options_from_args(build_parser().parse_args([
         "vllm", "--headless", "--nnodes", "2", "--node-rank", "1", "--master-port", "29501"]))
     assert vllm.dist_init_addr == "127.0.0.1:29501" and vllm.headless
+
+
+def test_cli_takes_llama_server_flags():
+    """The llama.cpp simulator runs from llama-server's own argv (the manifest's template)."""
+    argv = ["llamacpp", "-m", "/m/g.gguf", "--host", "127.0.0.1", "--port", "0", "--alias",
+            "g", "-c", "2048", "-ngl", "99", "-np", "2", "-t", "4", "--api-key", "k1,k2",
+            "--metrics", "--no-slots", "--embeddings", "--pooling", "mean", "--no-webui",
+            "--kv-unified"]
+    options = options_from_args(build_parser().parse_args(argv))
+    assert (options.model, options.served, options.context_length) == ("/m/g.gguf", "g", 2048)
+    assert (options.np, options.kv_unified, options.api_key) == (2, True, "k1,k2")
+    assert options.metrics and options.no_slots and options.embeddings
+    assert options.pooling == "mean" and options.webui is False
+    auto = options_from_args(build_parser().parse_args(["llamacpp", "-np", "-1"]))
+    assert (auto.np, auto.kv_unified, auto.webui, auto.idle_timeout_s) == (None, None, True, None)

@@ -30,8 +30,15 @@ async def test_head_has_headers_and_no_body(start_sim):
         stream = await raw_request(sim, "HEAD / HTTP/1.1\nHost: sim\nConnection: close\n\n")
         data = await _read_all(stream)
         head, _, body = data.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 200") and b"content-length: 17" in head.lower()
+        assert head.startswith(b"HTTP/1.1 200 OK\r\n") and b"content-length: 17" in head.lower()
         assert body == b""
+
+
+async def test_status_lines_carry_the_reason_phrase(start_sim):
+    with trio.fail_after(10):
+        sim = await start_sim("vllm")
+        stream = await raw_request(sim, "GET /nope HTTP/1.1\nHost: sim\nConnection: close\n\n")
+        assert (await _read_all(stream)).startswith(b"HTTP/1.1 404 Not Found\r\n")
 
 
 async def test_connection_close_and_pipelining(start_sim):

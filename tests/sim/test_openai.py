@@ -50,7 +50,7 @@ async def test_chat_stream_shape_with_usage(start_sim, http):
 
 async def test_completions_stream_without_usage(start_sim, http):
     with trio.fail_after(10):
-        sim = await start_sim("llamacpp", token_rate=1000)
+        sim = await start_sim("vllm", token_rate=1000)
         response = await http(sim).post("/v1/completions", json={
             "prompt": "hi", "max_tokens": 2, "stream": True})
         data = events(response.text)

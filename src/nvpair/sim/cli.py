@@ -75,14 +75,27 @@ def build_parser() -> argparse.ArgumentParser:
     add("--prefill-s", type=float, default=0.0)
     add("--token-rate", type=float, default=50.0)
     add("--max-tokens", type=int, default=16)
-    add("--context-length", type=int, default=4096)
+    add("--context-length", "-c", "--ctx-size", dest="context_length", type=int, default=4096)
+    add("--embedding-dim", type=int, default=8, help="length of an embedding vector")
     add("--tags-scan-s", type=float, default=0.05)
     add("--model-load-s", type=float, default=0.5)
     add("--keep-alive-s", type=float, default=300.0, help="Ollama: OLLAMA_KEEP_ALIVE")
 
     add = p.add_argument_group("capacity").add_argument
-    add("-np", "--np", "--parallel", dest="np", type=int, default=4)
+    add("-np", "--np", "--parallel", dest="np", type=int, default=None,
+        help="llama.cpp slots (default, or -1: auto, 4 slots with a unified KV cache)")
+    add("--kv-unified", "-kvu", dest="kv_unified", action="store_true", default=None)
+    add("--no-kv-unified", "-no-kvu", dest="kv_unified", action="store_false")
     add("--no-slots", action="store_true")
+    add("--slots", action="store_false", dest="no_slots", help="llama.cpp: the default")
+    add("--embeddings", "--embedding", action="store_true", help="llama.cpp: /v1/embeddings")
+    add("--pooling", default=None, help="llama.cpp: embeddings pooling (mean, cls, last, ...)")
+    add("--no-webui", "--no-ui", dest="webui", action="store_false", help="llama.cpp: no / UI")
+    add("--webui", "--ui", dest="webui", action="store_true", default=True)
+    # llama-server flags a manifest template passes: accepted and ignored.
+    add("-t", "--threads", type=int, default=None, help="ignored (llama.cpp)")
+    add("-ngl", "--n-gpu-layers", "--gpu-layers", type=str, default=None,
+        help="ignored (llama.cpp)")
     add("--metrics", "--enable-metrics", action="store_true")
     add("--max-concurrent-requests", type=int, default=128)
     add("--max-queue", type=int, default=512)
@@ -110,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--leave-children", action="store_true", help="children outlive the simulator")
     add("--children-ignore-sigterm", action="store_true")
     add("--child-lifetime-s", type=float, default=3600.0)
-    add("--idle-timeout-s", type=float, default=30.0)
+    add("--idle-timeout-s", type=float, default=None,
+        help="close idle keep-alive connections (default: the kind's, llama.cpp 5 s, else 30 s)")
     add("--log-level", default="INFO")
     return p
 
@@ -149,9 +163,12 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
         decode_step_s=args.decode_step_s, loop_lag_s=args.loop_lag_s,
         device_probe_s=args.device_probe_s, prefill_s=args.prefill_s,
         token_rate=args.token_rate, max_tokens=args.max_tokens,
-        context_length=args.context_length, tags_scan_s=args.tags_scan_s,
+        context_length=args.context_length, embedding_dim=args.embedding_dim,
+        tags_scan_s=args.tags_scan_s,
         model_load_s=args.model_load_s, ollama_keep_alive_s=args.keep_alive_s,
-        np=args.np, no_slots=args.no_slots, metrics=args.metrics,
+        np=None if args.np is None or args.np < 0 else args.np, kv_unified=args.kv_unified,
+        no_slots=args.no_slots, embeddings=args.embeddings, pooling=args.pooling,
+        webui=args.webui, metrics=args.metrics,
         max_concurrent=args.max_concurrent_requests, max_queue=args.max_queue,
         nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=dist,
         wait_workers=args.wait_workers, headless=args.headless,

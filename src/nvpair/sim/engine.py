@@ -70,6 +70,9 @@ class Engine:
     #: vLLM, TGI: the dead phase answers 503 for ``exit_after_dead_s``, then the process exits.
     #: Other kinds exit as soon as they are dead.
     serves_while_dead: ClassVar[bool] = False
+    #: idle keep-alive connections are closed after this long (``options.idle_timeout_s``
+    #: overrides it).
+    keep_alive_s: ClassVar[float] = 30.0
 
     def __init__(self, options: SimOptions, state: SimState) -> None:
         self.options = options
@@ -93,8 +96,15 @@ class Engine:
         await trio.lowlevel.checkpoint()
         return False
 
+    def prepare(self, request: Request, reply: Reply) -> None:
+        """Called first for every request: set up the reply (header fields, closing)."""
+
     def auth_exempt(self, path: str) -> bool:
         return False
+
+    def authorized(self, request: Request, key: str) -> bool:
+        """Whether the request carries the API key ``key`` (default: ``Bearer <key>``)."""
+        return request.header("authorization") == f"Bearer {key}"
 
     async def unauthorized(self, reply: Reply) -> None:
         await reply.send_json(401, {"error": "Unauthorized"})
@@ -191,6 +201,7 @@ class Engine:
                 )
 
         reply.on_complete = account
+        self.prepare(request, reply)
         try:
             await self._pipeline(request, reply)
         finally:
@@ -202,8 +213,7 @@ class Engine:
         if await self.before_route(request, reply):
             return
         key = self.options.api_key
-        if (key and not self.auth_exempt(request.path)
-                and request.header("authorization") != f"Bearer {key}"):
+        if key and not self.auth_exempt(request.path) and not self.authorized(request, key):
             await self.unauthorized(reply)
             return
         route, known = self.router.match(request)

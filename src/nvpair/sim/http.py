@@ -14,6 +14,7 @@ import logging
 import socket
 import struct
 from collections.abc import Awaitable, Callable, Iterable
+from http import HTTPStatus
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
@@ -30,16 +31,19 @@ _RECV = 65536
 _READ_TIMEOUT_S = 60.0
 
 Handler = Callable[["Request", "Reply"], Awaitable[None]]
+#: rewrites the header fields of an answer: (status, fields, streamed) -> fields.
+HeadFields = Callable[[int, list[tuple[str, str]], bool], list[tuple[str, str]]]
 
 
 class Request:
     """One request, read in full."""
 
-    __slots__ = ("body", "headers", "http_version", "method", "params", "path", "query", "target")
+    __slots__ = ("body", "headers", "http_version", "method", "params", "path", "query", "seq",
+                 "target")
 
     def __init__(
         self, method: str, target: str, headers: list[tuple[str, str]], body: bytes,
-        http_version: str = "1.1",
+        http_version: str = "1.1", seq: int = 1,
     ) -> None:
         self.method = method
         self.target = target
@@ -49,6 +53,8 @@ class Request:
         self.headers = {name: value for name, value in headers}
         self.body = body
         self.http_version = http_version
+        #: this request's number on its connection (1 for the first).
+        self.seq = seq
         #: path parameters filled in by the router.
         self.params: dict[str, str] = {}
 
@@ -67,7 +73,9 @@ class Reply:
     status line and headers go out and then nothing more. ``reset()`` asks for the
     connection to be closed with a TCP reset once the handler returns. ``on_complete`` runs
     just before the last bytes of the answer go out, so whoever reads the answer can already
-    see what it was accounted as.
+    see what it was accounted as. ``head_fields`` lets the engine shape the header fields
+    (names, order, keep-alive headers); ``close_after`` closes the connection once the answer
+    is complete, whatever the headers announced.
     """
 
     def __init__(self, conn: _Connection, request: Request, scope: trio.CancelScope) -> None:
@@ -80,6 +88,8 @@ class Reply:
         self.aborted = False
         self.reset_requested = False
         self.on_complete: Callable[[Reply], None] = lambda reply: None
+        self.head_fields: HeadFields = _same_fields
+        self.close_after = False
 
     @property
     def headers_sent(self) -> bool:
@@ -92,7 +102,7 @@ class Reply:
         fields = [("content-length", str(len(body))), *headers]
         if content_type is not None:
             fields.insert(0, ("content-type", content_type))
-        await self._head(status, fields)
+        await self._head(status, fields, streamed=False)
         if body and self._request.method != "HEAD":
             self.on_complete(self)
             await self._send(h11.Data(data=body))
@@ -108,7 +118,7 @@ class Reply:
         self, status: int, *, content_type: str, headers: Iterable[tuple[str, str]] = ()
     ) -> None:
         """Send the head of a streamed answer (chunked for HTTP/1.1 clients)."""
-        await self._head(status, [("content-type", content_type), *headers])
+        await self._head(status, [("content-type", content_type), *headers], streamed=True)
 
     async def write(self, data: bytes) -> None:
         await trio.lowlevel.checkpoint()
@@ -129,9 +139,14 @@ class Reply:
             self.aborted = True
         self._scope.cancel()
 
-    async def _head(self, status: int, fields: list[tuple[str, str]]) -> None:
+    async def _head(self, status: int, fields: list[tuple[str, str]], *, streamed: bool) -> None:
         self.status = status
-        await self._send(h11.Response(status_code=status, headers=fields))
+        fields = self.head_fields(status, fields, streamed)
+        response = h11.Response(status_code=status, headers=fields, reason=_reason(status))
+        # h11 moves framing headers (Transfer-Encoding, Connection) to the end: put them back
+        if not await self._conn.send(response, order=[name.lower() for name, _ in fields]):
+            self.client_gone()
+            await trio.lowlevel.checkpoint()
         if self.stall:
             await trio.sleep_forever()
 
@@ -139,6 +154,29 @@ class Reply:
         if not await self._conn.send(event):
             self.client_gone()
             await trio.lowlevel.checkpoint()  # raises Cancelled: the handler unwinds
+
+
+def _same_fields(
+    status: int, fields: list[tuple[str, str]], streamed: bool
+) -> list[tuple[str, str]]:
+    return fields
+
+
+def _reorder_head(data: bytes, order: list[str]) -> bytes:
+    """Sort a response head's header lines by ``order`` (stable; others go last)."""
+    head, sep, rest = data.partition(b"\r\n\r\n")
+    status, *lines = head.split(b"\r\n")
+    rank = {name: i for i, name in enumerate(order)}
+    lines.sort(key=lambda line: rank.get(
+        line.partition(b":")[0].decode("latin-1").lower(), len(order)))
+    return b"\r\n".join([status, *lines]) + sep + rest
+
+
+def _reason(status: int) -> bytes:
+    try:
+        return HTTPStatus(status).phrase.encode()
+    except ValueError:
+        return b""
 
 
 async def receive_or_eof(stream: trio.SocketStream) -> bytes:
@@ -156,12 +194,15 @@ class _Connection:
         self.h11 = h11.Connection(h11.SERVER)
         self.gone = False
 
-    async def send(self, event: h11.Event) -> bool:
-        """Send one event; False when the peer is gone."""
+    async def send(self, event: h11.Event, order: list[str] | None = None) -> bool:
+        """Send one event; False when the peer is gone. ``order``: header names (lowercase)
+        in the order a response head must have them."""
         await trio.lowlevel.checkpoint()
         if self.gone:
             return False
         data = self.h11.send(event)
+        if order and data:
+            data = _reorder_head(data, order)
         if data:
             try:
                 await self.stream.send_all(data)
@@ -173,7 +214,7 @@ class _Connection:
     async def _receive(self) -> bytes:
         return await receive_or_eof(self.stream)
 
-    async def read_request(self, idle_timeout_s: float) -> Request | None:
+    async def read_request(self, idle_timeout_s: float, seq: int = 1) -> Request | None:
         """The next request, or None when the connection ends (closed, idle, bad request)."""
         head: h11.Request | None = None
         body = bytearray()
@@ -204,7 +245,7 @@ class _Connection:
                 return Request(
                     head.method.decode(), head.target.decode("latin-1"),
                     [(n.decode("latin-1"), v.decode("latin-1")) for n, v in head.headers],
-                    bytes(body), head.http_version.decode(),
+                    bytes(body), head.http_version.decode(), seq,
                 )
             else:  # ConnectionClosed, or PAUSED after a protocol switch we never accept
                 return None
@@ -265,18 +306,20 @@ class HttpServer:
         self._open[scope] = stream
         try:
             with scope:
+                seq = 1
                 while True:
-                    reusable = await self._exchange(conn)
+                    reusable = await self._exchange(conn, seq)
                     if not reusable:
                         break
                     conn.h11.start_next_cycle()
+                    seq += 1
         finally:
             self._open.pop(scope, None)
             stream.socket.close()
 
-    async def _exchange(self, conn: _Connection) -> bool:
+    async def _exchange(self, conn: _Connection, seq: int) -> bool:
         """Read one request and answer it. True when the connection can be reused."""
-        request = await conn.read_request(self._idle_timeout_s)
+        request = await conn.read_request(self._idle_timeout_s, seq)
         if request is None:
             return False
         async with trio.open_nursery() as nursery:
@@ -294,6 +337,6 @@ class HttpServer:
         if reply.reset_requested:
             conn.reset()
             return False
-        if conn.gone or reply.aborted or not reply.finished:
+        if conn.gone or reply.aborted or not reply.finished or reply.close_after:
             return False
         return conn.h11.our_state is h11.DONE and conn.h11.their_state is h11.DONE

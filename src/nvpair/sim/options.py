@@ -110,9 +110,20 @@ class SimOptions(msgspec.Struct, frozen=True, kw_only=True):
     ollama_keep_alive_s: float = 300.0
 
     # capacity and switches
-    #: llama.cpp: slots (-np).
-    np: int = 4
+    #: llama.cpp: slots (-np); None is llama-server's auto: 4 slots sharing one (unified) KV
+    #: cache, so each reports the whole context.
+    np: int | None = None
+    #: llama.cpp --kv-unified: every slot's n_ctx is the whole context; None: unified only
+    #: with the auto slot count (an explicit -np N gives each slot context_length // N).
+    kv_unified: bool | None = None
+    #: llama.cpp --no-slots: /slots answers 501.
     no_slots: bool = False
+    #: llama.cpp --embeddings: serve /v1/embeddings (501 without).
+    embeddings: bool = False
+    #: llama.cpp --pooling; /v1/embeddings answers 400 unless it pools (mean, cls, last, ...).
+    pooling: str | None = None
+    #: llama.cpp's web UI at / (--no-webui: 404 there, and /props says ``"ui": false``).
+    webui: bool = True
     #: SGLang --enable-metrics, llama.cpp --metrics (vLLM and TGI always serve /metrics).
     metrics: bool = False
     #: TGI --max-concurrent-requests (429 beyond).
@@ -141,8 +152,9 @@ class SimOptions(msgspec.Struct, frozen=True, kw_only=True):
     child_lifetime_s: float = 3600.0
     #: crash with os._exit (the CLI sets this); in-process a crash only ends serve_sim.
     hard_exit: bool = False
-    #: idle keep-alive connections are closed after this long.
-    idle_timeout_s: float = 30.0
+    #: idle keep-alive connections are closed after this long; None: the kind's own (llama.cpp
+    #: 5 s, the others 30 s).
+    idle_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -155,6 +167,8 @@ class SimOptions(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("decode_step_s must be > 0")
         if self.health_tick_s <= 0:
             raise ValueError("health_tick_s must be > 0")
+        if self.np is not None and self.np < 1:
+            raise ValueError("np must be >= 1 (None: auto)")
         if not 0 <= self.node_rank < max(self.nnodes, 1):
             raise ValueError("node_rank must be in [0, nnodes)")
 

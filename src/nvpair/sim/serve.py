@@ -82,8 +82,9 @@ async def serve_sim(
                     leave=options.leave_children,
                 ))
             if not engine.headless:
-                server = HttpServer(engine, idle_timeout_s=options.idle_timeout_s,
-                                    on_connection=state.count_connection)
+                idle = options.idle_timeout_s
+                server = HttpServer(engine, on_connection=state.count_connection,
+                                    idle_timeout_s=engine.keep_alive_s if idle is None else idle)
                 await nursery.start(run_port, port, server, state, engine.wants_listening)
             nursery.start_soon(run_lifecycle, engine, handle.rendezvous, link)
             task_status.started(handle)
