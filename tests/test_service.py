@@ -261,3 +261,22 @@ async def test_serve_sigterm_leaves_no_process_behind(tmp_path) -> None:
                 proc.kill()
     assert code == 0
     assert group_members(pid) == []
+
+
+async def test_engine_that_wants_an_api_key_says_so(nursery, tmp_path) -> None:
+    sim = await nursery.start(serve_sim, SimOptions(kind="llamacpp", model="g",
+                                                    api_key="engine-key"))
+    await sim.wait_phase("ready")
+    settings = load_settings(str(config(tmp_path, engine("g", "llamacpp", sim.port))))
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, settings)
+        await wait_state(running.board, "g", "ready", where=lambda e: e.notice is not None)
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            status = (await client.get("/v1/engines/g")).json()
+    assert "needs an API key; set api_key_file" in status["error"]
+    (tmp_path / "key").write_text("engine-key")
+    fixed = config(tmp_path, engine("g", "llamacpp", sim.port, "api_key_file = 'key'"))
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, load_settings(str(fixed)))
+        e = await wait_state(running.board, "g", "ready", where=lambda e: bool(e.models))
+    assert e.notice is None and [m.id for m in e.models] == ["g"]

@@ -20,7 +20,7 @@ from nvpair.errors import ProbeError
 from nvpair.manifest import GENERATING_MIN_INTERVAL_S, ProbeSpec
 from nvpair.router.traffic import Traffic
 from nvpair.snapshot import Board, EngineState, ProbeStats
-from nvpair.state import Outcome, after_liveness, enter, record, with_probe
+from nvpair.state import Outcome, after_liveness, enter, record, with_auth_notice, with_probe
 
 JITTER = 0.05  # fraction of the interval added at random to each tick
 #: health ticks skipped in a row at most while real requests prove the engine healthy.
@@ -129,6 +129,7 @@ class Prober:
         def change(e: EngineState) -> EngineState:
             e = with_probe(e, "identity", record(e.probe("identity") or ProbeStats(
                 path=spec.path), outcome, now))
+            e = with_auth_notice(e, outcome, self._paths["identity"])
             if identity is None:
                 return e
             e = msgspec.structs.replace(e, identity=identity, mismatch=mismatch)

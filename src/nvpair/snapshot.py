@@ -61,6 +61,9 @@ class EngineState(msgspec.Struct, frozen=True):
     models_stale: bool = False
     identity: Identity | None = None
     mismatch: str | None = None  # identity mismatch, reported as an error
+    #: a problem that does not change the state (e.g. the engine wants an API key nvpair
+    #: lacks, so its model list cannot be read); shown as the error when there is no other.
+    notice: str | None = None
     checked_at: float | None = None  # trio time of the last successful health/ready probe
     probes: tuple[tuple[str, ProbeStats], ...] = ()
     pid: int | None = None

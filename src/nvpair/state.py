@@ -100,3 +100,14 @@ def effective_state(engine: EngineState, now: float, overdue_after: float) -> St
             and now - engine.checked_at > overdue_after):
         return "stale"
     return engine.state
+
+
+def with_auth_notice(engine: EngineState, outcome: Outcome, path: str) -> EngineState:
+    """Say so when an engine refuses nvpair's requests for want of an API key."""
+    if outcome.http_status in (401, 403):
+        notice = (f"the engine refuses GET {path} ({outcome.http_status}): it needs an API "
+                  "key; set api_key_file for this engine")
+        return msgspec.structs.replace(engine, notice=notice)
+    if outcome.ok and engine.notice is not None:
+        return msgspec.structs.replace(engine, notice=None)
+    return engine

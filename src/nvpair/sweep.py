@@ -15,7 +15,7 @@ from nvpair import probes
 from nvpair.errors import ProbeError
 from nvpair.prober import Prober
 from nvpair.snapshot import LISTED_STATES, Board, EngineState, Model, ProbeStats
-from nvpair.state import Outcome, enter, record, with_probe
+from nvpair.state import Outcome, enter, record, with_auth_notice, with_probe
 
 #: States in which an engine is listed (and so re-listed when due).
 LISTABLE = LISTED_STATES | {"unhealthy"}
@@ -110,6 +110,7 @@ class Sweep:
         def change(e: EngineState) -> EngineState:
             e = with_probe(e, "models", record(e.probe("models") or ProbeStats(path=spec.path),
                                                outcome, now))
+            e = with_auth_notice(e, outcome, prober._paths["models"])
             if models is None:
                 return msgspec.structs.replace(e, models_stale=bool(e.models))
             e = msgspec.structs.replace(e, models=models, models_at=now, models_stale=False)

@@ -53,7 +53,7 @@ def engine_status(e: EngineState, snap: Snapshot, now: float, node: str) -> dict
         "restarts": e.restarts,
         "exit_code": e.exit_code,
         "exited_at": e.exited_at,
-        "error": e.error,
+        "error": e.error or e.notice,
         "version": snap.version,
     }
 
