@@ -228,3 +228,25 @@ def _text(n: int) -> str:
 
 async def _nothing(i: int) -> None:
     pass
+
+
+class ModelCardRoutes:
+    """``GET /v1/models`` and ``/v1/models/{model}`` of an engine that serves one model card
+    (SGLang, plain OpenAI servers); the engine supplies ``served_model`` and ``_card()``."""
+
+    served_model: str
+
+    def _card(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    async def models(self, request: Request, reply: Reply) -> None:
+        await reply.send_json(200, {"object": "list", "data": [self._card()]})
+
+    async def model(self, request: Request, reply: Reply) -> None:
+        if request.params["model"] != self.served_model:
+            await reply.send_json(404, {"error": {
+                "message": f"The model '{request.params['model']}' does not exist",
+                "type": "invalid_request_error", "param": "model", "code": "model_not_found",
+            }})
+            return
+        await reply.send_json(200, self._card())

@@ -9,11 +9,11 @@ from typing import Any
 
 from nvpair.sim.engine import Engine, Router
 from nvpair.sim.http import Reply, Request
-from nvpair.sim.openai_api import OpenAIApi
+from nvpair.sim.openai_api import ModelCardRoutes, OpenAIApi
 from nvpair.sim.vllm import admit_served_name
 
 
-class OpenAICompat(Engine):
+class OpenAICompat(ModelCardRoutes, Engine):
     kind = "openai"
 
     def add_routes(self, router: Router) -> None:
@@ -40,14 +40,3 @@ class OpenAICompat(Engine):
         return {"id": self.served_model, "object": "model", "created": int(time.time()),
                 "owned_by": "organization-owner"}
 
-    async def models(self, request: Request, reply: Reply) -> None:
-        await reply.send_json(200, {"object": "list", "data": [self._card()]})
-
-    async def model(self, request: Request, reply: Reply) -> None:
-        if request.params["model"] != self.served_model:
-            await reply.send_json(404, {"error": {
-                "message": f"The model '{request.params['model']}' does not exist",
-                "type": "invalid_request_error", "param": "model", "code": "model_not_found",
-            }})
-            return
-        await reply.send_json(200, self._card())

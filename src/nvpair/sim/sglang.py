@@ -15,14 +15,14 @@ import trio
 
 from nvpair.sim.engine import Engine, Router
 from nvpair.sim.http import Reply, Request
-from nvpair.sim.openai_api import OpenAIApi
+from nvpair.sim.openai_api import ModelCardRoutes, OpenAIApi
 
 _RUNNING = "SGLang is running"
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
           503: "ServiceUnavailableError"}
 
 
-class SGLang(Engine):
+class SGLang(ModelCardRoutes, Engine):
     kind = "sglang"
     listen_while_stopping = True
     has_warmup = True
@@ -193,18 +193,6 @@ class SGLang(Engine):
                                  "avg_spec_accept_length": None, "step_time_dict": {}}],
             "version": opts.engine_version, "frontend": "python",
         })
-
-    async def models(self, request: Request, reply: Reply) -> None:
-        await reply.send_json(200, {"object": "list", "data": [self._card()]})
-
-    async def model(self, request: Request, reply: Reply) -> None:
-        if request.params["model"] != self.served_model:
-            await reply.send_json(404, {"error": {
-                "message": f"The model '{request.params['model']}' does not exist",
-                "type": "invalid_request_error", "param": "model", "code": "model_not_found",
-            }})
-            return
-        await reply.send_json(200, self._card())
 
     def _card(self) -> dict[str, Any]:
         name = self.served_model
