@@ -21,6 +21,7 @@ from nvpair.manifest import GENERATING_MIN_INTERVAL_S, ProbeSpec
 from nvpair.router.traffic import Traffic
 from nvpair.snapshot import Board, EngineState, ProbeStats
 from nvpair.state import Outcome, after_liveness, enter, record, with_auth_notice, with_probe
+from nvpair.tls import client_tls
 
 JITTER = 0.05  # fraction of the interval added at random to each tick
 #: health ticks skipped in a row at most while real requests prove the engine healthy.
@@ -45,6 +46,7 @@ def open_client(
         headers={"User-Agent": "nvpair-probe"},
         trust_env=False,
         transport=transport,
+        verify=client_tls(),
     )
 
 

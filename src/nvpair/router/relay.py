@@ -38,6 +38,7 @@ from nvpair.router.select import Known, choose
 from nvpair.router.traffic import Traffic
 from nvpair.snapshot import Board
 from nvpair.streams import close_early
+from nvpair.tls import client_tls
 
 log = logging.getLogger("nvpair.router")
 
@@ -115,7 +116,7 @@ class Router:
             spec = self.specs[name]
             cfg = self.config
             client = httpx2.AsyncClient(
-                base_url=spec.url, trust_env=False,
+                base_url=spec.url, trust_env=False, verify=client_tls(),
                 timeout=httpx2.Timeout(connect=cfg.connect_timeout_s, read=None, write=60.0,
                                        pool=cfg.first_byte_timeout_s),
                 limits=httpx2.Limits(max_connections=256, max_keepalive_connections=32,
