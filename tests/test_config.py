@@ -27,6 +27,9 @@ model = "/models/gemma.gguf"
 
 [[peers]]
 url = "http://10.0.0.2:14322"
+
+[cluster]
+token_file = "cluster-token"
 """
 
 
@@ -41,6 +44,7 @@ def error_for(write, text: str) -> str:
 
 
 def test_good_config_resolves(write) -> None:
+    write("cluster-token", "cluster-secret\n")
     s = settings_for(write, GOOD)
     assert (s.listen_host, s.listen_port, s.node) == ("127.0.0.1", 14322, "spark-1")
     head, small = s.engines

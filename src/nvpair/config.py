@@ -26,6 +26,7 @@ from nvpair.manifest import (
     check_probes,
     load_manifest,
 )
+from nvpair.peers.settings import ClusterConfig, ClusterSettings, resolve_cluster
 
 DEFAULT_LISTEN = "127.0.0.1:14322"
 EngineName = Annotated[str, msgspec.Meta(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")]
@@ -92,6 +93,8 @@ class Config(Base, frozen=True):
     #: where managed engines' log files go (default: a per-user state directory).
     log_dir: str | None = None
     router: RouterConfig = RouterConfig()
+    #: the peers broker: cluster token, advertised URL, backend (push or etcd); docs/peers.md.
+    cluster: ClusterConfig = ClusterConfig()
 
 
 class EngineSpec(msgspec.Struct, frozen=True):
@@ -135,6 +138,8 @@ class Settings(msgspec.Struct, frozen=True):
     keep_alive_s: float
     log_dir: Path
     router: RouterConfig = RouterConfig()
+    #: None: peers are not enabled.
+    cluster: ClusterSettings | None = None
 
 
 def parse_listen(value: str, source: str) -> tuple[str, int]:
@@ -235,6 +240,9 @@ def resolve(config: Config, source: str, base: Path, *, listen: str | None = Non
                 f"{source}: peers[{i}].url: expected http(s)://HOST:PORT, got {peer.url!r}")
         if peer.token_file:
             read_secret(peer.token_file, source, f"peers[{i}].token_file", base)
+    cluster = resolve_cluster(config.cluster, config.peers, source=source, base=base,
+                              node=config.node or socket.gethostname(), api_token=token,
+                              read_secret=read_secret)
     log_dir = Path(config.log_dir).expanduser() if config.log_dir else _default_log_dir()
     if not log_dir.is_absolute():
         log_dir = base / log_dir
@@ -250,6 +258,7 @@ def resolve(config: Config, source: str, base: Path, *, listen: str | None = Non
         keep_alive_s=config.keep_alive_s,
         log_dir=log_dir,
         router=config.router,
+        cluster=cluster,
     )
 
 

@@ -14,6 +14,8 @@ from hypercorn.trio import serve as hypercorn_serve
 from nvpair.api import Api, Mount
 from nvpair.config import Settings
 from nvpair.lifecycle import EngineRunner, Lifecycles
+from nvpair.peers.broker import Broker
+from nvpair.peers.push import keep_alive_for
 from nvpair.prober import Prober
 from nvpair.router import ROUTED_PATHS, Router, Traffic
 from nvpair.router.view import TrafficView
@@ -33,6 +35,7 @@ class Running(msgspec.Struct, frozen=False):
     runners: dict[str, EngineRunner]
     traffic: Traffic
     stop: Callable[[], None]
+    peers: Broker | None = None
 
 
 def hypercorn_config(settings: Settings) -> HypercornConfig:
@@ -40,6 +43,9 @@ def hypercorn_config(settings: Settings) -> HypercornConfig:
     host = f"[{settings.listen_host}]" if ":" in settings.listen_host else settings.listen_host
     cfg.bind = [f"{host}:{settings.listen_port}"]
     cfg.keep_alive_timeout = settings.keep_alive_s
+    if settings.cluster is not None:  # so that steady peer pushes keep their connection
+        cfg.keep_alive_timeout = max(cfg.keep_alive_timeout,
+                                     keep_alive_for(settings.cluster.interval_s))
     cfg.graceful_timeout = 5.0
     cfg.accesslog = None
     cfg.errorlog = logging.getLogger("hypercorn.error")
@@ -60,8 +66,12 @@ async def run(settings: Settings, *,
     mounts = [Mount(handler=TrafficView(traffic), paths=frozenset({"/v1/router"}))]
     if settings.router.enabled:
         mounts.append(Mount(handler=router, paths=ROUTED_PATHS))
+    peers = None if settings.cluster is None else Broker(settings.cluster, board, settings.node)
+    if peers is not None:
+        mounts.extend(peers.mounts)
     api = Api(board, node=settings.node, token=settings.token,
-              controller=Lifecycles(runners, board), mounts=mounts)
+              controller=Lifecycles(runners, board), mounts=mounts,
+              cluster=None if peers is None else peers.table)
     shutdown = trio.Event()
     # Lifetimes, outermost last to end: the router's engine clients, the engines, the API.
     # On shutdown the API drains first, then engines stop, then the clients close.
@@ -78,14 +88,15 @@ async def run(settings: Settings, *,
                                               shutdown_trigger=shutdown.wait,
                                               task_status=task_status)
                 )
+                if peers is not None:  # until shutdown, then a graceful leave (<= 1.5 s)
+                    await http.start(peers.run, binds[0], shutdown)
                 task_status.started(Running(url=binds[0], board=board, sweep=sweep,
                                             runners=runners, traffic=traffic,
-                                            stop=shutdown.set))
+                                            stop=shutdown.set, peers=peers))
             # hypercorn has stopped accepting and drained in-flight requests; engines stop
             # with their grace periods (each SIGTERM, wait, SIGKILL, in parallel).
             engines.cancel_scope.cancel(reason="nvpair is shutting down")
         outer.cancel_scope.cancel(reason="nvpair is shutting down")
-
 
 async def main(settings: Settings, *, announce: Callable[[str], None] = print,
                watch: Callable[[Board], Awaitable[None]] | None = None) -> None:

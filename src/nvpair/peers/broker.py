@@ -1,0 +1,101 @@
+"""The peers broker of one node: builds the advertiser, table, receiver and senders (or the
+etcd backend) from the settings, gives the API its mounts and cluster view, and runs."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import trio
+
+from nvpair.api import Mount
+from nvpair.peers.advert import Advertiser
+from nvpair.peers.etcd import EtcdBackend
+from nvpair.peers.push import LEAVE_BUDGET_S, Pusher
+from nvpair.peers.receiver import ADVERTS_PATH, Receiver
+from nvpair.peers.settings import ClusterSettings
+from nvpair.peers.status import PEERS_PATH, Status
+from nvpair.peers.table import Link, PeerTable
+from nvpair.snapshot import Board
+
+
+def default_url(bound: str) -> str:
+    """The URL peers should use when none is configured: the bound address, or this host's
+    name when nvpair listens on every address."""
+    parts = urlsplit(bound)
+    if parts.hostname in ("0.0.0.0", "::"):
+        netloc = f"{socket.gethostname()}:{parts.port}"
+        return urlunsplit((parts.scheme, netloc, "", "", ""))
+    return bound.rstrip("/")
+
+
+class Broker:
+    def __init__(self, cluster: ClusterSettings, board: Board, node: str) -> None:
+        self.cluster = cluster
+        self.node = node
+        etcd = cluster.etcd
+        ttl = float(etcd.lease_ttl_s) if etcd is not None else cluster.ttl_s
+        self.advertiser = Advertiser(board, node, ttl, cluster.advertise_url)
+        #: the API's ClusterView.
+        self.table = PeerTable(node, gone_factor=3.0 if etcd is not None else 2.0)
+        self.receiver = None
+        if cluster.backend == "push" and cluster.token is not None:
+            self.receiver = Receiver(self.table, cluster.token)
+        self.pushers = [
+            Pusher(t, self.advertiser, self.table.add_link(Link(t.url, t.name)),
+                   interval=cluster.interval_s, timeout=cluster.push_timeout_s)
+            for t in cluster.peers]
+        self.etcd = None if etcd is None else EtcdBackend(etcd, self.advertiser, self.table)
+
+    @property
+    def mounts(self) -> list[Mount]:
+        mounts = [Mount(handler=Status(self.doc), paths=frozenset({PEERS_PATH}))]
+        if self.receiver is not None:
+            mounts.append(Mount(handler=self.receiver, paths=frozenset({ADVERTS_PATH}),
+                                own_auth=True))
+        return mounts
+
+    def doc(self, now: float) -> dict[str, Any]:
+        """``GET /v1/peers``."""
+        a = self.advertiser.advert
+        doc: dict[str, Any] = {
+            "node": self.node, "backend": self.cluster.backend, "url": a.url,
+            "boot_id": a.boot_id, "seq": a.seq, "ttl_s": a.ttl_s,
+            "changed_age_s": round(now - self.advertiser.changed_at, 3),
+            "interval_s": self.cluster.interval_s,
+            "received": None if self.receiver is None else {
+                "accepted": self.receiver.accepted, "rejected": dict(self.receiver.rejected)},
+            "etcd": None if self.etcd is None else self.etcd.doc(now)}
+        doc.update(self.table.doc(now))
+        return doc
+
+    async def run(self, bound_url: str, shutdown: trio.Event, *,
+                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Advertise and listen until ``shutdown`` is set, then leave (within about 1 s).
+
+        ``bound_url``: where the API listens (the advertised URL unless one is configured).
+        Started value: None, once every sender has its client.
+        """
+        if self.cluster.advertise_url is None:
+            self.advertiser.set_url(default_url(bound_url))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.advertiser.run)
+            for pusher in self.pushers:
+                await nursery.start(pusher.run)
+            if self.etcd is not None:
+                await nursery.start(self.etcd.run)
+            task_status.started()
+            await shutdown.wait()
+            await self.leave()
+            nursery.cancel_scope.cancel(reason="nvpair is shutting down")
+
+    async def leave(self) -> None:
+        """Tell every peer that this node leaves (best effort, bounded)."""
+        with trio.move_on_after(LEAVE_BUDGET_S + 0.5):
+            for pusher in self.pushers:
+                pusher.leave()
+            if self.etcd is not None:
+                await self.etcd.leave()
+            for pusher in self.pushers:
+                await pusher.done.wait()

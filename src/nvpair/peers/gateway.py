@@ -1,0 +1,249 @@
+"""etcd's v3 JSON gateway over httpx2: the few calls the etcd backend needs, no gRPC.
+
+The gateway's gotchas (measured on etcd 3.4, see the reference):
+
+* keys and values are base64; every int64 (revision, lease ID, TTL) is a JSON *string*, so
+  answers are decoded with ``strict=False``; proto3 defaults are omitted (a PUT event has no
+  ``type``; a keepalive for an unknown lease answers 200 with no ``TTL``);
+* a keepalive is a one-message stream: ``{"result": {...}}``;
+* a watch is one POST per create_request (httpx2 sends the whole body before reading), and
+  answers newline-delimited ``{"result": ...}`` objects until EOF; a watch from a compacted
+  revision answers ``created`` then ``canceled`` with ``compact_revision``.
+
+Deadlines belong to the caller. Errors: ``EtcdError`` (and ``LeaseNotFound``,
+``WatchCanceled``) for etcd's answers; httpx2's own errors pass through.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
+from typing import Any, cast
+
+import httpx2
+import msgspec
+
+
+class EtcdError(Exception):
+    """etcd answered with an error."""
+
+
+class LeaseNotFound(EtcdError):
+    """The lease expired or was revoked: grant a new one and put the advert again."""
+
+
+class WatchCanceled(EtcdError):
+    """etcd ended the watch (compaction or another reason): range again, then watch again."""
+
+
+class Header(msgspec.Struct):
+    revision: int = 0
+
+
+class KV(msgspec.Struct):
+    key: str
+    value: str = ""
+    mod_revision: int = 0
+    lease: int = 0
+
+    @property
+    def key_text(self) -> str:
+        return base64.b64decode(self.key).decode("utf-8", "replace")
+
+    @property
+    def value_bytes(self) -> bytes:
+        return base64.b64decode(self.value)
+
+
+class Event(msgspec.Struct):
+    kv: KV
+    type: str = "PUT"
+    prev_kv: KV | None = None
+
+
+class WatchResult(msgspec.Struct):
+    header: Header = msgspec.field(default_factory=Header)
+    created: bool = False
+    canceled: bool = False
+    compact_revision: int = 0
+    cancel_reason: str = ""
+    events: list[Event] = msgspec.field(default_factory=list)
+
+
+class _WatchLine(msgspec.Struct):
+    result: WatchResult | None = None
+    error: Any = None
+
+
+class _Range(msgspec.Struct):
+    header: Header = msgspec.field(default_factory=Header)
+    kvs: list[KV] = msgspec.field(default_factory=list)
+
+
+class _Grant(msgspec.Struct):
+    ID: int = 0
+    TTL: int = 0
+    error: str = ""
+
+
+class _KeepaliveResult(msgspec.Struct):
+    ID: int = 0
+    TTL: int = 0
+
+
+class _Keepalive(msgspec.Struct):
+    result: _KeepaliveResult | None = None
+    error: Any = None
+
+
+class _Put(msgspec.Struct):
+    header: Header = msgspec.field(default_factory=Header)
+
+
+class _Auth(msgspec.Struct):
+    token: str = ""
+
+
+def b64(data: str | bytes) -> str:
+    raw = data.encode() if isinstance(data, str) else data
+    return base64.b64encode(raw).decode()
+
+
+def prefix_end(prefix: str) -> str:
+    """The range_end that covers every key starting with ``prefix`` (base64)."""
+    raw = bytearray(prefix.encode())
+    while raw and raw[-1] == 0xFF:
+        raw.pop()
+    if not raw:
+        return b64(b"\0")  # every key
+    raw[-1] += 1
+    return b64(bytes(raw))
+
+
+def _error(body: bytes, status: int) -> EtcdError:
+    try:
+        doc = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return EtcdError(f"HTTP {status}: {body[:200]!r}")
+    err = doc.get("error") if isinstance(doc, dict) else None
+    message = (err.get("message") if isinstance(err, dict) else None) or \
+        (doc.get("message") if isinstance(doc, dict) else None) or str(err or doc)
+    if "lease not found" in message:
+        return LeaseNotFound(message)
+    return EtcdError(f"HTTP {status}: {message}")
+
+
+class Gateway:
+    """Calls over one ``httpx2.AsyncClient`` whose ``base_url`` is etcd's client URL."""
+
+    def __init__(self, client: httpx2.AsyncClient, *, username: str | None = None,
+                 password: str | None = None) -> None:
+        self.client = client
+        self.username = username
+        self.password = password
+        self._token: str | None = None
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def _headers(self) -> dict[str, str]:
+        return {"authorization": self._token} if self._token else {}
+
+    async def _post(self, path: str, doc: dict[str, Any]) -> bytes:
+        body = msgspec.json.encode(doc)
+        if self.username is not None and self._token is None:
+            await self.authenticate()
+        r = await self.client.post(path, content=body, headers=self._headers())
+        self.bytes_sent += len(body)
+        self.bytes_received += len(r.content)
+        if r.status_code == 401 and self.username is not None:
+            self._token = None  # an expired auth token: once more with a new one
+            await self.authenticate()
+            r = await self.client.post(path, content=body, headers=self._headers())
+        if r.status_code != 200:
+            raise _error(r.content, r.status_code)
+        return r.content
+
+    async def authenticate(self) -> None:
+        r = await self.client.post("/v3/auth/authenticate", content=msgspec.json.encode(
+            {"name": self.username, "password": self.password}))
+        if r.status_code != 200:
+            raise _error(r.content, r.status_code)
+        self._token = msgspec.json.decode(r.content, type=_Auth, strict=False).token
+
+    async def grant(self, ttl: int) -> tuple[int, int]:
+        """A new lease: (ID, granted TTL; etcd rounds up to its minimum)."""
+        answer = msgspec.json.decode(await self._post("/v3/lease/grant", {"TTL": ttl}),
+                                     type=_Grant, strict=False)
+        if answer.error or not answer.ID:
+            raise EtcdError(f"lease grant failed: {answer.error or 'no ID'}")
+        return answer.ID, answer.TTL
+
+    async def keepalive(self, lease: int) -> int:
+        """Renew ``lease``; its remaining TTL, 0 when etcd no longer has it."""
+        raw = await self._post("/v3/lease/keepalive", {"ID": str(lease)})
+        line = raw.split(b"\n", 1)[0]
+        answer = msgspec.json.decode(line, type=_Keepalive, strict=False)
+        if answer.error is not None:
+            raise _error(line, 200)
+        return answer.result.TTL if answer.result is not None else 0
+
+    async def put(self, key: str, value: bytes, *, lease: int | None = None,
+                  ignore_lease: bool = False) -> int:
+        """Put ``value`` under ``key`` (tied to ``lease``); the new revision."""
+        doc: dict[str, Any] = {"key": b64(key), "value": b64(value)}
+        if lease is not None:
+            doc["lease"] = str(lease)
+        if ignore_lease:
+            doc["ignore_lease"] = True
+        answer = msgspec.json.decode(await self._post("/v3/kv/put", doc), type=_Put,
+                                     strict=False)
+        return answer.header.revision
+
+    async def revoke(self, lease: int) -> None:
+        await self._post("/v3/lease/revoke", {"ID": str(lease)})
+
+    async def range(self, prefix: str) -> tuple[int, list[KV]]:
+        """Every key under ``prefix``: (the store's revision, the keys)."""
+        doc = {"key": b64(prefix), "range_end": prefix_end(prefix)}
+        raw = await self._post("/v3/kv/range", doc)
+        answer = msgspec.json.decode(raw, type=_Range, strict=False)
+        return answer.header.revision, answer.kvs
+
+    async def watch(self, prefix: str, start_revision: int,
+                    on_result: Callable[[WatchResult], None]) -> None:
+        """Watch ``prefix`` from ``start_revision``, calling ``on_result`` for every message.
+
+        Returns at the end of the stream (etcd going away cleanly); raises
+        ``WatchCanceled`` when etcd cancels the watch, ``EtcdError`` for an error message.
+        Cancellation closes the stream (and its connection).
+        """
+        if self.username is not None and self._token is None:
+            await self.authenticate()
+        body = msgspec.json.encode({"create_request": {
+            "key": b64(prefix), "range_end": prefix_end(prefix),
+            "start_revision": str(start_revision)}})
+        async with self.client.stream("POST", "/v3/watch", content=body,
+                                      headers=self._headers()) as r:
+            if r.status_code != 200:
+                raise _error(await r.aread(), r.status_code)
+            # aiter_lines is an async generator: close it here, not when it is collected
+            lines_gen = cast(AsyncGenerator[str, None], r.aiter_lines())
+            async with aclosing(lines_gen) as lines:
+                async for line in lines:
+                    if line.strip():
+                        self.bytes_received += len(line) + 1
+                        on_result(self._watch_result(line))
+
+    def _watch_result(self, line: str) -> WatchResult:
+        msg = msgspec.json.decode(line, type=_WatchLine, strict=False)
+        if msg.error is not None or msg.result is None:
+            if self.username is not None:
+                self._token = None  # perhaps an expired token: a new one next time
+            raise _error(line.encode(), 200)
+        if msg.result.canceled:
+            reason = msg.result.cancel_reason or "canceled"
+            if msg.result.compact_revision:
+                reason = f"compacted at revision {msg.result.compact_revision}"
+            raise WatchCanceled(f"etcd ended the watch: {reason}")
+        return msg.result

@@ -1,0 +1,96 @@
+"""The etcd JSON-gateway client against a real etcd: the shapes and gotchas it relies on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx2
+import pytest
+import trio
+from tests.peers.etcd_server import open_etcd
+
+from nvpair.peers.gateway import (
+    EtcdError,
+    Gateway,
+    LeaseNotFound,
+    WatchCanceled,
+    WatchResult,
+    prefix_end,
+)
+
+
+def test_prefix_end() -> None:
+    assert prefix_end("a/") == "YTA="  # "a0"
+    assert prefix_end("\xff") != ""
+
+
+# Cancelling a watch abandons httpx2's nested stream generators (aiter_lines closes only
+# the outermost); trio closes the rest and warns. The connection itself is closed at once.
+@pytest.mark.filterwarnings("ignore:Async generator 'httpx2:ResourceWarning")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+async def test_gateway_calls_against_etcd(tmp_path: Path) -> None:
+    with trio.fail_after(30):
+        async with open_etcd(tmp_path) as etcd, \
+                httpx2.AsyncClient(base_url=etcd.url, timeout=2, trust_env=False) as client:
+            gw = Gateway(client)
+            lease, ttl = await gw.grant(1)
+            assert ttl == 2  # etcd's minimum
+            rev = await gw.put("p/a", b"A", lease=lease)
+            await gw.put("p/b", b"B")
+            await gw.put("q/c", b"C")
+            revision, kvs = await gw.range("p/")
+            assert revision > rev and [(kv.key_text, kv.value_bytes) for kv in kvs] == [
+                ("p/a", b"A"), ("p/b", b"B")]
+            assert kvs[0].lease == lease and kvs[1].lease == 0
+            assert await gw.keepalive(lease) == 2
+            assert await gw.keepalive(12345) == 0  # unknown lease: 200 without a TTL
+            with pytest.raises(LeaseNotFound):
+                await gw.put("p/x", b"X", lease=12345)
+
+            send, receive = trio.open_memory_channel[WatchResult](100)
+
+            async def watch() -> None:
+                await gw_watch.watch("p/", revision + 1, send.send_nowait)
+
+            async with httpx2.AsyncClient(base_url=etcd.url, timeout=httpx2.Timeout(2, read=None),
+                                          trust_env=False) as stream:
+                gw_watch = Gateway(stream)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(watch)
+                    assert (await receive.receive()).created
+                    await gw.revoke(lease)  # deletes p/a
+                    await gw.put("p/b", b"B2", ignore_lease=True)
+                    events = []
+                    while len(events) < 2:
+                        events += (await receive.receive()).events
+                    nursery.cancel_scope.cancel()
+                assert [(e.type, e.kv.key_text) for e in events] == [("DELETE", "p/a"),
+                                                                      ("PUT", "p/b")]
+                assert events[1].kv.value_bytes == b"B2"
+
+                # a watch from a compacted revision is cancelled by etcd
+                r = await client.post("/v3/kv/compaction", json={"revision": str(revision + 2)})
+                assert r.status_code == 200
+                with pytest.raises(WatchCanceled, match="compacted"):
+                    await gw_watch.watch("p/", revision, lambda _: None)
+
+
+async def test_gateway_with_etcd_auth(tmp_path: Path) -> None:
+    with trio.fail_after(30):
+        async with open_etcd(tmp_path) as etcd, \
+                httpx2.AsyncClient(base_url=etcd.url, timeout=2, trust_env=False) as client:
+            for path, doc in (("/v3/auth/role/add", {"name": "root"}),
+                              ("/v3/auth/user/add", {"name": "root", "password": "pw"}),
+                              ("/v3/auth/user/grant", {"user": "root", "role": "root"}),
+                              ("/v3/auth/enable", {})):
+                r = await client.post(path, json=doc)
+                assert r.status_code == 200, (path, r.text)
+            with pytest.raises(EtcdError):
+                await Gateway(client).put("k", b"v")  # no credentials
+            with pytest.raises(EtcdError, match="authentication failed"):
+                await Gateway(client, username="root", password="wrong").put("k", b"v")
+            gw = Gateway(client, username="root", password="pw")
+            lease, _ = await gw.grant(5)
+            await gw.put("k/a", b"v", lease=lease)
+            assert [kv.key_text for kv in (await gw.range("k/"))[1]] == ["k/a"]
+            assert await gw.keepalive(lease) == 5

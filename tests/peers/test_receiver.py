@@ -1,0 +1,102 @@
+"""POST /v1/peers/adverts over real sockets (nvpair in-process): token, size cap, schema,
+and that none of it disturbs the listing. GET /v1/peers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx2
+import msgspec
+import pytest
+import trio
+
+from nvpair import service
+from nvpair.config import load_settings
+from nvpair.peers.advert import MAX_ADVERT_BYTES, Advert, AdvertEngine, AdvertModel
+
+CLUSTER = "cluster-secret"
+USER = "user-secret"
+
+
+def advert_body(node: str = "peer", seq: int = 1, *, pad: int = 0, leaving: bool = False) -> bytes:
+    models = (AdvertModel(id="remote-model", engine="e", engines=("e",), kind="vllm",
+                          owned_by="x" * pad),)
+    return msgspec.json.encode(Advert(
+        node=node, boot_id="b1", seq=seq, ttl_s=15, url="http://10.1.1.1:1", leaving=leaving,
+        engines=(AdvertEngine(name="e", kind="vllm", state="ready", models=("remote-model",)),),
+        models=() if leaving else models))
+
+
+@pytest.fixture
+async def node(nursery, tmp_path: Path) -> str:
+    (tmp_path / "cluster").write_text(CLUSTER)
+    (tmp_path / "user").write_text(USER)
+    (tmp_path / "nvpair.toml").write_text(
+        "listen = '127.0.0.1:0'\nnode = 'me'\ntoken_file = 'user'\n"
+        "[cluster]\ntoken_file = 'cluster'\n")
+    settings = load_settings(str(tmp_path / "nvpair.toml"))
+    with trio.fail_after(10):
+        running = await nursery.start(service.run, settings)
+    return str(running.url)
+
+
+def auth(token: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {token}"}
+
+
+async def test_adverts_need_the_cluster_token_and_a_valid_body(node: str) -> None:
+    with trio.fail_after(10):
+        async with httpx2.AsyncClient(base_url=node, trust_env=False) as client:
+            async def post(body: bytes, token: str | None = CLUSTER,
+                           **kw: object) -> httpx2.Response:
+                headers = auth(token) if token else {}
+                return await client.post("/v1/peers/adverts", content=body, headers=headers,
+                                         **kw)  # type: ignore[arg-type]
+
+            async def cluster_ids() -> set[str]:
+                r = await client.get("/v1/models?scope=cluster", headers=auth(USER))
+                assert r.status_code == 200
+                return {m["id"] for m in r.json()["data"]}
+
+            assert (await post(advert_body(), token=None)).status_code == 401
+            assert (await post(advert_body(), token="wrong")).status_code == 401
+            assert (await post(advert_body(), token=USER)).status_code == 401  # not the user's
+            r = await post(advert_body(pad=MAX_ADVERT_BYTES))
+            assert r.status_code == 413
+            chunks = [b'{"node":"peer","pad":"', b"x" * MAX_ADVERT_BYTES, b'"}']
+
+            async def stream() -> object:
+                for c in chunks:
+                    yield c
+            r = await client.post("/v1/peers/adverts", content=stream(),  # no content-length
+                                  headers=auth(CLUSTER))
+            assert r.status_code == 413
+            assert (await post(b"{not json")).status_code == 400
+            r = await post(b'{"node": "peer", "seq": -1}')
+            assert r.status_code == 400 and "advert" in r.json()["error"]["message"]
+            assert (await post(advert_body(node="bad name!"))).status_code == 400
+            assert (await post(advert_body(node="me"))).status_code == 409
+            assert (await client.get("/v1/peers/adverts", headers=auth(CLUSTER))).status_code \
+                == 405
+            assert await cluster_ids() == set()  # nothing refused was stored
+
+            r = await post(advert_body())
+            assert r.status_code == 204 and r.headers["x-nvpair-node"] == "me"
+            assert r.headers["x-nvpair-outcome"] == "new"
+            assert await cluster_ids() == {"remote-model"}
+            assert (await post(advert_body(seq=0))).headers["x-nvpair-outcome"] == "old"
+
+            assert (await client.get("/v1/peers")).status_code == 401  # the user token applies
+            doc = (await client.get("/v1/peers", headers=auth(USER))).json()
+            assert doc["node"] == "me" and doc["backend"] == "push"
+            assert doc["received"] == {"accepted": 2, "rejected": {
+                "token": 3, "size": 2, "schema": 3, "self": 1}}
+            (peer,) = doc["peers"]
+            assert peer["node"] == "peer" and peer["state"] == "fresh" and peer["adverts"] == 1
+            assert peer["url"] == "http://10.1.1.1:1" and peer["outbound"] is None
+
+            r = await post(advert_body(seq=2, leaving=True))
+            assert r.status_code == 204 and r.headers["x-nvpair-outcome"] == "left"
+            assert await cluster_ids() == set()
+            assert (await post(advert_body(seq=3))).headers["x-nvpair-outcome"] == "left"
+            assert await cluster_ids() == set()
