@@ -35,6 +35,11 @@ def bench(session: nox.Session) -> None:
     """Benchmarks: `nox -s bench` (full) or `nox -s bench -- --quick` (under 2 minutes)."""
     session.install("-e", ".[test]")
     session.run("python", "-m", "benchmarks", *session.posargs)
+    # The cluster (peers) and router scenarios run as their own modules.
+    quick = ["--quick"] if "--quick" in session.posargs else []
+    session.run("python", "-m", "benchmarks.cluster", *quick)
+    if Path("benchmarks/router.py").exists():
+        session.run("python", "-m", "benchmarks.router", *quick)
 
 
 @nox.session

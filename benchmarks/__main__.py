@@ -1,0 +1,131 @@
+"""``python -m benchmarks [--quick]``: run every scenario once, write the results, print them.
+
+* full (``nox -s bench``, ~15 min): writes ``benchmarks/results/latest.json`` and the
+  results section of ``docs/benchmarks.md``;
+* ``--quick`` (``nox -s bench -- --quick``, under 2 min, CI): shorter windows, K up to 64,
+  fewer requests; writes ``benchmarks/results/quick.json`` and leaves the doc alone.
+
+Targets are printed as met or not met; none of them fails the run (the exit status is
+non-zero only when a scenario could not run at all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from benchmarks import replay, report, scale, soak, throughput
+from benchmarks.config import FULL, QUICK, BenchConfig
+from benchmarks.procs import ROOT, machine
+from benchmarks.targets import evaluate
+from benchmarks.wrk import wrk_path
+
+Scenario = Callable[[BenchConfig, Path], dict[str, Any]]
+SCENARIOS: dict[str, Scenario] = {
+    "replay": replay.run_nvpair,
+    "baseline": replay.run_baseline,
+    "scale": scale.run,
+    "throughput": throughput.run,
+    "soak": soak.run,
+}
+
+
+def git_commit() -> str:
+    """The commit measured, with "+changes" when src/ differs from it."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                              capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + (" +changes in src/" if dirty else "")
+
+
+def save(out: Path, results: dict[str, Any]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(msgspec.json.format(msgspec.json.encode(results), indent=1) + b"\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="the CI run: under 2 minutes")
+    p.add_argument("--only", default="", help=f"comma-separated subset of {', '.join(SCENARIOS)}")
+    p.add_argument("--out", default=None, help="the JSON file (default: benchmarks/results/"
+                   "latest.json, or quick.json with --quick)")
+    p.add_argument("--doc", choices=("auto", "yes", "no"), default="auto",
+                   help="update docs/benchmarks.md (auto: full runs of every scenario only)")
+    p.add_argument("--keep", action="store_true", help="keep the work folder (configs, logs)")
+    args = p.parse_args(argv)
+    cfg = QUICK if args.quick else FULL
+    names = [n for n in args.only.split(",") if n] or list(SCENARIOS)
+    unknown = set(names) - set(SCENARIOS)
+    if unknown:
+        p.error(f"unknown scenario(s): {', '.join(sorted(unknown))}")
+    out = Path(args.out) if args.out else (
+        ROOT / "benchmarks" / "results" / ("quick.json" if args.quick else "latest.json"))
+    command = "python -m benchmarks" + (" --quick" if args.quick else "") + (
+        f" --only {args.only}" if args.only else "")
+    workdir = Path(tempfile.mkdtemp(prefix="nvpair-bench-"))
+    started = time.monotonic()
+    meta: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": command,
+        "quick": args.quick,
+        "machine": machine(),
+        "load_generator": wrk_path() or "python fallback (wrk not installed)",
+        "json": str(out.relative_to(ROOT)) if out.is_relative_to(ROOT) else str(out),
+        "nvpair_commit": git_commit(),
+    }
+    print(f"nvpair benchmarks ({'quick' if args.quick else 'full'}): {', '.join(names)}; "
+          f"work folder {workdir}", flush=True)
+    results: dict[str, Any] = {"meta": meta, "config": msgspec.structs.asdict(cfg),
+                               "scenarios": {}, "timings_s": {}}
+    failed = False
+    for name in names:
+        t0 = time.monotonic()
+        print(f"-- {name} ...", flush=True)
+        sub = workdir / name
+        sub.mkdir()
+        try:
+            results["scenarios"][name] = SCENARIOS[name](cfg, sub)
+        except Exception:
+            failed = True
+            results["scenarios"][name] = {"error": traceback.format_exc()}
+            print(f"   {name} failed (logs in {sub}):\n{traceback.format_exc()}", flush=True)
+        results["timings_s"][name] = round(time.monotonic() - t0, 1)
+        print(f"   {name} took {results['timings_s'][name]:.0f} s", flush=True)
+        save(out, results)  # what has run so far survives a later scenario that hangs
+    meta["elapsed_s"] = round(time.monotonic() - started, 1)
+    meta["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    results["targets"] = evaluate(results)
+    save(out, results)
+    ts = report.tables(results)
+    sys.stdout.write(report.render_text(ts))
+    write_doc = args.doc == "yes" or (args.doc == "auto" and not args.quick
+                                      and not args.only and not args.out)
+    if write_doc:
+        report.update_doc(ROOT / "docs" / "benchmarks.md", report.render_markdown(ts, meta))
+        print("\nwrote docs/benchmarks.md (results section)")
+    print(f"\nwrote {out} in {meta['elapsed_s']:.0f} s")
+    if failed or args.keep:
+        print(f"work folder kept: {workdir}")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

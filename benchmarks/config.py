@@ -1,0 +1,58 @@
+"""How long and how big each scenario runs: the full run and ``--quick`` (CI, under 2 min)."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class BenchConfig(msgspec.Struct, frozen=True):
+    quick: bool
+    #: scenario 1: the back-to-back clients, and the window of each N (s)
+    clients: tuple[int, ...] = (1, 8, 32)
+    replay_window_s: float = 60.0
+    replay_timeout_s: float = 30.0
+    #: scenario 2: the baseline's N and window (s); each N gets a fresh baseline process
+    baseline_clients: tuple[int, ...] = (1, 8, 32)
+    baseline_window_s: float = 60.0
+    #: scenario 3
+    scale_ks: tuple[int, ...] = (1, 8, 64, 256)
+    scale_load_clients: int = 8
+    scale_load_s: float = 10.0
+    scale_idle_s: float = 20.0
+    sims_per_process: int = 64
+    #: scenario 4
+    throughput_s: float = 6.0
+    throughput_warmup_s: float = 2.0
+    throughput_reps: int = 3
+    throughput_connections: int = 16
+    #: scenario 5
+    soak_status_calls: int = 100_000
+    soak_timeouts: int = 10_000
+    soak_engines: int = 10
+    soak_probe_s: float = 0.1
+    #: requests on a new connection each (connection churn)
+    soak_churn: int = 10_000
+    #: the longest wait for nvpair's API sockets to leave CLOSE-WAIT before a reading
+    #: (hypercorn's trio worker closes them when the keep-alive timer fires: up to 5 s)
+    soak_settle_s: float = 8.0
+
+
+FULL = BenchConfig(quick=False)
+QUICK = BenchConfig(
+    quick=True,
+    clients=(1, 32),
+    replay_window_s=5.0,
+    replay_timeout_s=5.0,
+    baseline_clients=(1, 32),
+    baseline_window_s=5.0,
+    scale_ks=(8, 64),
+    scale_load_s=2.0,
+    scale_idle_s=3.0,
+    throughput_s=2.0,
+    throughput_warmup_s=0.0,
+    throughput_reps=1,
+    soak_status_calls=5_000,
+    soak_timeouts=1_000,
+    soak_probe_s=0.05,
+    soak_churn=1_000,
+)

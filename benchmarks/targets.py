@@ -1,0 +1,166 @@
+"""The issue's targets, evaluated on one run's results: met or not, with the figure.
+
+No target fails the run. Rows of kind ``check`` are not targets: they say whether the
+baseline reproduced the report's failure in kind (if it did not, the comparison says
+little).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+#: GET /health + GET /get_model_info on the report's head: 72,144 + 69,817 in 20 h.
+REPORT_PROBES_PER_HOUR = round((72_144 + 69_817) / 20)
+SMALL_FRACTION = 0.15
+LINEAR_SLOPE_TOLERANCE = 1.15
+
+
+def row(name: str, target: str, figure: str, met: bool | None, kind: str = "target"
+        ) -> dict[str, Any]:
+    return {"name": name, "target": target, "figure": figure, "met": met, "kind": kind}
+
+
+def _get(doc: Any, *keys: str) -> Any:
+    for k in keys:
+        if not isinstance(doc, dict) or k not in doc:
+            return None
+        doc = doc[k]
+    return doc
+
+
+def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    sc = results.get("scenarios", {})
+    nv = _get(sc, "replay", "by_clients") or {}
+    if nv:
+        rows += _replay(nv)
+    base = _get(sc, "baseline", "by_clients") or {}
+    if base:
+        rows += _baseline(base)
+    scale = sc.get("scale")
+    if scale and "by_k" in scale:
+        rows += _scale(scale)
+    tp = sc.get("throughput")
+    if tp and "ratios" in tp:
+        rows += _throughput(tp)
+    soak = sc.get("soak")
+    if soak and "before" in soak:
+        rows += _soak(soak)
+    return rows
+
+
+def _replay(nv: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    one = nv.get("1")
+    if one:
+        p99s = {f"{h} {s}": one[h]["latency"][s]["p99_ms"]
+                for h in ("slow", "fast") for s in ("models", "status_all")}
+        worst = max((v for v in p99s.values() if v is not None), default=math.inf)
+        errors = sum(one[h]["latency"][s]["errors"] for h in ("slow", "fast")
+                     for s in ("models", "status_all"))
+        figure = f"worst p99 {worst:.2f} ms ({errors} errors)"
+        if "floor" in one:
+            fl = one["floor"]["latency"]
+            figure += (f"; the floor in the same round: p99 {fl['models']['p99_ms']:.2f} / "
+                       f"{fl['status_all']['p99_ms']:.2f} ms")
+        rows.append(row("single-client p99", "/v1/models and status p99 < 10 ms, 1 client, "
+                        "/health 1 s or 1 ms", figure, worst < 10 and errors == 0))
+        r = one["ratio_slow_fast"]
+        keys = ("models_p50_ms", "models_p99_ms", "status_all_p50_ms", "status_all_p99_ms")
+        vals = {k: r[k] for k in keys if r.get(k) is not None}
+        worst_ratio = max(vals.values(), default=math.inf)
+        rows.append(row("slow/fast latency ratio", "slow-/health over fast-/health latency "
+                        "<= 1.1 (p50 and p99, 1 client)",
+                        ", ".join(f"{k.replace('_ms', '')} {v:.2f}" for k, v in vals.items()),
+                        worst_ratio <= 1.1))
+    ns = sorted(nv, key=int)
+    lo, hi = nv[ns[0]]["slow"], nv[ns[-1]]["slow"]
+    paths = set(lo["engine_requests"]) | set(hi["engine_requests"])
+    diffs = {p: (lo["engine_requests"].get(p, 0), hi["engine_requests"].get(p, 0))
+             for p in sorted(paths)}
+    # a probe every 60 s lands 0, 1 or 2 times in a 60 s window (its ticks have jitter)
+    same = all(abs(a - b) <= max(2, 0.1 * max(a, b)) for a, b in diffs.values())
+    rows.append(row("probe load vs clients", f"engine requests the same at N={ns[0]} and "
+                    f"N={ns[-1]} (per path and window, within 2 requests (a 60 s probe in a "
+                    "60 s window) or 10%)",
+                    f"{lo['engine_requests_per_hour_total']}/h vs "
+                    f"{hi['engine_requests_per_hour_total']}/h; per window "
+                    + ", ".join(f"{p} {a}/{b}" for p, (a, b) in diffs.items()), same))
+    generating = sum(w[h]["generating_requests"] for w in nv.values() for h in ("slow", "fast"))
+    rows.append(row("no generating probes", "no request to /health or /health_generate by "
+                    "default", f"{generating} requests", generating == 0))
+    total = nv[ns[0]]["slow"]["engine_requests_per_hour_total"]
+    frac = total / REPORT_PROBES_PER_HOUR
+    rows.append(row("SGLang probe rate", f"a small fraction (<= {SMALL_FRACTION:.0%}) of the "
+                    f"report's {REPORT_PROBES_PER_HOUR:,}/h",
+                    f"{total:,}/h = {frac:.1%}", frac <= SMALL_FRACTION))
+    return rows
+
+
+def _baseline(base: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    ns = sorted(base, key=int)
+    slow = base[ns[0]]["slow"]
+    worst = slow["latency"]["models"]["worst_wait_ms"] or 0.0
+    per_hour = slow["engine_requests_per_hour"]
+    health = per_hour.get("/health", 0)
+    backlog = (slow.get("backlog") or {}).get("waiting_for_lock", 0)
+    rows.append(row("baseline reproduces the report",
+                    "the design that failed: /v1/models waits behind the lock on generating "
+                    "probes, status calls pile up, ~1 probe/s per endpoint",
+                    f"N={ns[0]}, /health 1 s: /v1/models worst wait {worst / 1000:.1f} s, "
+                    f"{backlog} status calls queued at the end, /health {health:,}/h, "
+                    f"/get_model_info {per_hour.get('/get_model_info', 0):,}/h",
+                    worst >= 1000 and backlog >= 1 and 2000 <= health <= 4500, kind="check"))
+    return rows
+
+
+def _scale(scale: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    last = scale["by_k"][-1]
+    listed = last["first_listing"]["all_quick_listed_s"]
+    api = last["first_listing"]["api_answered_s"]
+    rows.append(row("first full listing", f"every quick engine listed <= 5.5 s from start, "
+                    f"K={last['k']}, a quarter hung or slow",
+                    "never" if listed is None else
+                    f"{listed:.2f} s from process start (API first answered at {api:.2f} s)",
+                    listed is not None and listed <= 5.5))
+    slopes = [s for s in scale["growth"]["idle_cpu_slopes"] if s["slope"] is not None]
+    if slopes:
+        s = slopes[-1]
+        cpus = ", ".join(f"K={r['k']} {r['idle_cpu_pct']:.2f}%" for r in scale["by_k"])
+        rows.append(row("idle CPU vs K", "idle CPU grows no faster than linearly in K "
+                        f"(log-log slope <= {LINEAR_SLOPE_TOLERANCE})",
+                        f"slope {s['slope']:.2f} from K={s['from_k']} to K={s['to_k']} "
+                        f"({cpus})", s["slope"] <= LINEAR_SLOPE_TOLERANCE))
+    return rows
+
+
+def _throughput(tp: dict[str, Any]) -> list[dict[str, Any]]:
+    ratios = {p: r["nvpair_over_floor"] for p, r in tp["ratios"].items()}
+    by_cpu = {p: r.get("nvpair_over_floor_by_cpu") for p, r in tp["ratios"].items()}
+    worst = min(v for v in ratios.values() if v is not None)
+    fig = ", ".join(f"{p} {v:.2f} (by CPU/request {by_cpu[p]})" for p, v in ratios.items())
+    return [row("throughput vs floor", "nvpair >= 0.8 of the bare hypercorn-trio floor "
+                "(req/s, 16 connections)", fig, worst >= 0.8)]
+
+
+def _soak(soak: dict[str, Any]) -> list[dict[str, Any]]:
+    b, a = soak["before"], soak["after"]
+    return [
+        row("soak RSS", f"RSS growth < 5 MB over {soak['status_calls']:,} status calls and "
+            f"{soak['probe_timeouts']:,} probe timeouts",
+            f"{soak['rss_growth_mb']:+.2f} MB ({b['rss_mb']} -> {a['rss_mb']} MB)",
+            soak["rss_growth_mb"] < 5),
+        row("soak fds and CLOSE-WAIT", "fds and CLOSE-WAIT back to baseline (fds that are "
+            "not sockets within 1, no API connection left, sockets within one per engine: "
+            "the probes keep timing out)",
+            f"fds {b['fds']:g} -> {a['fds']:g} (not sockets {b['fds_not_sockets']:g} -> "
+            f"{a['fds_not_sockets']:g}, sockets {b['sockets']:g} -> {a['sockets']:g}), "
+            f"CLOSE-WAIT {b['close_wait']:g} -> {a['close_wait']:g} (simulator: "
+            f"{b['sim_close_wait']:g} -> {a['sim_close_wait']:g})",
+            a["fds_not_sockets"] <= b["fds_not_sockets"] + 1 and a["api_connections"] == 0
+            and a["sockets"] <= b["sockets"] + soak["engines"]
+            and a["close_wait"] <= b["close_wait"]),
+    ]
