@@ -180,7 +180,8 @@ def tables(results: dict[str, Any]) -> list[Table]:
         out.append(Table("Targets", ("", "target", "figure", "result"), [
             (t["name"], t["target"], t["figure"],
              ("met" if t["met"] else "NOT MET") if t["kind"] == "target"
-             else ("reproduced" if t["met"] else "not reproduced"))
+             else ("reproduced" if t["met"] else "not reproduced") if t["kind"] == "check"
+             else "-")
             for t in targets]))
     return out
 
