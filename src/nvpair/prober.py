@@ -19,8 +19,8 @@ from nvpair.config import EngineSpec
 from nvpair.errors import ProbeError
 from nvpair.manifest import GENERATING_MIN_INTERVAL_S, ProbeSpec
 from nvpair.router.traffic import Traffic
-from nvpair.snapshot import Board, EngineState, ProbeStats
-from nvpair.state import Outcome, after_liveness, enter, record, with_auth_notice, with_probe
+from nvpair.snapshot import Board, EngineState
+from nvpair.state import Outcome, after_liveness, count, enter, with_auth_notice
 from nvpair.tls import client_tls
 
 JITTER = 0.05  # fraction of the interval added at random to each tick
@@ -129,8 +129,7 @@ class Prober:
                 mismatch = f"{self.where} serves {names[0]}, expected {self.spec.model}"
 
         def change(e: EngineState) -> EngineState:
-            e = with_probe(e, "identity", record(e.probe("identity") or ProbeStats(
-                path=spec.path), outcome, now))
+            e = count(e, "identity", spec.path, outcome, now)
             e = with_auth_notice(e, outcome, self._paths["identity"])
             if identity is None:
                 return e
@@ -146,8 +145,7 @@ class Prober:
         assert spec is not None
 
         def change(e: EngineState) -> EngineState:
-            e = with_probe(e, "identity", record(e.probe("identity") or ProbeStats(
-                path=spec.path), outcome, now))
+            e = count(e, "identity", spec.path, outcome, now)
             e = msgspec.structs.replace(e, mismatch=message)
             return enter(e, "unhealthy", now, error=message)
 

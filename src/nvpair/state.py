@@ -56,6 +56,13 @@ def with_probe(engine: EngineState, name: str, stats: ProbeStats) -> EngineState
     return msgspec.structs.replace(engine, probes=probes)
 
 
+def count(engine: EngineState, probe: str, path: str, outcome: Outcome, now: float
+          ) -> EngineState:
+    """The engine with one more outcome counted for ``probe``."""
+    return with_probe(engine, probe, record(engine.probe(probe) or ProbeStats(path=path),
+                                            outcome, now))
+
+
 def enter(engine: EngineState, state: State, now: float, **changes: object) -> EngineState:
     since = engine.since if engine.state == state else now
     return msgspec.structs.replace(engine, state=state, since=since, **changes)
@@ -65,9 +72,9 @@ def after_liveness(
     engine: EngineState, probe: str, spec: ProbeSpec, outcome: Outcome, now: float
 ) -> EngineState:
     """Apply a ``ready`` or ``health`` probe outcome."""
-    old = engine.probe(probe) or ProbeStats(path=spec.path)
-    stats = record(old, outcome, now)
-    engine = with_probe(engine, probe, stats)
+    engine = count(engine, probe, spec.path, outcome, now)
+    stats = engine.probe(probe)
+    assert stats is not None
     if engine.state == "stopped":
         return engine
     if outcome.ok:

@@ -14,8 +14,8 @@ import trio
 from nvpair import probes
 from nvpair.errors import ProbeError
 from nvpair.prober import Prober
-from nvpair.snapshot import LISTED_STATES, Board, EngineState, Model, ProbeStats
-from nvpair.state import Outcome, enter, record, with_auth_notice, with_probe
+from nvpair.snapshot import LISTED_STATES, Board, EngineState, Model
+from nvpair.state import Outcome, count, enter, with_auth_notice
 
 #: States in which an engine is listed (and so re-listed when due).
 LISTABLE = LISTED_STATES | {"unhealthy"}
@@ -108,8 +108,7 @@ class Sweep:
             mismatch = f"{prober.where} serves {served}, expected {want}"
 
         def change(e: EngineState) -> EngineState:
-            e = with_probe(e, "models", record(e.probe("models") or ProbeStats(path=spec.path),
-                                               outcome, now))
+            e = count(e, "models", spec.path, outcome, now)
             e = with_auth_notice(e, outcome, prober._paths["models"])
             if models is None:
                 return msgspec.structs.replace(e, models_stale=bool(e.models))
@@ -132,8 +131,7 @@ class Sweep:
             f"model list did not answer within the {self.deadline_s:g} s sweep deadline"))
 
         def change(e: EngineState) -> EngineState:
-            e = with_probe(e, "models", record(e.probe("models") or ProbeStats(path=spec.path),
-                                               outcome, now))
+            e = count(e, "models", spec.path, outcome, now)
             return msgspec.structs.replace(e, models_stale=True)
 
         self.board.update(name, change)
