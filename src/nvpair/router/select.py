@@ -25,8 +25,13 @@ class Known:
 
     def __init__(self) -> None:
         self.names: dict[str, set[str]] = {}
+        self._version = -1
 
     def learn(self, snap: Snapshot) -> None:
+        """Once per snapshot version, not once per request."""
+        if snap.version == self._version:
+            return
+        self._version = snap.version
         for e in snap.engines:
             if e.models:
                 seen = self.names.setdefault(e.name, set())
