@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import nox
@@ -30,16 +31,33 @@ def lint(session: nox.Session) -> None:
     session.run("mypy")
 
 
+LITELLM = "1.108.7"
+
+
+def litellm_venv(session: nox.Session) -> Path:
+    """LiteLLM's proxy in a venv of its own (its pins are not ours), built once and cached."""
+    venv = Path.home() / ".cache" / "nvpair" / f"litellm-{LITELLM}"
+    if not (venv / ".complete").exists():
+        shutil.rmtree(venv, ignore_errors=True)
+        session.run("python", "-m", "venv", str(venv))
+        session.run(str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet",
+                    f"litellm[proxy]=={LITELLM}", external=True)
+        (venv / ".complete").write_text(LITELLM + "\n")
+    return venv
+
+
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmarks: `nox -s bench` (full) or `nox -s bench -- --quick` (under 2 minutes)."""
+    """Benchmarks: `nox -s bench` (full) or `nox -s bench -- --quick` (a few minutes)."""
     session.install("-e", ".[test]")
     session.run("python", "-m", "benchmarks", *session.posargs)
     # The cluster (peers) and router scenarios run as their own modules.
     quick = ["--quick"] if "--quick" in session.posargs else []
     session.run("python", "-m", "benchmarks.cluster", *quick)
-    if Path("benchmarks/router.py").exists():
-        session.run("python", "-m", "benchmarks.router", *quick)
+    litellm = ["--litellm", "--litellm-venv", str(litellm_venv(session))]
+    session.run("python", "-m", "benchmarks.router", *quick, *litellm)
+    if not quick:  # the same against the vLLM simulator (an engine-like, costly upstream)
+        session.run("python", "-m", "benchmarks.router", "--upstream", "sim", *litellm)
 
 
 @nox.session

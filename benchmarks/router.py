@@ -1,16 +1,22 @@
 """The OpenAI front door: direct to the engine against through nvpair (and LiteLLM).
 
-``python -m benchmarks.router [--quick] [--litellm]``
+``python -m benchmarks.router [--quick] [--litellm [--litellm-venv DIR]] [--upstream sim]``
 
-Simulated vLLM engines (``nvpair.sim vllm``), each in its own process, are adopted by one
-``nvpair serve`` process (kind ``vllm``):
+Three upstreams, each in its own process, are adopted by one ``nvpair serve`` process:
 
-* ``fast``: 2,000 tokens/s, 32 tokens; non-streaming latency (1 client) and throughput
-  (8 clients), the CPU nvpair spends per request;
-* ``paced``: 100 tokens/s, 32 tokens (32 x 10 ms); streaming time to first byte, total time
-  and the largest gap between chunks, at 1 and 8 clients;
-* ``burst``: a very high token rate and a big ``max_tokens``; chunks per second one stream
-  gets through, and nvpair's CPU per chunk.
+* ``fast``: answers a non-streaming request at once; non-streaming latency (1 client) and
+  throughput (8 clients), the CPU nvpair spends per request;
+* ``paced``: streams 32 chunks 10 ms apart; streaming time to first byte, total time and
+  the largest gap between chunks, at 1 and 8 clients;
+* ``burst``: streams ``max_tokens`` chunks back to back; chunks per second one stream gets
+  through, and nvpair's CPU per chunk.
+
+The upstream is by default the fast fake of ``benchmarks/upstream.py`` (kind ``openai``),
+the same shape as the Go server the router reference measured its targets against: it
+costs ~0.1 ms of CPU per request, so on two cores the proxy's own cost is what shows.
+``--upstream sim`` uses the vLLM simulator instead (``fast`` is then 2,000 tokens/s x 32,
+16 ms a request; ``paced`` 100 tokens/s): closer to an engine, but ~2.5 ms of CPU per
+request, which the proxy, the simulators and the load generator then share.
 
 Every measurement runs in rounds that go round the targets in turn (direct, nvpair, and
 LiteLLM with ``--litellm``), so the machine's noise falls on all of them; the headline is the
@@ -40,6 +46,7 @@ from typing import Any
 import trio
 
 from benchmarks.procs import (
+    PY,
     ROOT,
     CpuMeter,
     Proc,
@@ -53,13 +60,18 @@ from benchmarks.procs import (
 )
 
 MODELS = {"fast": "bench-fast", "paced": "bench-paced", "burst": "bench-burst"}
+FAKE_ARGS = {
+    "fast": ("--tokens", "32"),
+    "paced": ("--tokens", "32", "--gap-ms", "10"),
+    "burst": ("--tokens", "32", "--gap-ms", "0"),
+}
 SIM_ARGS = {
     "fast": ("--token-rate", "2000", "--max-tokens", "32"),
     "paced": ("--token-rate", "100", "--max-tokens", "32"),
     "burst": ("--token-rate", "1000000", "--max-tokens", "32"),
 }
 CHAT = "/v1/chat/completions"
-LITELLM_VENV = Path("/tmp/nvbench-litellm")
+LITELLM_VENV = Path(os.environ.get("NVBENCH_LITELLM_VENV", "/tmp/nvbench-litellm"))
 LITELLM_KEY = "sk-bench-0123456789abcdef0123456789abcdef"
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -225,10 +237,11 @@ async def sequential(t: Target, model: str, body: bytes, count: int) -> list[Ans
 
 
 async def concurrent(t: Target, model: str, body: bytes, clients: int, *,
-                     seconds: float | None = None, each: int | None = None
+                     seconds: float | None = None, each: int | None = None, warm: int = 0
                      ) -> tuple[list[Answer], float, int]:
-    """``clients`` back-to-back clients, for ``seconds`` or ``each`` requests apiece.
-    (answers, wall seconds, errors)."""
+    """``clients`` back-to-back clients, for ``seconds`` or ``each`` requests apiece, after
+    ``warm`` untimed requests each (their keep-alive connections open, as in a steady
+    closed loop). (answers, wall seconds, errors)."""
     answers: list[Answer] = []
     errors = 0
     deadline = time.perf_counter() + (seconds or 0.0)
@@ -238,6 +251,8 @@ async def concurrent(t: Target, model: str, body: bytes, clients: int, *,
         client = t.client(model)
         done = 0
         try:
+            for _ in range(warm):
+                await client.post(CHAT, body)
             while (each is not None and done < each) or (
                     seconds is not None and time.perf_counter() < deadline):
                 try:
@@ -323,7 +338,8 @@ async def measure(targets: list[Target], plan: Plan, log: Callable[[str], None]
             d["s1_ttfb"] += [a.first_byte for a in answers]
             d["s1_total"] += [a.total for a in answers]
             d["s1_gap"] += [a.max_gap for a in answers]
-            answers, _, errs = await concurrent(t, mp, paced, 8, each=plan.stream8_each)
+            answers, _, errs = await concurrent(t, mp, paced, 8, each=plan.stream8_each,
+                                               warm=1)
             d["errors"].append(errs + sum(map(bad, answers)))
             d["s8_ttfb"] += [a.first_byte for a in answers]
             d["s8_total"] += [a.total for a in answers]
@@ -398,11 +414,20 @@ def wait_chat(url_port: int, model: str, proc: Proc, headers: dict[str, str] | N
     raise RuntimeError(f"{proc.name}: {model} not served within {within:g} s:\n{proc.tail()}")
 
 
-def start_litellm(procs: Procs, ports: dict[str, int]) -> tuple[Proc, int]:
-    exe = LITELLM_VENV / "bin" / "litellm"
+def start_fake(procs: Procs, name: str, model: str, *extra: str) -> int:
+    """One fast fake upstream (benchmarks/upstream.py), answering. Its port."""
+    port = free_port()
+    proc = procs.start(name, [PY, "-m", "benchmarks.upstream", "--port", str(port),
+                              "--model", model, *extra])
+    wait_http(f"http://127.0.0.1:{port}/v1/models", proc)
+    return port
+
+
+def start_litellm(procs: Procs, ports: dict[str, int], venv: Path) -> tuple[Proc, int]:
+    exe = venv / "bin" / "litellm"
     if not exe.exists():
-        raise RuntimeError(f"{exe} missing: python3 -m venv {LITELLM_VENV} && "
-                           f"{LITELLM_VENV}/bin/pip install 'litellm[proxy]'")
+        raise RuntimeError(f"{exe} missing: python3 -m venv {venv} && "
+                           f"{venv}/bin/pip install 'litellm[proxy]'")
     cfg = procs.workdir / "litellm.yaml"
     cfg.write_text("model_list:\n" + "".join(
         f"  - model_name: {MODELS[k]}\n    litellm_params: {{model: openai/{MODELS[k]}, "
@@ -477,20 +502,25 @@ def say(line: str) -> None:
     print(line, flush=True)
 
 
-def run(quick: bool, litellm: bool) -> dict[str, Any]:
+def run(quick: bool, litellm: Path | None, upstream: str = "fake") -> dict[str, Any]:
     plan = QUICK if quick else FULL
     started = time.monotonic()
+    args = FAKE_ARGS if upstream == "fake" else SIM_ARGS
     doc: dict[str, Any] = {"scenario": "router", "quick": quick, "machine": machine(),
-                           "plan": plan.__dict__, "sims": {k: list(v) for k, v in
-                                                             SIM_ARGS.items()}}
+                           "plan": plan.__dict__, "upstream": upstream,
+                           "upstream_args": {k: list(v) for k, v in args.items()}}
     workdir = Path(tempfile.mkdtemp(prefix="nvbench-router-"))
     with Procs(workdir) as procs:
         ports: dict[str, int] = {}
         engines = ""
         for key, model in MODELS.items():
-            _, port, _ = start_sim(procs, f"sim-{key}", "vllm", *SIM_ARGS[key], model=model)
+            if upstream == "fake":
+                port, kind = start_fake(procs, f"upstream-{key}", model, *args[key]), "openai"
+            else:
+                _, port, _ = start_sim(procs, f"sim-{key}", "vllm", *args[key], model=model)
+                kind = "vllm"
             ports[key] = port
-            engines += engine_toml(f"e-{key}", "vllm", port)
+            engines += engine_toml(f"e-{key}", kind, port)
         nv, url, took = start_nvpair(procs, "nvpair", engines)
         nv_port = int(url.rsplit(":", 1)[1])
         for model in MODELS.values():
@@ -499,9 +529,9 @@ def run(quick: bool, litellm: bool) -> dict[str, Any]:
         direct = {MODELS[k]: p for k, p in ports.items()}
         targets = [Target("direct", direct, None),
                    Target("nvpair", dict.fromkeys(direct, nv_port), nv.pid)]
-        if litellm:
+        if litellm is not None:
             try:
-                lp, lport = start_litellm(procs, ports)
+                lp, lport = start_litellm(procs, ports, litellm)
                 headers = {"Authorization": f"Bearer {LITELLM_KEY}"}
                 for model in MODELS.values():
                     wait_chat(lport, model, lp, headers, within=60)
@@ -520,16 +550,20 @@ def run(quick: bool, litellm: bool) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.router")
     p.add_argument("--quick", action="store_true", help="a short run (under 60 s)")
-    p.add_argument("--litellm", action="store_true",
-                   help=f"also measure LiteLLM proxy (from {LITELLM_VENV})")
+    p.add_argument("--litellm", action="store_true", help="also measure LiteLLM's proxy")
+    p.add_argument("--litellm-venv", type=Path, default=LITELLM_VENV,
+                   help="the venv LiteLLM is installed in (default: %(default)s)")
+    p.add_argument("--upstream", choices=("fake", "sim"), default="fake",
+                   help="fake: the fast fake upstream (default); sim: the vLLM simulator")
     args = p.parse_args(argv)
-    doc = run(args.quick, args.litellm)
+    doc = run(args.quick, args.litellm_venv if args.litellm else None, args.upstream)
     print(table(doc["results"]))
     for v in doc["targets"]:
         print(f"{'met    ' if v['met'] else 'NOT MET'}  {v['goal']}: {v['value']} "
               f"(target {v['target']})")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / ("router-quick.json" if args.quick else "router.json")
+    stem = "router" if args.upstream == "fake" else "router-sim"
+    out = RESULTS / (f"{stem}-quick.json" if args.quick else f"{stem}.json")
     out.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {out.relative_to(ROOT)} ({doc['wall_s']} s)")
     return 0

@@ -1,4 +1,4 @@
-"""Closing httpx2's body iterators early without leaking their inner async generators.
+"""Closing body iterators (httpx2's, httpcore2's) early without leaking inner generators.
 
 ``Response.aiter_raw()`` is a stack of async generators. Closing the outer one leaves the
 inner ones suspended until garbage collection (a ResourceWarning, and a connection held
@@ -10,8 +10,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import httpcore2
 import httpx2
 import trio
+
+#: what a read may raise while it is being abandoned.
+READ_ERRORS = (StopAsyncIteration, RuntimeError, httpx2.HTTPError, httpcore2.NetworkError,
+               httpcore2.ProtocolError, httpcore2.TimeoutException)
 
 
 async def close_early(iterator: AsyncIterator[bytes]) -> None:
@@ -22,7 +27,7 @@ async def close_early(iterator: AsyncIterator[bytes]) -> None:
                 scope.cancel(reason="closing the body early")
                 try:
                     await iterator.__anext__()
-                except (StopAsyncIteration, httpx2.HTTPError, RuntimeError):
+                except READ_ERRORS:
                     return
             if scope.cancelled_caught:
                 return

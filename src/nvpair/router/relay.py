@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from contextlib import AsyncExitStack
 
-import httpx2
+import httpcore2
 import msgspec
 import trio
 
@@ -36,9 +36,9 @@ from nvpair.asgi import (
 from nvpair.config import EngineSpec, RouterConfig
 from nvpair.router.select import Known, choose
 from nvpair.router.traffic import Traffic
+from nvpair.router.upstream import BODY_ERRORS, SEND_ERRORS, Refused, Upstream
 from nvpair.snapshot import Board
 from nvpair.streams import close_early
-from nvpair.tls import client_tls
 
 log = logging.getLogger("nvpair.router")
 
@@ -50,9 +50,9 @@ ROUTED_PATHS = frozenset({
 FORWARD_REQUEST = frozenset({b"content-type", b"accept", b"accept-encoding", b"user-agent",
                              b"openai-organization", b"x-request-id"})
 #: response headers never passed back (hop-by-hop, or set by our server).
-DROP_RESPONSE = frozenset({"connection", "keep-alive", "proxy-authenticate",
-                           "proxy-authorization", "te", "trailer", "transfer-encoding",
-                           "upgrade", "server", "date"})
+DROP_RESPONSE = frozenset({b"connection", b"keep-alive", b"proxy-authenticate",
+                           b"proxy-authorization", b"te", b"trailer", b"transfer-encoding",
+                           b"upgrade", b"server", b"date"})
 
 
 class RequestHead(msgspec.Struct):
@@ -94,11 +94,11 @@ class Router:
             if names:
                 self.known.names[spec.name] = set(names)
         self.rng = random.Random()
-        self._clients: dict[str, httpx2.AsyncClient] = {}
+        self._upstreams: dict[str, Upstream] = {}
         self._stack: AsyncExitStack | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Own the engines' traffic clients until cancelled (then close them)."""
+        """Own the engines' connection pools until cancelled (then close them)."""
         async with AsyncExitStack() as stack:
             self._stack = stack
             task_status.started()
@@ -106,24 +106,16 @@ class Router:
                 await trio.sleep_forever()
             finally:
                 self._stack = None
-                self._clients.clear()
+                self._upstreams.clear()
 
-    async def _client(self, name: str) -> httpx2.AsyncClient:
-        client = self._clients.get(name)
-        if client is None:
+    def _upstream(self, name: str) -> Upstream:
+        upstream = self._upstreams.get(name)
+        if upstream is None:
             if self._stack is None:
                 raise RuntimeError("the router is not running")
-            spec = self.specs[name]
-            cfg = self.config
-            client = httpx2.AsyncClient(
-                base_url=spec.url, trust_env=False, verify=client_tls(),
-                timeout=httpx2.Timeout(connect=cfg.connect_timeout_s, read=None, write=60.0,
-                                       pool=cfg.first_byte_timeout_s),
-                limits=httpx2.Limits(max_connections=256, max_keepalive_connections=32,
-                                     keepalive_expiry=4.0),
-            )
-            self._clients[name] = await self._stack.enter_async_context(client)
-        return client
+            upstream = self._upstreams[name] = Upstream(self.specs[name], self.config)
+            self._stack.push_async_callback(upstream.aclose)
+        return upstream
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] != "POST":
@@ -164,21 +156,14 @@ class Router:
         headers = [(k, v) for k, v in scope.get("headers", ()) if k in FORWARD_REQUEST]
         last_error = "no engine"
         for name in engines[:2]:  # the first, and one retry if it never got the request
-            spec = self.specs.get(name)
-            if spec is None:
+            if name not in self.specs:
                 continue
-            request_headers = list(headers)
-            if spec.api_key:
-                request_headers.append((b"authorization", f"Bearer {spec.api_key}".encode()))
-            client = await self._client(name)
-            request = client.build_request("POST", scope["path"], content=body,
-                                           headers=request_headers,
-                                           params=scope.get("query_string", b"").decode())
+            upstream = self._upstream(name)
             self.traffic.started(name)
             result = Result()
             try:
-                await self._relay(client, request, name, send, result)
-            except httpx2.ConnectError as exc:
+                await self._relay(upstream, scope, headers, body, name, send, result)
+            except Refused as exc:
                 result.outcome, result.error = "failed", f"{name}: cannot connect: {exc}"
                 last_error = result.error
                 continue  # nothing reached the engine: the next one may take it
@@ -192,16 +177,16 @@ class Router:
         await send_error(send, 503, f"no engine could take the request ({last_error})",
                          "engine_unreachable", [(b"retry-after", b"2")])
 
-    async def _relay(self, client: httpx2.AsyncClient, request: httpx2.Request, name: str,
-                     send: Send, result: Result) -> None:
-        """Send ``request`` and pass the answer to the client; the outcome goes in ``result``
+    async def _relay(self, upstream: Upstream, scope: Scope, headers: list[tuple[bytes, bytes]],
+                     body: bytes, name: str, send: Send, result: Result) -> None:
+        """Send the request and pass the answer to the client; the outcome goes in ``result``
         as soon as it is known (before cleanup, which a client leaving may interrupt)."""
         with trio.move_on_after(self.config.first_byte_timeout_s) as first:
             try:
-                response = await client.send(request, stream=True)
-            except (httpx2.TimeoutException, httpx2.NetworkError, httpx2.RemoteProtocolError) \
-                    as exc:
-                if isinstance(exc, httpx2.ConnectError):
+                response = await upstream.send(scope["path"], scope.get("query_string", b""),
+                                               headers, body)
+            except SEND_ERRORS as exc:
+                if isinstance(exc, Refused):
                     raise
                 result.finish("failed", f"engine {name} failed before answering: {exc}")
                 await send_error(send, 502, result.error or "", "engine_error")
@@ -212,12 +197,16 @@ class Router:
             await send_error(send, 504, result.error or "", "engine_timeout")
             return
         try:
-            headers = [(k.encode("latin-1"), v.encode("latin-1"))
-                       for k, v in response.headers.multi_items() if k.lower() not in DROP_RESPONSE]
-            headers.append((b"x-nvpair-engine", name.encode()))
-            await send({"type": "http.response.start", "status": response.status_code,
-                        "headers": headers})
-            sse = response.headers.get("content-type", "").startswith("text/event-stream")
+            sse = False
+            out = [(b"x-nvpair-engine", name.encode())]
+            for key, value in response.headers:
+                key = key.lower()
+                if key not in DROP_RESPONSE:
+                    out.append((key, value))
+                    sse = sse or (key == b"content-type"
+                                  and value.startswith(b"text/event-stream"))
+            await send({"type": "http.response.start", "status": response.status,
+                        "headers": out})
             chunks = _Chunks(response, self.config.idle_timeout_s)
             gone: EngineGone | None = None
             try:
@@ -228,7 +217,7 @@ class Router:
             finally:
                 await chunks.aclose()
             if gone is None:
-                result.finish("failed" if response.status_code >= 500 else "ok", None)
+                result.finish("failed" if response.status >= 500 else "ok", None)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return
             result.finish("failed", f"engine {name}: {gone}")
@@ -246,9 +235,12 @@ class Router:
 class _Chunks:
     """The raw body chunks as they come (no async generator: it is always closed here)."""
 
-    def __init__(self, response: httpx2.Response, idle_s: float) -> None:
-        self._raw = response.aiter_raw()
+    def __init__(self, response: httpcore2.Response, idle_s: float) -> None:
+        stream = response.stream
+        assert hasattr(stream, "__aiter__")
+        self._raw: AsyncIterator[bytes] = stream.__aiter__()
         self._idle_s = idle_s
+        self._ended = False
 
     async def next(self) -> bytes | None:
         """The next non-empty chunk, None at the end; EngineGone on a cut or a long silence."""
@@ -257,8 +249,9 @@ class _Chunks:
                 try:
                     chunk = await self._raw.__anext__()
                 except StopAsyncIteration:
+                    self._ended = True
                     return None
-                except (httpx2.NetworkError, httpx2.RemoteProtocolError) as exc:
+                except BODY_ERRORS as exc:
                     raise EngineGone(f"the engine cut the answer ({exc})") from None
             if idle.cancelled_caught:
                 raise EngineGone(f"no data from the engine for {self._idle_s:g} s")
@@ -266,7 +259,8 @@ class _Chunks:
                 return chunk
 
     async def aclose(self) -> None:
-        await close_early(self._raw)
+        if not self._ended:  # read to the end: every generator below has finished already
+            await close_early(self._raw)
 
 
 async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
