@@ -14,10 +14,12 @@ import trio
 
 from nvpair import views
 from nvpair.asgi import (
+    FORWARDED_BY,
     Receive,
     Scope,
     Send,
     encoder,
+    header,
     lifespan,
     send_bytes,
     send_error,
@@ -60,13 +62,16 @@ class Mount(msgspec.Struct, frozen=True):
     """Routes served by another part of nvpair (router, peers): exact paths or a prefix.
 
     ``own_auth``: the handler checks its own credentials (e.g. the cluster token of peer
-    adverts), so the user token is not asked for.
+    adverts), so the user token is not asked for. ``peer_auth``: a request another node
+    passes on (``x-nvpair-forwarded-by``) may present the cluster token instead of the
+    user token (the router's paths: peers route requests to each other's engines).
     """
 
     handler: Handler
     paths: frozenset[str] = frozenset()
     prefix: str | None = None
     own_auth: bool = False
+    peer_auth: bool = False
 
     def matches(self, path: str) -> bool:
         return path in self.paths or (self.prefix is not None and path.startswith(self.prefix))
@@ -75,10 +80,11 @@ class Mount(msgspec.Struct, frozen=True):
 class Api:
     def __init__(self, board: Board, *, node: str, token: str | None = None,
                  controller: Controller | None = None, mounts: Sequence[Mount] = (),
-                 cluster: ClusterView | None = None) -> None:
+                 cluster: ClusterView | None = None, cluster_token: str | None = None) -> None:
         self.board = board
         self.node = node
         self.token = f"Bearer {token}".encode() if token else None
+        self.cluster_token = f"Bearer {cluster_token}".encode() if cluster_token else None
         self.controller = controller
         self.mounts = tuple(mounts)
         self.cluster = cluster
@@ -124,7 +130,7 @@ class Api:
         if mount is not None and mount.own_auth:
             await mount.handler(scope, receive, send)
             return
-        if self.token is not None and not self._authorized(scope):
+        if self.token is not None and not self._authorized(scope, mount):
             await send_error(send, 401, "missing or wrong bearer token", "invalid_api_key",
                              [(b"www-authenticate", b"Bearer")])
             return
@@ -199,9 +205,13 @@ class Api:
             return
         await send_json(send, 200, {"engine": name, "lines": lines})
 
-    def _authorized(self, scope: Scope) -> bool:
+    def _authorized(self, scope: Scope, mount: Mount | None) -> bool:
         assert self.token is not None
-        for key, value in scope.get("headers", ()):
-            if key == b"authorization":
-                return hmac.compare_digest(bytes(value), self.token)
-        return False
+        given = header(scope, b"authorization")
+        if given is None:
+            return False
+        if hmac.compare_digest(given, self.token):
+            return True
+        return (mount is not None and mount.peer_auth and self.cluster_token is not None
+                and header(scope, FORWARDED_BY) is not None
+                and hmac.compare_digest(given, self.cluster_token))

@@ -18,6 +18,9 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 JSON = [(b"content-type", b"application/json")]
+#: on a request one node passes to another: the sender's node name. The receiver serves it
+#: from its own engines only (never passes it on), and accepts the cluster token on it.
+FORWARDED_BY = b"x-nvpair-forwarded-by"
 encoder = msgspec.json.Encoder()
 
 ERROR_TYPES = {

@@ -62,16 +62,18 @@ async def run(settings: Settings, *,
     traffic = Traffic(settings.router)
     runners = {spec.name: EngineRunner(spec, board, registry, settings.log_dir, traffic)
                for spec in settings.engines}
-    router = Router(board, settings.engines, settings.router, traffic)
+    peers = None if settings.cluster is None else Broker(settings.cluster, board, settings.node)
+    cluster_token = None if settings.cluster is None else settings.cluster.token
+    router = Router(board, settings.engines, settings.router, traffic, node=settings.node,
+                    peers=None if peers is None else peers.table, cluster_token=cluster_token)
     mounts = [Mount(handler=TrafficView(traffic), paths=frozenset({"/v1/router"}))]
     if settings.router.enabled:
-        mounts.append(Mount(handler=router, paths=ROUTED_PATHS))
-    peers = None if settings.cluster is None else Broker(settings.cluster, board, settings.node)
+        mounts.append(Mount(handler=router, paths=ROUTED_PATHS, peer_auth=True))
     if peers is not None:
         mounts.extend(peers.mounts)
     api = Api(board, node=settings.node, token=settings.token,
               controller=Lifecycles(runners, board), mounts=mounts,
-              cluster=None if peers is None else peers.table)
+              cluster=None if peers is None else peers.table, cluster_token=cluster_token)
     shutdown = trio.Event()
     # Lifetimes, outermost last to end: the router's engine clients, the engines, the API.
     # On shutdown the API drains first, then engines stop, then the clients close.

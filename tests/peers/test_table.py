@@ -7,7 +7,7 @@ import msgspec
 import trio
 
 from nvpair.peers.advert import Advert, AdvertEngine, Advertiser, AdvertModel
-from nvpair.peers.table import FORGET_AFTER_S, Link, PeerTable
+from nvpair.peers.table import FORGET_AFTER_S, Link, PeerRoutes, PeerTable
 from nvpair.snapshot import Board, EngineState, Model, ProbeStats
 
 
@@ -201,3 +201,20 @@ async def test_the_version_changes_when_a_state_changes_with_time(autojump_clock
     v = table.version
     link.failed(now(), "refused")
     assert table.version > v  # a link starting to fail may make a peer one-way
+
+
+async def test_routes_name_fresh_peers_serving_a_model_and_say_why_others_cannot(
+        autojump_clock) -> None:
+    table = PeerTable("me")
+    table.receive(advert("a", url="http://a:1"), 200, now())
+    table.receive(advert("b"), 200, now())  # advertises no URL: nobody can reach it
+    table.receive(advert("c", models=("x",), url="http://c:1"), 200, now())
+    routes = table.routes("m", now())
+    assert routes.ready == (("a", "http://a:1"),)
+    assert routes.others == ("node b advertises no URL",)
+    assert table.routes("unknown", now()) == PeerRoutes()
+    await trio.sleep(3.5)  # past the ttl: a, b and c are stale
+    assert table.routes("m", now()) == PeerRoutes(
+        others=("node a is stale", "node b is stale"))
+    table.receive(advert("c", seq=2, models=(), url="http://c:1"), 200, now())
+    assert table.routes("x", now()) == PeerRoutes(others=("node c no longer lists it",))

@@ -17,8 +17,8 @@ from nvpair.router.upstream import SEND_ERRORS, Upstream
 def upstream(port: int, connections: int, **router: float) -> Upstream:
     cfg = Config(engines=(EngineConfig(name="e", kind="openai", port=port),))
     spec = resolve(cfg, "t", Path.cwd()).engines[0]
-    return Upstream(spec, RouterConfig(**router),  # type: ignore[arg-type]
-                    max_connections=connections)
+    return Upstream.engine(spec, RouterConfig(**router),  # type: ignore[arg-type]
+                           max_connections=connections)
 
 
 async def post_ok(up: Upstream, path: str = "/fast") -> int:

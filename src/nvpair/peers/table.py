@@ -18,9 +18,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
+import msgspec
 import trio
 
 from nvpair.peers.advert import Advert
+from nvpair.snapshot import LISTED_STATES
 
 PeerState = Literal["fresh", "one-way", "stale", "gone", "left"]
 LISTED: frozenset[str] = frozenset({"fresh", "one-way", "stale"})
@@ -121,6 +123,14 @@ def _item(advert: Advert, m: Any) -> dict[str, Any]:
                        "stale": m.stale, "alias_of": m.alias_of}}
 
 
+class PeerRoutes(msgspec.Struct, frozen=True):
+    """``ready``: (node, URL) of peers that can take a request now; ``others``: why the
+    peers that list the model cannot (empty: no peer lists it)."""
+
+    ready: tuple[tuple[str, str], ...] = ()
+    others: tuple[str, ...] = ()
+
+
 class PeerTable:
     """Implements the API's ``ClusterView``: ``version`` and ``models(now)``.
 
@@ -137,6 +147,9 @@ class PeerTable:
         self._by_url: dict[str, Link] = {}
         self._version = 1
         self._next_transition = float("inf")
+        self._event = trio.Event()
+        #: model id -> nodes that ever listed it (so a model gone for now is 503, not 404)
+        self.seen: dict[str, set[str]] = {}
 
     @property
     def version(self) -> int:
@@ -161,6 +174,14 @@ class PeerTable:
     def _changed(self) -> None:
         self._version += 1
         self._next_transition = self._transition_after(trio.current_time())
+        self._event.set()
+        self._event = trio.Event()
+
+    async def wait_changed(self, since_version: int) -> int:
+        """Wait until a stored change moves the version past ``since_version``."""
+        while self.version == since_version:
+            await self._event.wait()
+        return self._version
 
     def _transition_after(self, now: float) -> float:
         """The next moment a state changes with time alone."""
@@ -188,6 +209,7 @@ class PeerTable:
             if advert.leaving:
                 return "ignored"
             self.entries[advert.node] = Entry(advert, size, now, ttl)
+            self._learn(self.entries[advert.node])
             self._changed()
             self.prune(now)
             return "new"
@@ -199,6 +221,7 @@ class PeerTable:
             if advert.leaving:
                 e.left_at = now
             e.store(advert, size, now, ttl)
+            self._learn(e)
             self._changed()
             return "restarted"
         if e.left_at is not None:
@@ -218,9 +241,18 @@ class PeerTable:
             e.deleted_at = None
         else:
             e.store(advert, size, now, ttl)
+            self._learn(e)
         if not same or before != "fresh":
             self._changed()
         return "refreshed" if same else "updated"
+
+    def _learn(self, e: Entry) -> None:
+        for item in e.items:
+            nodes = self.seen.get(item["id"])
+            if nodes is None and len(self.seen) < 10_000:
+                nodes = self.seen[item["id"]] = set()
+            if nodes is not None:
+                nodes.add(e.node)
 
     def touch(self, now: float) -> None:
         """etcd: a successful contact confirms every entry whose key still exists."""
@@ -312,6 +344,30 @@ class PeerTable:
                     "state": "stale" if state == "stale" else nv["state"],
                     "stale": nv["stale"] or state == "stale"}})
         return out
+
+    def routes(self, model: str, now: float) -> PeerRoutes:
+        """Where a request for ``model`` (an id or alias a peer lists) may go: fresh peers
+        whose engine for it is ready, and, for an error message, why the others may not."""
+        ready: list[tuple[str, str]] = []
+        others: list[str] = []
+        for e in self.entries.values():
+            states = [item["nvpair"]["state"] for item in e.items if item["id"] == model]
+            if not states:
+                continue
+            peer = self.state(e, now)
+            if peer not in LISTED:
+                continue
+            if peer != "fresh":
+                others.append(f"node {e.node} is {peer}")
+            elif not e.advert.url:
+                others.append(f"node {e.node} advertises no URL")
+            elif not any(s in LISTED_STATES for s in states):
+                others.append(f"node {e.node}'s engine is {states[0]}")
+            else:
+                ready.append((e.node, e.advert.url))
+        if not ready and not others:
+            others = [f"node {n} no longer lists it" for n in sorted(self.seen.get(model, ()))]
+        return PeerRoutes(tuple(ready), tuple(others))
 
     def doc(self, now: float) -> dict[str, Any]:
         """The peers part of ``GET /v1/peers``."""

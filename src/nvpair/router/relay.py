@@ -16,25 +16,29 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import AsyncExitStack
+from typing import NamedTuple, Protocol
 
 import httpcore2
 import msgspec
 import trio
 
 from nvpair.asgi import (
+    FORWARDED_BY,
     BodyTooLarge,
     Receive,
     Scope,
     Send,
     encoder,
     error_doc,
+    header,
     read_body,
     send_error,
 )
 from nvpair.config import EngineSpec, RouterConfig
-from nvpair.router.select import Known, choose
+from nvpair.peers.table import PeerRoutes
+from nvpair.router.select import Known, choose, order_peers
 from nvpair.router.traffic import Traffic
 from nvpair.router.upstream import BODY_ERRORS, SEND_ERRORS, Refused, Upstream
 from nvpair.snapshot import Board
@@ -75,6 +79,22 @@ class Result:
         self.outcome, self.error, self.done = outcome, error, True
 
 
+class Target(NamedTuple):
+    """Where one attempt goes: a local engine, or a peer node that serves the model."""
+
+    key: str  # traffic counters: the engine's name, or "peer NODE"
+    what: str  # for messages: "engine e1", "node b"
+    upstream: Upstream
+    label: tuple[bytes, bytes]  # added to the answer: x-nvpair-engine or x-nvpair-node
+    extra: tuple[tuple[bytes, bytes], ...] = ()  # added to the request
+
+
+class PeerRouter(Protocol):
+    """The peers' models as the broker keeps them (``PeerTable``): read, never fetched."""
+
+    def routes(self, model: str, now: float) -> PeerRoutes: ...
+
+
 class EngineGone(Exception):
     """The engine's answer stopped: it closed, reset or fell silent past the idle gap."""
 
@@ -83,8 +103,12 @@ class Router:
     """Serves ROUTED_PATHS. Run ``open()`` in the service nursery: it owns the clients."""
 
     def __init__(self, board: Board, engines: Iterable[EngineSpec], config: RouterConfig,
-                 traffic: Traffic) -> None:
+                 traffic: Traffic, *, node: str = "nvpair", peers: PeerRouter | None = None,
+                 cluster_token: str | None = None) -> None:
         self.board = board
+        self.node = node
+        self.peers = peers
+        self.cluster_token = cluster_token
         self.specs = {e.name: e for e in engines}
         self.config = config
         self.traffic = traffic
@@ -108,14 +132,25 @@ class Router:
                 self._stack = None
                 self._upstreams.clear()
 
-    def _upstream(self, name: str) -> Upstream:
-        upstream = self._upstreams.get(name)
+    def _pool(self, key: str, make: Callable[[], Upstream]) -> Upstream:
+        upstream = self._upstreams.get(key)
         if upstream is None:
             if self._stack is None:
                 raise RuntimeError("the router is not running")
-            upstream = self._upstreams[name] = Upstream(self.specs[name], self.config)
+            upstream = self._upstreams[key] = make()
             self._stack.push_async_callback(upstream.aclose)
         return upstream
+
+    def _engine(self, name: str) -> Target:
+        spec = self.specs[name]
+        upstream = self._pool(name, lambda: Upstream.engine(spec, self.config))
+        return Target(name, f"engine {name}", upstream, (b"x-nvpair-engine", name.encode()))
+
+    def _peer(self, node: str, url: str) -> Target:
+        upstream = self._pool(f"peer {node} {url}", lambda: Upstream(
+            url, self.config, token=self.cluster_token))
+        return Target(f"peer {node}", f"node {node}", upstream,
+                      (b"x-nvpair-node", node.encode()), ((FORWARDED_BY, self.node.encode()),))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] != "POST":
@@ -138,9 +173,20 @@ class Router:
             return
         now = trio.current_time()
         choice = choose(self.board.current, head.model, self.traffic, self.known, now, self.rng)
-        if not choice.engines:
-            if choice.known:
-                await send_error(send, 503, choice.reason or "no engine ready", "engine_not_ready",
+        targets = [self._engine(name) for name in choice.engines if name in self.specs]
+        reason, known = choice.reason, choice.known
+        if not targets and self.peers is not None and header(scope, FORWARDED_BY) is None:
+            routes = self.peers.routes(head.model, now)
+            targets = [self._peer(node, url)
+                       for node, url in order_peers(routes.ready, self.traffic, now, self.rng)]
+            if routes.others:
+                known = True
+                reason = "; ".join(([reason] if choice.known and reason else [])
+                                   + [f"no node serving {head.model!r} is ready: "
+                                      + ", ".join(routes.others)])
+        if not targets:
+            if known:
+                await send_error(send, 503, reason or "no engine ready", "engine_not_ready",
                                  [(b"retry-after", b"2")])
             else:
                 await send_error(send, 404, f"The model `{head.model}` does not exist.",
@@ -148,23 +194,20 @@ class Router:
             return
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-            await self._forward(scope, body, choice.engines, send)
+            await self._forward(scope, body, targets, send)
             nursery.cancel_scope.cancel(reason="answer complete")
 
-    async def _forward(self, scope: Scope, body: bytes, engines: tuple[str, ...],
+    async def _forward(self, scope: Scope, body: bytes, targets: list[Target],
                        send: Send) -> None:
         headers = [(k, v) for k, v in scope.get("headers", ()) if k in FORWARD_REQUEST]
         last_error = "no engine"
-        for name in engines[:2]:  # the first, and one retry if it never got the request
-            if name not in self.specs:
-                continue
-            upstream = self._upstream(name)
-            self.traffic.started(name)
+        for target in targets[:2]:  # the first, and one retry if it never got the request
+            self.traffic.started(target.key)
             result = Result()
             try:
-                await self._relay(upstream, scope, headers, body, name, send, result)
+                await self._relay(target, scope, [*headers, *target.extra], body, send, result)
             except Refused as exc:
-                result.outcome, result.error = "failed", f"{name}: cannot connect: {exc}"
+                result.outcome, result.error = "failed", f"{target.what}: cannot connect: {exc}"
                 last_error = result.error
                 continue  # nothing reached the engine: the next one may take it
             except trio.Cancelled:
@@ -172,33 +215,33 @@ class Router:
                     result.outcome = "client_gone"
                 raise
             finally:
-                self.traffic.finished(name, result.outcome, result.error)
+                self.traffic.finished(target.key, result.outcome, result.error)
             return
         await send_error(send, 503, f"no engine could take the request ({last_error})",
                          "engine_unreachable", [(b"retry-after", b"2")])
 
-    async def _relay(self, upstream: Upstream, scope: Scope, headers: list[tuple[bytes, bytes]],
-                     body: bytes, name: str, send: Send, result: Result) -> None:
+    async def _relay(self, target: Target, scope: Scope, headers: list[tuple[bytes, bytes]],
+                     body: bytes, send: Send, result: Result) -> None:
         """Send the request and pass the answer to the client; the outcome goes in ``result``
         as soon as it is known (before cleanup, which a client leaving may interrupt)."""
         with trio.move_on_after(self.config.first_byte_timeout_s) as first:
             try:
-                response = await upstream.send(scope["path"], scope.get("query_string", b""),
-                                               headers, body)
+                response = await target.upstream.send(
+                    scope["path"], scope.get("query_string", b""), headers, body)
             except SEND_ERRORS as exc:
                 if isinstance(exc, Refused):
                     raise
-                result.finish("failed", f"engine {name} failed before answering: {exc}")
+                result.finish("failed", f"{target.what} failed before answering: {exc}")
                 await send_error(send, 502, result.error or "", "engine_error")
                 return
         if first.cancelled_caught:
-            result.finish("failed", f"engine {name} sent nothing within "
+            result.finish("failed", f"{target.what} sent nothing within "
                                     f"{self.config.first_byte_timeout_s:g} s")
             await send_error(send, 504, result.error or "", "engine_timeout")
             return
         try:
             sse = False
-            out = [(b"x-nvpair-engine", name.encode())]
+            out = [target.label]
             for key, value in response.headers:
                 key = key.lower()
                 if key not in DROP_RESPONSE:
@@ -220,7 +263,7 @@ class Router:
                 result.finish("failed" if response.status >= 500 else "ok", None)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return
-            result.finish("failed", f"engine {name}: {gone}")
+            result.finish("failed", f"{target.what}: {gone}")
             if not sse:
                 raise gone  # a plain body: abort the connection so the truncation is visible
             # An SSE client can tell: an error event, and never [DONE].

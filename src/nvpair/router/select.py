@@ -71,3 +71,12 @@ def choose(snap: Snapshot, model: str, traffic: Traffic, known: Known, now: floa
 def _state(snap: Snapshot, name: str, now: float) -> str:
     e = snap.engine(name)
     return "gone" if e is None else effective_state(e, now, e.overdue_after_s)
+
+
+def order_peers(ready: tuple[tuple[str, str], ...], traffic: Traffic, now: float,
+                rng: random.Random) -> list[tuple[str, str]]:
+    """Peers (node, URL) in the order to try: suspects last, then least in flight."""
+    ranked = sorted((traffic.suspect(f"peer {node}", now),
+                     traffic.of(f"peer {node}").in_flight, rng.random(), node, url)
+                    for node, url in ready)
+    return [(node, url) for *_, node, url in ranked]

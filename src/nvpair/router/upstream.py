@@ -1,20 +1,23 @@
-"""One engine's connection pool for relayed requests, on httpx2's transport core (httpcore2).
+"""A connection pool for relayed requests (to an engine or a peer), on httpcore2.
 
-httpx2's ``AsyncClient`` merges URLs, builds header maps and walks its auth and redirect
-machinery on every request, and wraps every body chunk in two more generators: about 10 %
-of nvpair's CPU per relayed request (docs/benchmarks.md, "Router"). The relay needs none
-of it: a POST of bytes it already has, raw headers back, raw chunks out. So it talks to
-the pool underneath, ``httpcore2.AsyncConnectionPool``, which is the part that carries
-the fix this project chose httpx2 for (no pool slot leaked when a request is cancelled).
+httpcore2 is httpx2's own transport core. httpx2's ``AsyncClient`` merges URLs, builds
+header maps and walks its auth and redirect machinery on every request, and wraps every
+body chunk in two more generators: about 10 % of nvpair's CPU per relayed request
+(docs/router.md). The relay needs none of it: a POST of bytes it already has, raw headers
+back, raw chunks out. So it talks to the pool underneath, ``httpcore2.AsyncConnectionPool``,
+which is the part that carries the fix this project chose httpx2 for (no pool slot leaked
+when a request is cancelled).
 """
 
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpcore2
 
 from nvpair.config import EngineSpec, RouterConfig
+from nvpair.tls import client_tls
 
 #: errors of a response body being read (the engine cut it, or broke the protocol).
 BODY_ERRORS = (httpcore2.NetworkError, httpcore2.ProtocolError)
@@ -25,32 +28,41 @@ Headers = list[tuple[bytes, bytes]]
 
 
 class Upstream:
-    """Keep-alive connections to one engine (opened on demand, closed by ``aclose``)."""
+    """Keep-alive connections to one engine or peer (opened on demand, closed by
+    ``aclose``). ``token``: the bearer token added to every request (the engine's API key,
+    or the cluster token towards a peer), never the user's."""
 
-    def __init__(self, spec: EngineSpec, config: RouterConfig, *,
+    def __init__(self, url: str, config: RouterConfig, *, token: str | None = None,
                  max_connections: int = 256) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s)://HOST:PORT URL: {url!r}")
+        https = parts.scheme == "https"
         self.pool = httpcore2.AsyncConnectionPool(
-            max_connections=max_connections, max_keepalive_connections=32,
-            keepalive_expiry=4.0)
-        host = f"[{spec.host}]" if ":" in spec.host else spec.host
-        self._host = spec.host.encode("idna")
-        self._port = spec.port
-        self._host_header = (b"host", f"{host}:{spec.port}".encode("idna"))
-        self._auth = ((b"authorization", f"Bearer {spec.api_key}".encode()),) \
-            if spec.api_key else ()
+            ssl_context=client_tls() if https else None, max_connections=max_connections,
+            max_keepalive_connections=32, keepalive_expiry=4.0)
+        self._scheme = parts.scheme.encode()
+        self._host = parts.hostname.encode("idna")
+        self._port = parts.port or (443 if https else 80)
+        self._host_header = (b"host", parts.netloc.rpartition("@")[2].encode("idna"))
+        self._auth = ((b"authorization", f"Bearer {token}".encode()),) if token else ()
         self._extensions: dict[str, Any] = {"timeout": {
             "connect": config.connect_timeout_s, "read": None, "write": 60.0,
             "pool": config.first_byte_timeout_s}}
+
+    @classmethod
+    def engine(cls, spec: EngineSpec, config: RouterConfig, **kw: Any) -> Upstream:
+        return cls(spec.url, config, token=spec.api_key, **kw)
 
     async def send(self, path: str, query: bytes, headers: Headers, body: bytes
                    ) -> httpcore2.Response:
         """POST ``body``; returns once the answer's head is in (its body is a stream).
 
-        Adds Host, Content-Length and the engine's API key (never the user's token).
+        Adds Host, Content-Length and the upstream's token (never the user's).
         """
         target = path.encode() + (b"?" + query if query else b"")
         request = httpcore2.Request(
-            b"POST", httpcore2.URL(scheme=b"http", host=self._host, port=self._port,
+            b"POST", httpcore2.URL(scheme=self._scheme, host=self._host, port=self._port,
                                    target=target),
             headers=[self._host_header, *headers, *self._auth,
                      (b"content-length", b"%d" % len(body))],

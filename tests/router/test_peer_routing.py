@@ -1,0 +1,137 @@
+"""Requests for a model that only a peer serves go to that peer (two nvpair services, real
+sockets): the same base URL works for the whole cluster's models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx2
+import msgspec
+import trio
+from tests.managed import free_port, wait_state
+from tests.router.script_engine import ScriptEngine, json_script, sse_script
+
+from nvpair import service
+from nvpair.config import load_settings
+from nvpair.peers.table import PeerTable
+
+CHAT = "/v1/chat/completions"
+CLUSTER_TOKEN = "peer-routing-cluster-token"
+
+
+def chat(model: str, stream: bool = False) -> bytes:
+    return msgspec.json.encode({"model": model, "stream": stream,
+                                "messages": [{"role": "user", "content": "hi"}]})
+
+
+def node_config(tmp: Path, name: str, port: int, engine: ScriptEngine, peer: tuple[str, int]
+                ) -> Path:
+    (tmp / f"user-{name}").write_text(f"user-token-of-{name}")
+    (tmp / "cluster").write_text(CLUSTER_TOKEN)
+    path = tmp / f"{name}.toml"
+    path.write_text(
+        f"listen = '127.0.0.1:{port}'\nnode = '{name}'\ntoken_file = '{tmp / f'user-{name}'}'\n"
+        f"[[engines]]\nname = 'e-{name}'\nkind = 'openai'\nport = {engine.port}\n"
+        "[engines.probes.ready]\ninterval_s = 0.1\ntimeout_s = 0.1\n"
+        f"[[peers]]\nurl = 'http://127.0.0.1:{peer[1]}'\nname = '{peer[0]}'\n"
+        f"[cluster]\ninterval_s = 0.5\ntoken_file = '{tmp / 'cluster'}'\n")
+    return path
+
+
+async def wait_routable(table: PeerTable, model: str, within: float = 20.0) -> None:
+    """Wait (on the table's changes) until a fresh peer offers ``model``."""
+    version = -1
+    with trio.fail_after(within):
+        while not table.routes(model, trio.current_time()).ready:
+            version = await table.wait_changed(version)
+
+
+async def test_a_peers_model_is_routed_to_the_peer_with_the_cluster_token(
+        nursery: trio.Nursery, tmp_path: Path) -> None:
+    engine_a, engine_b = ScriptEngine("m-a"), ScriptEngine("m-b")
+    await nursery.start(engine_a.serve)
+    await nursery.start(engine_b.serve)
+    port_a, port_b = free_port(), free_port()
+    a = await nursery.start(service.run, load_settings(
+        str(node_config(tmp_path, "a", port_a, engine_a, ("b", port_b)))))
+    b = await nursery.start(service.run, load_settings(
+        str(node_config(tmp_path, "b", port_b, engine_b, ("a", port_a)))))
+    await wait_state(a.board, "e-a", "ready", where=lambda e: bool(e.models))
+    await wait_state(b.board, "e-b", "ready", where=lambda e: bool(e.models))
+    assert a.peers is not None and b.peers is not None
+    await wait_routable(a.peers.table, "m-b")
+    engine_b.script = lambda path, body: json_script({"answer": "from b"})
+    user_a = {"authorization": "Bearer user-token-of-a"}
+    with trio.fail_after(20):
+        async with httpx2.AsyncClient(base_url=a.url, headers=user_a) as client:
+            r = await client.post(CHAT, content=chat("m-b"))
+            assert r.status_code == 200, r.text
+            assert r.json() == {"answer": "from b"}
+            assert r.headers["x-nvpair-node"] == "b"
+            assert r.headers["x-nvpair-engine"] == "e-b"  # passed through from b
+            # b's engine got the request, without any token (it has no key configured)
+            path, body, headers = engine_b.requests[-1]
+            assert (path, body) == (CHAT, chat("m-b"))
+            assert "authorization" not in headers
+            assert engine_a.posts == 0
+
+            # streams pass through both nodes byte for byte
+            script = sse_script(20, model="m-b")
+            engine_b.script = lambda path, body: script
+            async with client.stream("POST", CHAT, content=chat("m-b", True)) as s:
+                got = b"".join([chunk async for chunk in s.aiter_raw()])
+            assert got == b"".join(data for _, data in script[1:])
+
+            # a's own model stays local; a model nobody serves is 404
+            engine_a.script = lambda path, body: json_script({"answer": "from a"})
+            r = await client.post(CHAT, content=chat("m-a"))
+            assert r.json() == {"answer": "from a"} and "x-nvpair-node" not in r.headers
+            r = await client.post(CHAT, content=chat("m-nowhere"))
+            assert r.status_code == 404
+            assert r.json()["error"]["code"] == "model_not_found"
+
+        posts_a = engine_a.posts
+        async with httpx2.AsyncClient(base_url=b.url) as client:
+            cluster = {"authorization": f"Bearer {CLUSTER_TOKEN}"}
+            # the cluster token alone is not a user token
+            r = await client.post(CHAT, content=chat("m-b"), headers=cluster)
+            assert r.status_code == 401
+            # a request a node passed on is never passed on again (no loops): b knows m-a
+            # from a's adverts, but serves forwarded requests from its own engines only
+            await wait_routable(b.peers.table, "m-a")
+            r = await client.post(CHAT, content=chat("m-a"),
+                                  headers={**cluster, "x-nvpair-forwarded-by": "a"})
+            assert r.status_code == 404
+            assert engine_a.posts == posts_a
+            # a wrong token with the header is refused
+            r = await client.post(CHAT, content=chat("m-b"), headers={
+                "authorization": "Bearer nope", "x-nvpair-forwarded-by": "a"})
+            assert r.status_code == 401
+
+
+async def test_a_peers_model_whose_engine_is_down_is_503_naming_the_node(
+        nursery: trio.Nursery, tmp_path: Path) -> None:
+    engine_a, engine_b = ScriptEngine("m-a"), ScriptEngine("m-b")
+    await nursery.start(engine_a.serve)
+    await nursery.start(engine_b.serve)
+    port_a, port_b = free_port(), free_port()
+    a = await nursery.start(service.run, load_settings(
+        str(node_config(tmp_path, "a", port_a, engine_a, ("b", port_b)))))
+    b = await nursery.start(service.run, load_settings(
+        str(node_config(tmp_path, "b", port_b, engine_b, ("a", port_a)))))
+    await wait_state(b.board, "e-b", "ready", where=lambda e: bool(e.models))
+    assert a.peers is not None
+    await wait_routable(a.peers.table, "m-b")
+    await engine_b.close_listener()
+    await wait_state(b.board, "e-b", "down", "starting", "unhealthy")
+    table = a.peers.table
+    version = -1
+    with trio.fail_after(20):  # b pushes the change at once
+        while table.routes("m-b", trio.current_time()).ready:
+            version = await table.wait_changed(version)
+        async with httpx2.AsyncClient(base_url=a.url, headers={
+                "authorization": "Bearer user-token-of-a"}) as client:
+            r = await client.post(CHAT, content=chat("m-b"))
+    assert r.status_code == 503
+    assert r.headers["retry-after"] == "2"
+    assert "node b" in r.json()["error"]["message"]
