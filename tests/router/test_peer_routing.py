@@ -46,8 +46,9 @@ async def wait_routable(table: PeerTable, model: str, within: float = 20.0) -> N
             version = await table.wait_changed(version)
 
 
-async def test_a_peers_model_is_routed_to_the_peer_with_the_cluster_token(
-        nursery: trio.Nursery, tmp_path: Path) -> None:
+async def two_nodes(nursery: trio.Nursery, tmp_path: Path
+                    ) -> tuple[service.Running, service.Running, ScriptEngine, ScriptEngine]:
+    """Nodes a and b, peers of each other, serving m-a and m-b; a can route m-b."""
     engine_a, engine_b = ScriptEngine("m-a"), ScriptEngine("m-b")
     await nursery.start(engine_a.serve)
     await nursery.start(engine_b.serve)
@@ -60,6 +61,12 @@ async def test_a_peers_model_is_routed_to_the_peer_with_the_cluster_token(
     await wait_state(b.board, "e-b", "ready", where=lambda e: bool(e.models))
     assert a.peers is not None and b.peers is not None
     await wait_routable(a.peers.table, "m-b")
+    return a, b, engine_a, engine_b
+
+
+async def test_a_peers_model_is_routed_to_the_peer_with_the_cluster_token(
+        nursery: trio.Nursery, tmp_path: Path) -> None:
+    a, b, engine_a, engine_b = await two_nodes(nursery, tmp_path)
     engine_b.script = lambda path, body: json_script({"answer": "from b"})
     user_a = {"authorization": "Bearer user-token-of-a"}
     with trio.fail_after(20):
@@ -98,6 +105,7 @@ async def test_a_peers_model_is_routed_to_the_peer_with_the_cluster_token(
             assert r.status_code == 401
             # a request a node passed on is never passed on again (no loops): b knows m-a
             # from a's adverts, but serves forwarded requests from its own engines only
+            assert b.peers is not None
             await wait_routable(b.peers.table, "m-a")
             r = await client.post(CHAT, content=chat("m-a"),
                                   headers={**cluster, "x-nvpair-forwarded-by": "a"})
@@ -111,17 +119,7 @@ async def test_a_peers_model_is_routed_to_the_peer_with_the_cluster_token(
 
 async def test_a_peers_model_whose_engine_is_down_is_503_naming_the_node(
         nursery: trio.Nursery, tmp_path: Path) -> None:
-    engine_a, engine_b = ScriptEngine("m-a"), ScriptEngine("m-b")
-    await nursery.start(engine_a.serve)
-    await nursery.start(engine_b.serve)
-    port_a, port_b = free_port(), free_port()
-    a = await nursery.start(service.run, load_settings(
-        str(node_config(tmp_path, "a", port_a, engine_a, ("b", port_b)))))
-    b = await nursery.start(service.run, load_settings(
-        str(node_config(tmp_path, "b", port_b, engine_b, ("a", port_a)))))
-    await wait_state(b.board, "e-b", "ready", where=lambda e: bool(e.models))
-    assert a.peers is not None
-    await wait_routable(a.peers.table, "m-b")
+    a, b, _, engine_b = await two_nodes(nursery, tmp_path)
     await engine_b.close_listener()
     await wait_state(b.board, "e-b", "down", "starting", "unhealthy")
     table = a.peers.table
