@@ -5,6 +5,7 @@ import trio
 from tests.fakes import FakeEngine, engine_spec, vllm_routes
 
 from nvpair.snapshot import Board
+from nvpair.state import effective_state
 from nvpair.supervisor import initial_state, run_probes
 
 
@@ -114,6 +115,11 @@ async def test_generating_fallback_with_opt_in_runs_at_a_low_rate(nursery, autoj
     assert board.current.engines[0].state == "ready"
     # /ping is missing too, so health falls back to /health: at most one per 30 s.
     assert fake.counts["/health"] <= 300 / 30 + 2
+    # ... and a result 30 s old is on schedule there, not overdue: never shown stale.
+    for _ in range(60):
+        await trio.sleep(1)
+        e = board.current.engines[0]
+        assert effective_state(e, trio.current_time(), e.overdue_after_s) == "ready"
 
 
 @pytest.mark.parametrize("readers", [1, 50])

@@ -1,5 +1,6 @@
 """The model-list sweep: one shared deadline, quick engines listed even when others hang."""
 
+import msgspec
 import trio
 from tests.fakes import FakeEngine, engine_spec, vllm_routes
 
@@ -65,3 +66,20 @@ async def test_model_list_is_refreshed_on_its_interval(nursery, autojump_clock) 
     await trio.sleep(31)
     assert [m.id for m in board.current.engines[0].models] == ["m2"]
     assert fake.counts["/v1/models"] == 2
+
+
+async def test_an_engine_without_a_models_probe_is_never_due(nursery, autojump_clock) -> None:
+    """Such a manifest is allowed; its engine must not leave a due time in the past, which
+    would wake the sweep at once, forever (a busy loop)."""
+    spec = engine_spec("vllm", name="e")
+    spec = msgspec.structs.replace(spec, probes=msgspec.structs.replace(spec.probes, models=None))
+    board = Board((initial_state(spec),))
+    registry: dict[str, Prober] = {}
+    await nursery.start(lambda task_status: run_probes(
+        spec, board, registry, transport=FakeEngine(vllm_routes()).transport(),
+        task_status=task_status))
+    await trio.sleep(1)
+    assert board.current.engines[0].state == "ready"
+    sweep = Sweep(board, registry, 5.0)
+    assert sweep.due(trio.current_time()) == []
+    assert sweep.next_wake() == float("inf")

@@ -50,6 +50,11 @@ def open_client(
     )
 
 
+def overdue_after(interval_s: float, timeout_s: float) -> float:
+    """How long after its last health result a ready engine shows as stale."""
+    return interval_s + timeout_s + 1.0
+
+
 class Prober:
     """Runs the probes of one engine against ``client`` and writes outcomes to ``board``."""
 
@@ -88,6 +93,10 @@ class Prober:
                         f"{spec.fallback_path} generates; set allow_generating_probes = true "
                         "to use it, or upgrade the engine")), None
                 self._paths[name] = spec.fallback_path
+                if name == "health":  # a slower schedule: "overdue" must follow it
+                    overdue = overdue_after(self.interval(name), spec.timeout_s)
+                    self.board.update(self.spec.name, lambda e: msgspec.structs.replace(
+                        e, overdue_after_s=overdue))
                 outcome, answer = await self._attempt(spec, spec.fallback_path)
             return outcome, answer
 

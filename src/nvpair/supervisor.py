@@ -8,13 +8,12 @@ import httpx2
 import trio
 
 from nvpair.config import EngineSpec
-from nvpair.prober import Prober, open_client
+from nvpair.prober import Prober, open_client, overdue_after
 from nvpair.router.traffic import Traffic
 from nvpair.snapshot import Board, EngineState
 
 
 def initial_state(spec: EngineSpec) -> EngineState:
-    health = spec.probes.health
     return EngineState(
         name=spec.name,
         kind=spec.kind,
@@ -24,7 +23,7 @@ def initial_state(spec: EngineSpec) -> EngineState:
         since=trio.current_time(),
         optional=spec.optional,
         aliases=spec.aliases,
-        overdue_after_s=health.interval_s + health.timeout_s + 1.0,
+        overdue_after_s=overdue_after(spec.probes.health.interval_s, spec.probes.health.timeout_s),
     )
 
 

@@ -31,17 +31,18 @@ class Sweep:
         self._next_due: dict[str, float] = {}
         self._in_flight: set[str] = set()
         self._was_listable: dict[str, bool] = {}
-        self.batches = 0
 
     def due(self, now: float) -> list[str]:
         names = []
         for e in self.board.current.engines:
-            listable = e.state in LISTABLE and e.name in self.probers
+            # (an engine whose manifest has no models probe is never due: a due time left
+            # in the past would wake the sweep at once, forever)
+            listable = (e.state in LISTABLE and e.name in self.probers
+                        and self.probers[e.name].spec.probes.models is not None)
             if listable and not self._was_listable.get(e.name, False):
                 self._next_due[e.name] = now  # just became reachable: list it at once
             self._was_listable[e.name] = listable
             if (listable and e.name not in self._in_flight
-                    and self.probers[e.name].spec.probes.models is not None
                     and now >= self._next_due.get(e.name, now)):
                 names.append(e.name)
         return names
@@ -67,7 +68,6 @@ class Sweep:
 
     async def _batch(self, probers: dict[str, Prober]) -> None:
         """List ``names`` concurrently; whatever has not answered by the deadline is stale."""
-        self.batches += 1
         names = list(probers)
         done: set[str] = set()
         started = trio.current_time()
@@ -81,8 +81,8 @@ class Sweep:
             for name in names:
                 self._in_flight.discard(name)
                 spec = probers[name].spec.probes.models
-                interval = spec.interval_s if spec else 60.0
-                self._next_due[name] = started + interval
+                assert spec is not None  # due() picks only engines with a models probe
+                self._next_due[name] = started + spec.interval_s
                 if name not in done:
                     self._mark_missed(probers[name], now)
 
