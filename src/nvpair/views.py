@@ -8,7 +8,8 @@ from nvpair.snapshot import LISTED_STATES, EngineState, Snapshot
 from nvpair.state import effective_state
 
 
-def _age(now: float, at: float | None) -> float | None:
+def age(now: float, at: float | None) -> float | None:
+    """Seconds since ``at`` for an API answer (ms resolution), None when it never happened."""
     return None if at is None else round(max(0.0, now - at), 3)
 
 
@@ -22,22 +23,22 @@ def engine_status(e: EngineState, snap: Snapshot, now: float, node: str) -> dict
         "url": e.url,
         "managed": e.managed,
         "state": state,
-        "state_age_s": _age(now, e.since),
+        "state_age_s": age(now, e.since),
         "models": [m.id for m in e.models],
         "models_stale": e.models_stale,
-        "models_age_s": _age(now, e.models_at),
+        "models_age_s": age(now, e.models_at),
         "aliases": list(e.aliases),
         "identity": None if e.identity is None else {
             "model": e.identity.model, "version": e.identity.version},
         "pid": e.pid,
-        "checked_age_s": _age(now, e.checked_at),
+        "checked_age_s": age(now, e.checked_at),
         "probes": {
             name: {
                 "path": p.path,
                 "ok": p.ok,
                 "http_status": p.http_status,
                 "latency_ms": None if p.latency_ms is None else round(p.latency_ms, 2),
-                "age_s": _age(now, p.at),
+                "age_s": age(now, p.at),
                 "consecutive_failures": p.consecutive_failures,
                 "requests": p.requests,
                 "failures": p.failures,
@@ -101,7 +102,7 @@ def models_doc(snap: Snapshot, now: float, node: str) -> dict[str, Any]:
                     "node": node,
                     "state": state,
                     "stale": state == "stale" or e.models_stale,
-                    "checked_age_s": _age(now, e.checked_at),
+                    "checked_age_s": age(now, e.checked_at),
                     "alias_of": alias_of,
                 },
             }

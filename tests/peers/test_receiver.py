@@ -75,6 +75,9 @@ async def test_adverts_need_the_cluster_token_and_a_valid_body(node: str) -> Non
             r = await post(b'{"node": "peer", "seq": -1}')
             assert r.status_code == 400 and "advert" in r.json()["error"]["message"]
             assert (await post(advert_body(node="bad name!"))).status_code == 400
+            # the URL requests for its models would go to: http(s)://HOST:PORT only
+            r = await post(advert_body().replace(b"http://10.1.1.1:1", b"file:///etc/x"))
+            assert r.status_code == 400 and "url" in r.json()["error"]["message"]
             assert (await post(advert_body(node="me"))).status_code == 409
             assert (await client.get("/v1/peers/adverts", headers=auth(CLUSTER))).status_code \
                 == 405
@@ -90,7 +93,7 @@ async def test_adverts_need_the_cluster_token_and_a_valid_body(node: str) -> Non
             doc = (await client.get("/v1/peers", headers=auth(USER))).json()
             assert doc["node"] == "me" and doc["backend"] == "push"
             assert doc["received"] == {"accepted": 2, "rejected": {
-                "token": 3, "size": 2, "schema": 3, "self": 1}}
+                "token": 3, "size": 2, "schema": 4, "self": 1}}
             (peer,) = doc["peers"]
             assert peer["node"] == "peer" and peer["state"] == "fresh" and peer["adverts"] == 1
             assert peer["url"] == "http://10.1.1.1:1" and peer["outbound"] is None

@@ -210,7 +210,7 @@ async def test_routes_name_fresh_peers_serving_a_model_and_say_why_others_cannot
     table.receive(advert("b"), 200, now())  # advertises no URL: nobody can reach it
     table.receive(advert("c", models=("x",), url="http://c:1"), 200, now())
     routes = table.routes("m", now())
-    assert routes.ready == (("a", "http://a:1"),)
+    assert routes.ready == (("a", "http://a:1", None),)  # no link to a: the cluster token
     assert routes.others == ("node b advertises no URL",)
     assert table.routes("unknown", now()) == PeerRoutes()
     await trio.sleep(3.5)  # past the ttl: a, b and c are stale

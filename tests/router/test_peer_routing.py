@@ -16,7 +16,9 @@ from nvpair.config import load_settings
 from nvpair.peers.table import PeerTable
 
 CHAT = "/v1/chat/completions"
-CLUSTER_TOKEN = "peer-routing-cluster-token"
+def cluster_token(node: str) -> str:
+    """Each node its own cluster token: a peer is sent the one its [[peers]] entry names."""
+    return f"cluster-token-of-{node}"
 
 
 def chat(model: str, stream: bool = False) -> bytes:
@@ -27,14 +29,17 @@ def chat(model: str, stream: bool = False) -> bytes:
 def node_config(tmp: Path, name: str, port: int, engine: ScriptEngine, peer: tuple[str, int]
                 ) -> Path:
     (tmp / f"user-{name}").write_text(f"user-token-of-{name}")
-    (tmp / "cluster").write_text(CLUSTER_TOKEN)
+    (tmp / f"cluster-{name}").write_text(cluster_token(name))
+    (tmp / f"cluster-{peer[0]}").write_text(cluster_token(peer[0]))
     path = tmp / f"{name}.toml"
     path.write_text(
         f"listen = '127.0.0.1:{port}'\nnode = '{name}'\ntoken_file = '{tmp / f'user-{name}'}'\n"
         f"[[engines]]\nname = 'e-{name}'\nkind = 'openai'\nport = {engine.port}\n"
         "[engines.probes.ready]\ninterval_s = 0.1\ntimeout_s = 0.1\n"
+        "[engines.probes.health]\ninterval_s = 0.5\ntimeout_s = 0.5\n"
         f"[[peers]]\nurl = 'http://127.0.0.1:{peer[1]}'\nname = '{peer[0]}'\n"
-        f"[cluster]\ninterval_s = 0.5\ntoken_file = '{tmp / 'cluster'}'\n")
+        f"token_file = '{tmp / f'cluster-{peer[0]}'}'\n"
+        f"[cluster]\ninterval_s = 0.5\ntoken_file = '{tmp / f'cluster-{name}'}'\n")
     return path
 
 
@@ -64,7 +69,7 @@ async def two_nodes(nursery: trio.Nursery, tmp_path: Path
     return a, b, engine_a, engine_b
 
 
-async def test_a_peers_model_is_routed_to_the_peer_with_the_cluster_token(
+async def test_a_peers_model_is_routed_to_the_peer_with_its_cluster_token(
         nursery: trio.Nursery, tmp_path: Path) -> None:
     a, b, engine_a, engine_b = await two_nodes(nursery, tmp_path)
     engine_b.script = lambda path, body: json_script({"answer": "from b"})
@@ -99,7 +104,7 @@ async def test_a_peers_model_is_routed_to_the_peer_with_the_cluster_token(
 
         posts_a = engine_a.posts
         async with httpx2.AsyncClient(base_url=b.url) as client:
-            cluster = {"authorization": f"Bearer {CLUSTER_TOKEN}"}
+            cluster = {"authorization": f"Bearer {cluster_token('b')}"}
             # the cluster token alone is not a user token
             r = await client.post(CHAT, content=chat("m-b"), headers=cluster)
             assert r.status_code == 401
@@ -111,9 +116,10 @@ async def test_a_peers_model_is_routed_to_the_peer_with_the_cluster_token(
                                   headers={**cluster, "x-nvpair-forwarded-by": "a"})
             assert r.status_code == 404
             assert engine_a.posts == posts_a
-            # a wrong token with the header is refused
+            # another node's cluster token is not b's: refused even with the header (so a
+            # routed request that works above carried b's token, from a's [[peers]] entry)
             r = await client.post(CHAT, content=chat("m-b"), headers={
-                "authorization": "Bearer nope", "x-nvpair-forwarded-by": "a"})
+                "authorization": f"Bearer {cluster_token('a')}", "x-nvpair-forwarded-by": "a"})
             assert r.status_code == 401
 
 

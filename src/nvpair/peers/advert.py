@@ -14,7 +14,7 @@ import msgspec
 import trio
 
 from nvpair import views
-from nvpair.peers.settings import NODE_PATTERN
+from nvpair.peers.settings import NODE_PATTERN, URL_PATTERN
 from nvpair.snapshot import Board
 from nvpair.state import effective_state
 
@@ -24,6 +24,8 @@ MAX_ADVERT_BYTES = 64 * 1024
 Text = Annotated[str, msgspec.Meta(max_length=512)]
 Name = Annotated[str, msgspec.Meta(max_length=128)]
 NodeName = Annotated[str, msgspec.Meta(pattern=NODE_PATTERN)]
+#: where a node says it can be reached: requests for its models are sent there.
+Url = Annotated[str, msgspec.Meta(pattern=URL_PATTERN, max_length=512)]
 
 
 class AdvertModel(msgspec.Struct, frozen=True):
@@ -58,7 +60,7 @@ class Advert(msgspec.Struct, frozen=True):
     seq: Annotated[int, msgspec.Meta(ge=0)]
     #: the sender's wish: stale after this long without an advert (receivers clamp it).
     ttl_s: Annotated[float, msgspec.Meta(gt=0)]
-    url: Text | None = None
+    url: Url | None = None
     engines: tuple[AdvertEngine, ...] = ()
     models: tuple[AdvertModel, ...] = ()
     #: a graceful leave: drop this node at once (and ignore this boot from now on).

@@ -43,7 +43,7 @@ class Broker:
         if cluster.backend == "push" and cluster.token is not None:
             self.receiver = Receiver(self.table, cluster.token)
         self.pushers = [
-            Pusher(t, self.advertiser, self.table.add_link(Link(t.url, t.name)),
+            Pusher(t, self.advertiser, self.table.add_link(Link(t.url, t.name, t.token)),
                    interval=cluster.interval_s, timeout=cluster.push_timeout_s)
             for t in cluster.peers]
         self.etcd = None if etcd is None else EtcdBackend(etcd, self.advertiser, self.table)

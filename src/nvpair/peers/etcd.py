@@ -32,9 +32,10 @@ import trio
 
 from nvpair.peers.advert import Advertiser, decoder
 from nvpair.peers.gateway import KV, EtcdError, Gateway, LeaseNotFound, WatchResult
-from nvpair.peers.push import tls_context
 from nvpair.peers.settings import EtcdSettings
 from nvpair.peers.table import PeerTable
+from nvpair.tls import client_tls
+from nvpair.views import age
 
 log = logging.getLogger("nvpair.peers")
 
@@ -42,10 +43,6 @@ log = logging.getLogger("nvpair.peers")
 RERANGE_S = 60.0
 #: the first retry after a failure comes after about this long; then it doubles to TTL/3.
 FIRST_RETRY_S = 0.2
-
-
-def _age(now: float, at: float | None) -> float | None:
-    return None if at is None else round(max(0.0, now - at), 3)
 
 
 class EtcdBackend:
@@ -85,7 +82,7 @@ class EtcdBackend:
         """Built once: a client built without a context loads the CA bundle every time."""
         s = self.settings
         if not (s.ca_file or s.cert_file):
-            return tls_context()
+            return client_tls()
         context = ssl.create_default_context(cafile=s.ca_file)
         if s.cert_file and s.key_file:
             context.load_cert_chain(s.cert_file, s.key_file)
@@ -316,9 +313,9 @@ class EtcdBackend:
         """The etcd part of ``GET /v1/peers``."""
         gws = (self._owner, self._watcher)
         return {"url": self.settings.url, "key": self.key, "state": self.state,
-                "state_age_s": _age(now, self.state_at), "lease": self.lease,
-                "lease_ttl_s": self.ttl, "last_ok_age_s": _age(now, self.last_ok_at),
-                "last_error": self.last_error, "last_error_age_s": _age(now, self.last_error_at),
+                "state_age_s": age(now, self.state_at), "lease": self.lease,
+                "lease_ttl_s": self.ttl, "last_ok_age_s": age(now, self.last_ok_at),
+                "last_error": self.last_error, "last_error_age_s": age(now, self.last_error_at),
                 "bytes_sent": sum(g.bytes_sent for g in gws),
                 "bytes_received": sum(g.bytes_received for g in gws), **self.counts}
 

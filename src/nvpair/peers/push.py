@@ -16,10 +16,8 @@ raised.
 
 from __future__ import annotations
 
-import functools
 import logging
 import random
-import ssl
 from typing import Any
 
 import httpx2
@@ -29,18 +27,12 @@ from nvpair.peers.advert import Advertiser
 from nvpair.peers.receiver import ADVERTS_PATH
 from nvpair.peers.settings import PeerTarget
 from nvpair.peers.table import Link
+from nvpair.tls import client_tls
 
 log = logging.getLogger("nvpair.peers")
 
 #: a graceful leave is sent to every peer in parallel, within this budget.
 LEAVE_BUDGET_S = 1.0
-
-
-@functools.cache
-def tls_context() -> ssl.SSLContext:
-    """One default TLS context for every client of this process: building a client without
-    one loads the CA bundle each time (about 30 ms of CPU, blocking the event loop)."""
-    return ssl.create_default_context()
 
 
 def keep_alive_for(interval: float) -> float:
@@ -76,7 +68,7 @@ class Pusher:
         timeout = httpx2.Timeout(self.timeout, pool=min(0.5, self.timeout))
         return httpx2.AsyncClient(base_url=self.target.url, headers=headers, limits=limits,
                                   timeout=timeout, trust_env=False, transport=self.transport,
-                                  verify=tls_context())
+                                  verify=client_tls())
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Push until cancelled or until ``leave()``; then send the leave advert.

@@ -20,7 +20,8 @@ from nvpair.manifest import Base, Seconds
 Backend = Literal["push", "etcd"]
 LeaseTTL = Annotated[int, msgspec.Meta(ge=2, le=3600)]
 NODE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
-_URL = re.compile(r"^https?://[^/\s]+")
+URL_PATTERN = r"^https?://[^/\s]+"
+_URL = re.compile(URL_PATTERN)
 
 
 class ClusterConfig(Base, frozen=True):

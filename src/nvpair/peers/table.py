@@ -16,13 +16,14 @@ Everything here is sync: receivers, senders and readers call it between checkpoi
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 import trio
 
 from nvpair.peers.advert import Advert
 from nvpair.snapshot import LISTED_STATES
+from nvpair.views import age
 
 PeerState = Literal["fresh", "one-way", "stale", "gone", "left"]
 LISTED: frozenset[str] = frozenset({"fresh", "one-way", "stale"})
@@ -33,16 +34,14 @@ FORGET_AFTER_S = 600.0
 RETIRED_BOOTS = 8
 
 
-def _age(now: float, at: float | None) -> float | None:
-    return None if at is None else round(max(0.0, now - at), 3)
-
-
 class Link:
     """What this node's sender to one peer has seen (written by that sender only)."""
 
-    def __init__(self, url: str, name: str | None = None) -> None:
+    def __init__(self, url: str, name: str | None = None, token: str | None = None) -> None:
         self.url = url
         self.name = name
+        #: the token this peer expects (its cluster token): also sent on requests routed to it
+        self.token = token
         #: the node that answered (its x-nvpair-node header), else the configured name.
         self.node = name
         self.pushes = 0
@@ -87,8 +86,8 @@ class Link:
         return {"url": self.url, "name": self.name, "node": self.node, "pushes": self.pushes,
                 "failures": self.failures, "consecutive_failures": self.consecutive_failures,
                 "bytes_sent": self.bytes_sent, "connects": self.connects,
-                "last_ok_age_s": _age(now, self.last_ok_at), "last_error": self.last_error,
-                "last_error_age_s": _age(now, self.last_error_at)}
+                "last_ok_age_s": age(now, self.last_ok_at), "last_error": self.last_error,
+                "last_error_age_s": age(now, self.last_error_at)}
 
 
 class Entry:
@@ -123,11 +122,17 @@ def _item(advert: Advert, m: Any) -> dict[str, Any]:
                        "stale": m.stale, "alias_of": m.alias_of}}
 
 
-class PeerRoutes(msgspec.Struct, frozen=True):
-    """``ready``: (node, URL) of peers that can take a request now; ``others``: why the
-    peers that list the model cannot (empty: no peer lists it)."""
+class PeerRoute(NamedTuple):
+    node: str
+    url: str
+    token: str | None  # the token configured for this peer (None: this node's cluster token)
 
-    ready: tuple[tuple[str, str], ...] = ()
+
+class PeerRoutes(msgspec.Struct, frozen=True):
+    """``ready``: peers that can take a request now; ``others``: why the peers that list
+    the model cannot (empty: no peer lists it)."""
+
+    ready: tuple[PeerRoute, ...] = ()
     others: tuple[str, ...] = ()
 
 
@@ -336,11 +341,11 @@ class PeerTable:
             state = self.state(e, now)
             if state not in LISTED:
                 continue
-            age = _age(now, e.received_at)
+            heard = age(now, e.received_at)
             for item in e.items:
                 nv = item["nvpair"]
                 out.append({**item, "nvpair": {
-                    **nv, "peer": state, "routable": state == "fresh", "age_s": age,
+                    **nv, "peer": state, "routable": state == "fresh", "age_s": heard,
                     "state": "stale" if state == "stale" else nv["state"],
                     "stale": nv["stale"] or state == "stale"}})
         return out
@@ -348,7 +353,7 @@ class PeerTable:
     def routes(self, model: str, now: float) -> PeerRoutes:
         """Where a request for ``model`` (an id or alias a peer lists) may go: fresh peers
         whose engine for it is ready, and, for an error message, why the others may not."""
-        ready: list[tuple[str, str]] = []
+        ready: list[PeerRoute] = []
         others: list[str] = []
         for e in self.entries.values():
             states = [item["nvpair"]["state"] for item in e.items if item["id"] == model]
@@ -364,7 +369,8 @@ class PeerTable:
             elif not any(s in LISTED_STATES for s in states):
                 others.append(f"node {e.node}'s engine is {states[0]}")
             else:
-                ready.append((e.node, e.advert.url))
+                link = self.link_for(e)
+                ready.append(PeerRoute(e.node, e.advert.url, link.token if link else None))
         if not ready and not others:
             others = [f"node {n} no longer lists it" for n in sorted(self.seen.get(model, ()))]
         return PeerRoutes(tuple(ready), tuple(others))
@@ -381,13 +387,13 @@ class PeerTable:
             a = e.advert
             state = self.state(e, now)
             peers.append({
-                "node": e.node, "state": state, "state_age_s": _age(now, self.since(e, state)),
-                "age_s": _age(now, e.received_at),
+                "node": e.node, "state": state, "state_age_s": age(now, self.since(e, state)),
+                "age_s": age(now, e.received_at),
                 "url": a.url, "boot_id": a.boot_id, "seq": a.seq, "ttl_s": e.ttl,
-                "changed_age_s": _age(now, e.changed_at),
-                "first_seen_age_s": _age(now, e.first_seen), "adverts": e.adverts,
-                "bytes_received": e.bytes_received, "left_age_s": _age(now, e.left_at),
-                "deleted_age_s": _age(now, e.deleted_at), "models": len(e.items),
+                "changed_age_s": age(now, e.changed_at),
+                "first_seen_age_s": age(now, e.first_seen), "adverts": e.adverts,
+                "bytes_received": e.bytes_received, "left_age_s": age(now, e.left_at),
+                "deleted_age_s": age(now, e.deleted_at), "models": len(e.items),
                 "engines": [{"name": g.name, "kind": g.kind, "state": g.state,
                              "models": list(g.models)} for g in a.engines],
                 "outbound": None if link is None else link.doc(now)})

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import logging
 import random
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import AsyncExitStack
@@ -37,14 +36,12 @@ from nvpair.asgi import (
     send_error,
 )
 from nvpair.config import EngineSpec, RouterConfig
-from nvpair.peers.table import PeerRoutes
+from nvpair.peers.table import PeerRoute, PeerRoutes
 from nvpair.router.select import Known, choose, order_peers
-from nvpair.router.traffic import Traffic
+from nvpair.router.traffic import Traffic, peer_key
 from nvpair.router.upstream import BODY_ERRORS, SEND_ERRORS, Refused, Upstream
 from nvpair.snapshot import Board
 from nvpair.streams import close_early
-
-log = logging.getLogger("nvpair.router")
 
 ROUTED_PATHS = frozenset({
     "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
@@ -100,7 +97,7 @@ class EngineGone(Exception):
 
 
 class Router:
-    """Serves ROUTED_PATHS. Run ``open()`` in the service nursery: it owns the clients."""
+    """Serves ROUTED_PATHS. Run ``run()`` in the service nursery: it owns the pools."""
 
     def __init__(self, board: Board, engines: Iterable[EngineSpec], config: RouterConfig,
                  traffic: Traffic, *, node: str = "nvpair", peers: PeerRouter | None = None,
@@ -118,7 +115,7 @@ class Router:
             if names:
                 self.known.names[spec.name] = set(names)
         self.rng = random.Random()
-        self._upstreams: dict[str, Upstream] = {}
+        self._targets: dict[str, Target] = {}
         self._stack: AsyncExitStack | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -130,27 +127,30 @@ class Router:
                 await trio.sleep_forever()
             finally:
                 self._stack = None
-                self._upstreams.clear()
+                self._targets.clear()
 
-    def _pool(self, key: str, make: Callable[[], Upstream]) -> Upstream:
-        upstream = self._upstreams.get(key)
-        if upstream is None:
+    def _target(self, pool_key: str, make: Callable[[], Target]) -> Target:
+        """A target with its pool, made once (the pools close when ``run`` ends)."""
+        target = self._targets.get(pool_key)
+        if target is None:
             if self._stack is None:
                 raise RuntimeError("the router is not running")
-            upstream = self._upstreams[key] = make()
-            self._stack.push_async_callback(upstream.aclose)
-        return upstream
+            target = self._targets[pool_key] = make()
+            self._stack.push_async_callback(target.upstream.aclose)
+        return target
 
     def _engine(self, name: str) -> Target:
         spec = self.specs[name]
-        upstream = self._pool(name, lambda: Upstream.engine(spec, self.config))
-        return Target(name, f"engine {name}", upstream, (b"x-nvpair-engine", name.encode()))
+        return self._target(name, lambda: Target(
+            name, f"engine {name}", Upstream.engine(spec, self.config),
+            (b"x-nvpair-engine", name.encode())))
 
-    def _peer(self, node: str, url: str) -> Target:
-        upstream = self._pool(f"peer {node} {url}", lambda: Upstream(
-            url, self.config, token=self.cluster_token))
-        return Target(f"peer {node}", f"node {node}", upstream,
-                      (b"x-nvpair-node", node.encode()), ((FORWARDED_BY, self.node.encode()),))
+    def _peer(self, route: PeerRoute) -> Target:
+        node = route.node
+        token = route.token or self.cluster_token  # the peer's own, when one is configured
+        return self._target(f"peer {node} {route.url} {token}", lambda: Target(
+            peer_key(node), f"node {node}", Upstream(route.url, self.config, token=token),
+            (b"x-nvpair-node", node.encode()), ((FORWARDED_BY, self.node.encode()),)))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] != "POST":
@@ -173,12 +173,12 @@ class Router:
             return
         now = trio.current_time()
         choice = choose(self.board.current, head.model, self.traffic, self.known, now, self.rng)
-        targets = [self._engine(name) for name in choice.engines if name in self.specs]
+        targets = [self._engine(name) for name in choice.engines[:2]]
         reason, known = choice.reason, choice.known
         if not targets and self.peers is not None and header(scope, FORWARDED_BY) is None:
             routes = self.peers.routes(head.model, now)
-            targets = [self._peer(node, url)
-                       for node, url in order_peers(routes.ready, self.traffic, now, self.rng)]
+            targets = [self._peer(route) for route
+                       in order_peers(routes.ready, self.traffic, now, self.rng)[:2]]
             if routes.others:
                 known = True
                 reason = "; ".join(([reason] if choice.known and reason else [])
@@ -201,7 +201,7 @@ class Router:
                        send: Send) -> None:
         headers = [(k, v) for k, v in scope.get("headers", ()) if k in FORWARD_REQUEST]
         last_error = "no engine"
-        for target in targets[:2]:  # the first, and one retry if it never got the request
+        for target in targets:  # the first, and one retry if it never got the request
             self.traffic.started(target.key)
             result = Result()
             try:
@@ -224,16 +224,19 @@ class Router:
                      body: bytes, send: Send, result: Result) -> None:
         """Send the request and pass the answer to the client; the outcome goes in ``result``
         as soon as it is known (before cleanup, which a client leaving may interrupt)."""
+        failed = None
         with trio.move_on_after(self.config.first_byte_timeout_s) as first:
             try:
                 response = await target.upstream.send(
                     scope["path"], scope.get("query_string", b""), headers, body)
+            except Refused:
+                raise
             except SEND_ERRORS as exc:
-                if isinstance(exc, Refused):
-                    raise
-                result.finish("failed", f"{target.what} failed before answering: {exc}")
-                await send_error(send, 502, result.error or "", "engine_error")
-                return
+                failed = f"{target.what} failed before answering: {exc}"
+        if failed is not None:  # answered outside the first-byte scope: one answer only
+            result.finish("failed", failed)
+            await send_error(send, 502, failed, "engine_error")
+            return
         if first.cancelled_caught:
             result.finish("failed", f"{target.what} sent nothing within "
                                     f"{self.config.first_byte_timeout_s:g} s")

@@ -6,7 +6,8 @@ import random
 
 import msgspec
 
-from nvpair.router.traffic import Traffic
+from nvpair.peers.table import PeerRoute
+from nvpair.router.traffic import Traffic, peer_key
 from nvpair.snapshot import LISTED_STATES, Snapshot
 from nvpair.state import effective_state
 
@@ -73,10 +74,11 @@ def _state(snap: Snapshot, name: str, now: float) -> str:
     return "gone" if e is None else effective_state(e, now, e.overdue_after_s)
 
 
-def order_peers(ready: tuple[tuple[str, str], ...], traffic: Traffic, now: float,
-                rng: random.Random) -> list[tuple[str, str]]:
-    """Peers (node, URL) in the order to try: suspects last, then least in flight."""
-    ranked = sorted((traffic.suspect(f"peer {node}", now),
-                     traffic.of(f"peer {node}").in_flight, rng.random(), node, url)
-                    for node, url in ready)
-    return [(node, url) for *_, node, url in ranked]
+def order_peers(ready: tuple[PeerRoute, ...], traffic: Traffic, now: float,
+                rng: random.Random) -> list[PeerRoute]:
+    """Peers in the order to try: suspects last, then least in flight, random ties."""
+    def rank(route: PeerRoute) -> tuple[bool, int, float]:
+        key = peer_key(route.node)
+        return traffic.suspect(key, now), traffic.of(key).in_flight, rng.random()
+
+    return sorted(ready, key=rank)

@@ -17,6 +17,11 @@ import trio
 from nvpair.config import RouterConfig
 
 
+def peer_key(node: str) -> str:
+    """The traffic entry of requests routed to peer ``node`` (engines use their name)."""
+    return f"peer {node}"
+
+
 class EngineTraffic(msgspec.Struct):
     in_flight: int = 0
     requests: int = 0
