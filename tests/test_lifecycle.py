@@ -58,6 +58,8 @@ async def test_stop_and_start_through_the_api(nursery, tmp_path) -> None:
             async with httpx2.AsyncClient(base_url=running.url) as client:
                 r = await client.post("/v1/engines/e/stop")
                 assert r.status_code == 202 and r.json()["operation"] == "stopping"
+                # the same status object as GET /v1/engines/e, this node's name included
+                assert r.json()["node"] == settings.node != ""
                 await wait_state(running.board, "e", "stopped")
                 assert group_members(pid) == []
                 models = (await client.get("/v1/models")).json()["data"]

@@ -20,10 +20,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
-import msgspec
 import trio
 
 from nvpair import probes
+from nvpair.asgi import error_doc
 from nvpair.command import build_command
 from nvpair.config import EngineSpec, placeholder_values
 from nvpair.errors import ProbeError
@@ -31,7 +31,9 @@ from nvpair.logs import EngineLog
 from nvpair.prober import Prober, open_client
 from nvpair.router.traffic import Traffic
 from nvpair.snapshot import Board, EngineState
+from nvpair.state import enter
 from nvpair.supervisor import run_probes
+from nvpair.views import engine_status
 
 log = logging.getLogger("nvpair.lifecycle")
 
@@ -94,7 +96,11 @@ class EngineRunner:
             await self._wake.wait()
 
     def _set(self, **changes: Any) -> None:
-        self.board.update(self.spec.name, lambda e: _enter(e, changes))
+        def change(e: EngineState) -> EngineState:
+            fields = dict(changes)
+            return enter(e, fields.pop("state", e.state), trio.current_time(), **fields)
+
+        self.board.update(self.spec.name, change)
 
     # -- the task ------------------------------------------------------------------------
 
@@ -163,16 +169,14 @@ class EngineRunner:
                 nursery.start_soon(self.log.pump, proc.stdout)
                 await nursery.start(partial(run_probes, spec, self.board, self.registry,
                                             traffic=self.traffic))
-                budget = trio.CancelScope()
 
                 async def watch_budget() -> None:
                     nonlocal why
-                    with budget:
-                        with trio.move_on_after(spec.startup_budget_s):
-                            await self._until_ready()
-                            return
-                        why = "budget"
-                        nursery.cancel_scope.cancel(reason="startup budget exceeded")
+                    with trio.move_on_after(spec.startup_budget_s):
+                        await self._until_ready()
+                        return
+                    why = "budget"
+                    nursery.cancel_scope.cancel(reason="startup budget exceeded")
 
                 async def watch_requests() -> None:
                     nonlocal why
@@ -288,13 +292,6 @@ async def _identify(spec: EngineSpec) -> str:
     return f"another {name}{serving}"
 
 
-def _enter(e: EngineState, changes: dict[str, Any]) -> EngineState:
-    state = changes.get("state", e.state)
-    if state != e.state:
-        changes = {**changes, "since": trio.current_time()}
-    return msgspec.structs.replace(e, **changes)
-
-
 def _killpg(pgid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
@@ -324,22 +321,20 @@ def _wall() -> float:
 class Lifecycles:
     """The API's controller: commands and logs for every engine, by name."""
 
-    def __init__(self, runners: dict[str, EngineRunner], board: Board) -> None:
+    def __init__(self, runners: dict[str, EngineRunner], board: Board, node: str) -> None:
         self.runners = runners
         self.board = board
+        self.node = node
 
     async def command(self, name: str, action: str) -> tuple[int, dict[str, Any]]:
-        from nvpair.views import engine_status
-
         runner = self.runners[name]
         status, message = runner.request(action)  # type: ignore[arg-type]
         snap = self.board.current
         engine = snap.engine(name)
         assert engine is not None
         if status != 202:
-            return status, {"error": {"message": message, "type": "conflict_error",
-                                      "code": "engine_busy", "param": None}}
-        doc = engine_status(engine, snap, trio.current_time(), "")
+            return status, error_doc(status, message or action, "engine_busy")
+        doc = engine_status(engine, snap, trio.current_time(), self.node)
         doc["operation"] = runner.operation or action
         if not runner.spec.managed:
             doc["note"] = ("adopted engine: nvpair never signals it; stop unlists it and "

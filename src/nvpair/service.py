@@ -72,7 +72,7 @@ async def run(settings: Settings, *,
     if peers is not None:
         mounts.extend(peers.mounts)
     api = Api(board, node=settings.node, token=settings.token,
-              controller=Lifecycles(runners, board), mounts=mounts,
+              controller=Lifecycles(runners, board, settings.node), mounts=mounts,
               cluster=None if peers is None else peers.table, cluster_token=cluster_token)
     shutdown = trio.Event()
     # Lifetimes, outermost last to end: the router's engine clients, the engines, the API.
