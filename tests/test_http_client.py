@@ -65,9 +65,7 @@ async def test_cancelled_waiter_leaves_no_stuck_pool_slot(nursery) -> None:
                         waiter.cancel()
             r = await client.get("/fast")
             assert r.status_code == 200
-            conns = connections(client)
-            assert len(conns) <= 1
-            assert not any("CONNECTING" in repr(c) for c in conns)
+            assert not any("CONNECTING" in repr(c) for c in connections(client))
 
 
 async def test_cancellation_stress_leaves_no_orphans_and_no_fds(stub_port: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 
@@ -80,11 +81,16 @@ async def test_a_start_that_fails_at_once_backs_off(nursery, tmp_path) -> None:
     with trio.fail_after(30):
         running = await nursery.start(service.run, settings)
         async with reading(running.url) as reader:
-            await trio.sleep(4)  # the window over which attempts are counted
-        starts = running.runners["e"].starts
+            starts = []  # when each attempt began
+            for k in range(5):
+                await wait_state(running.board, "e", "starting", "down",
+                                 where=lambda e, k=k: e.restarts >= k)
+                starts.append(trio.current_time())
         e = await wait_state(running.board, "e", "down")
-    # backoff 0.2, 0.4, 0.8, 1.6, 1.6 ...: about 5 attempts in 4 s, never a spin.
-    assert 2 <= starts <= 7, starts  # it retries, and it never spins
+    # backoff 0.2, 0.4, 0.8, 1.6 s between attempts (each also takes the start's own time):
+    # the gaps grow by the doubled wait, where a fixed delay (or a spin) keeps them equal.
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    assert gaps[0] >= 0.2 and gaps[2] - gaps[0] >= 0.4 and gaps[3] - gaps[1] >= 0.8, gaps
     assert e.exit_code == 3 and "exited with code 3" in (e.error or "")
     assert reader.worst < READ_BOUND_S
 

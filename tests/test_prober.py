@@ -1,6 +1,5 @@
 """The probe loops of one engine, with a fake engine and Trio's autojump clock."""
 
-import pytest
 import trio
 from tests.fakes import FakeEngine, engine_spec, vllm_routes
 
@@ -120,21 +119,3 @@ async def test_generating_fallback_with_opt_in_runs_at_a_low_rate(nursery, autoj
         await trio.sleep(1)
         e = board.current.engines[0]
         assert effective_state(e, trio.current_time(), e.overdue_after_s) == "ready"
-
-
-@pytest.mark.parametrize("readers", [1, 50])
-async def test_reads_never_trigger_probes(nursery, autojump_clock, readers: int) -> None:
-    spec = engine_spec("vllm")
-    fake = FakeEngine(vllm_routes())
-    board = await start(nursery, spec, fake)
-
-    async def reader() -> None:
-        for _ in range(1000):
-            assert board.current.engines[0].name == "e"
-            await trio.sleep(0.01)
-
-    async with trio.open_nursery() as readers_nursery:
-        for _ in range(readers):
-            readers_nursery.start_soon(reader)
-    # 10 s of reading: the same probe count whatever the number of readers.
-    assert fake.counts["/health"] <= 10 / 5 + 2

@@ -144,11 +144,11 @@ async def test_inference_shapes(llama_server: LlamaServer) -> None:
 
 async def test_cancelled_stream_frees_slot(llama_server: LlamaServer) -> None:
     """A streamed chat sent straight to the engine and cancelled by the client after a few
-    chunks: the engine stops generating and every slot is idle again within seconds."""
+    chunks: the engine stops generating and every slot is idle again within 2 s."""
     async with llama_server.client() as client:
         with trio.fail_after(60):
-            took = await check_stream_cancel_frees_slots(client, llama_server.alias, within=10.0)
-            assert took < 10.0
+            # slots free 46-71 ms after the close here (reference); 2 s leaves room for load
+            await check_stream_cancel_frees_slots(client, llama_server.alias, within=2.0)
             await check_health_ready(client)
 
 

@@ -144,8 +144,12 @@ async def test_failures_are_recorded_never_raised_and_back_off_with_jitter(
     assert all(0.8 * INTERVAL <= g <= 1.2 * INTERVAL for g in gaps[:2]), gaps
     assert all(g <= 4 * INTERVAL + 2 for g in gaps), gaps
     assert max(gaps) > 2 * INTERVAL
+    backing_off_since = times[-1]
     board.publish((engine("m", "new"),))  # a change does not cut a backoff short
     await peer.wait_pushes(10)
+    # after nine failures the wait is 2-4 x interval (capped, jittered); the change came
+    # 2.5 s in: pushed at once, it would be ~2.5 s after the ninth
+    assert peer.pushes[-1][0] - backing_off_since >= 2 * INTERVAL
     assert link.consecutive_failures == 0 and link.pushes == 1 and link.node == "peer"
     assert [m.id for m in peer.pushes[-1][1].models] == ["m", "new"]
 

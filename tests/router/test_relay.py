@@ -154,7 +154,8 @@ async def test_client_disconnect_aborts_the_engine_request(nursery, tmp_path, wh
             await eng.closed.wait()
     seen = eng.closed_at[0] - left_at
     assert seen < 0.1, seen
-    await trio.testing.wait_all_tasks_blocked(0.05)
+    with trio.fail_after(5):  # nvpair's handler finishes its cleanup (the counters)
+        await trio.testing.wait_all_tasks_blocked(0.05)
     gone = running.traffic.of("e")
     assert gone.client_gone == 1 and gone.failures == 0  # a client leaving never counts
 
@@ -210,7 +211,8 @@ async def test_engine_death_mid_stream_ends_with_an_error_event(nursery, tmp_pat
     assert events[0] == chunk.strip()
     assert b"the engine cut the answer" in events[-1]
     assert b"[DONE]" not in b"".join(events)
-    await trio.testing.wait_all_tasks_blocked(0.05)  # nvpair's handler finishes its cleanup
+    with trio.fail_after(5):  # nvpair's handler finishes its cleanup
+        await trio.testing.wait_all_tasks_blocked(0.05)
     assert running.traffic.of("e").failures == 1
 
 
@@ -243,7 +245,7 @@ async def test_least_in_flight_spreads_and_refused_is_retried(nursery, tmp_path)
                 for _ in range(8):
                     n.start_soon(worker)
     # The slow engine (10x slower) holds requests longer, so it is picked less often.
-    assert 0 < served.count("slow") <= 0.4 * len(served), served.count("slow")
+    assert 0 < served.count("slow") <= 0.3 * len(served), served.count("slow")  # 16-21 % seen
 
 
 async def test_refused_connection_is_retried_on_another_engine(nursery, tmp_path) -> None:

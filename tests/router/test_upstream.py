@@ -52,7 +52,6 @@ async def test_cancelled_requests_free_their_slots_then_a_request_succeeds(
                     nursery.start_soon(worker)
             for _ in range(5):
                 assert await post_ok(up) == 200
-            assert len(up.pool.connections) <= 4
             assert sum(not c.is_idle() for c in up.pool.connections) == 0
         finally:
             await up.aclose()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -10,6 +9,7 @@ import sys
 
 import httpx2
 import trio
+from tests.managed import alive
 
 from nvpair.sim.cli import build_parser, options_from_args
 
@@ -40,14 +40,6 @@ async def _spawn(*args: str) -> trio.Process:
     )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 async def test_sigterm_exits_cleanly_after_the_engine_shutdown():
     with trio.fail_after(20):
         proc = await _spawn("sglang", "--load-s", "0", "--warmup-s", "0", "--stop-s", "0.3",
@@ -60,12 +52,12 @@ async def test_sigterm_exits_cleanly_after_the_engine_shutdown():
                 stats = (await client.get(f"{control}/__sim/wait?phase=ready")).json()
                 assert stats["phase"] == "ready" and stats["listening"]
                 children = stats["engine"]["child_pids"]
-                assert len(children) == 2 and all(_alive(pid) for pid in children)
+                assert len(children) == 2 and all(alive(pid) for pid in children)
                 health = await client.get(f"http://127.0.0.1:{match['port']}/health")
                 assert health.status_code == 200
                 proc.send_signal(signal.SIGTERM)
                 assert await proc.wait() == 0
-            assert not any(_alive(pid) for pid in children)
+            assert not any(alive(pid) for pid in children)
             assert proc.stderr is not None
             errors = (await proc.stderr.receive_some(65536)).decode()
             assert "Traceback" not in errors and "SIGTERM received" in errors
