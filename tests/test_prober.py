@@ -3,6 +3,7 @@
 import trio
 from tests.fakes import FakeEngine, engine_spec, vllm_routes
 
+from nvpair.probes import MAX_BODY
 from nvpair.snapshot import Board
 from nvpair.state import effective_state
 from nvpair.supervisor import initial_state, run_probes
@@ -119,3 +120,18 @@ async def test_generating_fallback_with_opt_in_runs_at_a_low_rate(nursery, autoj
         await trio.sleep(1)
         e = board.current.engines[0]
         assert effective_state(e, trio.current_time(), e.overdue_after_s) == "ready"
+
+
+async def test_an_oversized_answer_is_an_error_not_a_crash(nursery, autojump_clock) -> None:
+    """A models list over the 4 MiB cap: the probe fails with a clear error; nothing else."""
+    spec = engine_spec("vllm")
+    fake = FakeEngine(vllm_routes())
+    fake.routes["/v1/models"] = (200, "x" * (MAX_BODY + 1))
+    board = Board((initial_state(spec),))
+    prober = await nursery.start(lambda task_status: run_probes(
+        spec, board, {}, transport=fake.transport(), task_status=task_status))
+    outcome, answer = await prober.probe("models")
+    assert answer is None and not outcome.ok
+    assert outcome.error == "GET /v1/models answered more than 4 MiB"
+    outcome, answer = await prober.probe("health")  # the engine's client is still fine
+    assert outcome.ok and answer is not None

@@ -12,6 +12,7 @@ import trio
 from nvpair.errors import ProbeError
 from nvpair.manifest import ModelsFormat, ProbeSpec
 from nvpair.snapshot import Identity, Model
+from nvpair.streams import close_early
 
 MAX_BODY = 4 * 1024 * 1024
 
@@ -34,7 +35,8 @@ async def request(
     started = trio.current_time()
     for attempt in (1, 2):
         try:
-            response = await client.request(spec.method, path, headers=headers)
+            async with client.stream(spec.method, path, headers=headers) as response:
+                body = await _read_capped(response, f"{spec.method} {path}")
         except httpx2.ConnectError as exc:
             raise ProbeError("refused", f"cannot connect: {_reason(exc)}") from None
         except httpx2.RemoteProtocolError as exc:
@@ -49,7 +51,6 @@ async def request(
             raise ProbeError("error", f"{type(exc).__name__}: {_reason(exc)}") from None
         break
     latency_ms = (trio.current_time() - started) * 1000
-    body = response.content[:MAX_BODY]
     if response.status_code not in spec.expect_status:
         raise ProbeError(
             "status",
@@ -57,6 +58,21 @@ async def request(
             http_status=response.status_code,
         )
     return Answer(status=response.status_code, body=body, latency_ms=latency_ms)
+
+
+async def _read_capped(response: httpx2.Response, what: str) -> bytes:
+    """The body, read as it comes and never more than MAX_BODY of it (an answer that big
+    is refused without being held in memory)."""
+    chunks: list[bytes] = []
+    size = 0
+    raw = response.aiter_bytes()
+    async for chunk in raw:
+        size += len(chunk)
+        if size > MAX_BODY:
+            await close_early(raw)
+            raise ProbeError("error", f"{what} answered more than {MAX_BODY // 2**20} MiB")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _reason(exc: BaseException) -> str:
