@@ -55,6 +55,7 @@ class HungPeer:
         self.port = 0
         self.accepted = 0
         self.stop_pushing = trio.Event()
+        self.stopped = trio.Event()
 
     @property
     def url(self) -> str:
@@ -72,6 +73,12 @@ class HungPeer:
         await trio.sleep_forever()
 
     async def push(self, client: httpx2.AsyncClient, nodes: list[Node]) -> None:
+        try:
+            await self._push(client, nodes)
+        finally:
+            self.stopped.set()
+
+    async def _push(self, client: httpx2.AsyncClient, nodes: list[Node]) -> None:
         seq = 0
         while not self.stop_pushing.is_set():
             seq += 1
@@ -205,8 +212,11 @@ async def _lifecycle(tmp_path: Path) -> None:
             urls = poll_urls(healthy)
             stall0, t0 = cpu_stall_us(), trio.current_time()
             async with polling(urls) as polled:
-                c.send_signal(frozen, signal.SIGSTOP)
+                # The fake stops first: a round of its pushes must not reach a frozen node
+                # (that push would wait for an answer that never comes).
                 hung.stop_pushing.set()
+                await hung.stopped.wait()
+                c.send_signal(frozen, signal.SIGSTOP)
                 stopped = trio.current_time()
                 seen = await first_seen(c, healthy, ("n7", "hung"), within=2 * TTL + 2 * SLACK)
                 check_one_connection(await sockets(), healthy, ports)
