@@ -1,11 +1,15 @@
 """The API over a hand-built snapshot (ASGI in-process); real-socket tests are in test_service."""
 
+from urllib.parse import parse_qs
+
 import httpx2
 import msgspec
 import pytest
 import trio
+import trio.testing
 
-from nvpair.api import Api
+from nvpair.api import Api, log_query, read_log
+from nvpair.logs import EngineLog, Lines
 from nvpair.snapshot import Board, EngineState, Model, ProbeStats
 
 
@@ -101,3 +105,38 @@ async def test_answers_are_encoded_once_per_version(autojump_clock) -> None:
     assert api.cached("models", lambda s, n: pytest.fail("re-encoded")) is first
     board.update("a", lambda e: msgspec.structs.replace(e, restarts=1))
     assert msgspec.json.decode(api.cached("models", lambda s, n: {"v": s.version})) == {"v": 2}
+
+
+async def test_a_log_read_waits_for_the_next_line_up_to_wait_s(autojump_clock) -> None:
+    log = EngineLog(None)
+    log.write("first")
+    got: list[Lines] = []
+
+    async def read(query: str) -> None:
+        got.append(await read_log(log, log_query(parse_qs(query))))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read, "after=1&wait_s=30")
+        await trio.testing.wait_all_tasks_blocked()
+        start = trio.current_time()
+        log.write("second")
+    assert got == [Lines(["second"], 1, 2, 0)] and trio.current_time() == start
+    start = trio.current_time()
+    assert await read_log(log, log_query(parse_qs("after=2&wait_s=7"))) == Lines([], 2, 2, 0)
+    assert trio.current_time() - start == 7  # nothing came: empty after wait_s, not sooner
+    both = Lines(["first", "second"], 0, 2, 0)
+    assert await read_log(log, log_query(parse_qs("after=0"))) == both
+    assert await read_log(log, log_query({})) == both  # tail=100 when nothing is asked
+
+
+@pytest.mark.parametrize(("query", "message"), [
+    ("tail=0", "tail: expected a whole number 1-100000, got '0'"),
+    ("after=-1", "after: expected a whole number 0-4611686018427387904, got '-1'"),
+    ("after=0&wait_s=31", "wait_s: expected a whole number 0-30, got '31'"),
+    ("after=0&tail=5", "tail and after: give one of them"),
+    ("after=9", "line 9 is not in this log (it has 0-0)"),
+])
+async def test_bad_log_queries_say_what_is_wrong(query: str, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        await read_log(EngineLog(None), log_query(parse_qs(query)))
+    assert str(info.value) == message

@@ -1,17 +1,18 @@
 from pathlib import Path
 
+import pytest
 import trio
 import trio.testing
 
-from nvpair.logs import EngineLog
+from nvpair.logs import EngineLog, Lines
 
 
 def test_ring_keeps_the_last_lines_and_masks_secrets(tmp_path: Path) -> None:
     log = EngineLog(tmp_path / "e.log", ring=3, redact=("sk-secret",))
     for i in range(5):
         log.write(f"line {i} key=sk-secret")
-    assert log.tail(10) == [f"line {i} key=***" for i in (2, 3, 4)]
-    assert log.tail(1) == ["line 4 key=***"]
+    assert log.tail(10).lines == [f"line {i} key=***" for i in (2, 3, 4)]
+    assert log.tail(1).lines == ["line 4 key=***"]
     log.close()
     text = (tmp_path / "e.log").read_text()
     assert "sk-secret" not in text and text.count("\n") == 5
@@ -35,4 +36,20 @@ async def test_pump_splits_lines_across_chunks(tmp_path: Path) -> None:
         await send.send_all(b"lo\nwor")
         await send.send_all(b"ld\r\npartial")
         await send.aclose()
-    assert log.tail(5) == ["hello", "world", "partial"]
+    assert log.tail(5).lines == ["hello", "world", "partial"]
+
+
+def test_lines_are_numbered_so_a_follower_never_skips_or_repeats() -> None:
+    log = EngineLog(None, ring=3)
+    log.write("same")
+    log.write("same")
+    assert log.tail(10) == Lines(["same", "same"], 0, 2, 0)
+    log.write("same")  # the same text again is still a new line
+    assert log.after(2) == Lines(["same"], 2, 3, 0)
+    assert log.after(3) == Lines([], 3, 3, 0)
+    for i in range(4):
+        log.write(f"x{i}")  # 7 lines written; the ring keeps numbers 4-6
+    assert log.after(3) == Lines(["x1", "x2", "x3"], 4, 7, 1)  # line 3 (x0) fell out
+    assert log.tail(2) == Lines(["x2", "x3"], 5, 7, 0)
+    with pytest.raises(ValueError, match="line 8 is not in this log"):
+        log.after(8)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 from urllib.parse import parse_qs
 
 import msgspec
@@ -25,6 +25,7 @@ from nvpair.asgi import (
     send_error,
     send_json,
 )
+from nvpair.logs import EngineLog, Lines
 from nvpair.snapshot import Board, Snapshot
 
 log = logging.getLogger("nvpair.api")
@@ -38,7 +39,7 @@ class Controller(Protocol):
 
     async def command(self, name: str, action: str) -> tuple[int, dict[str, Any]]: ...
 
-    def logs(self, name: str, tail: int) -> list[str] | None: ...
+    def log(self, name: str) -> EngineLog | None: ...
 
 
 class ClusterView(Protocol):
@@ -193,17 +194,23 @@ class Api:
         await send_error(send, 404, f"no route {method} {scope['path']}", "not_found")
 
     async def logs_route(self, scope: Scope, send: Send, name: str) -> None:
-        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-        raw = query.get("tail", ["100"])[0]
-        if not raw.isdigit() or not 0 < int(raw) <= 100_000:
-            await send_error(send, 400, f"tail: expected a whole number 1-100000, got {raw!r}")
+        try:
+            query = log_query(parse_qs(scope.get("query_string", b"").decode("latin-1")))
+        except ValueError as exc:
+            await send_error(send, 400, str(exc))
             return
-        lines = self.controller.logs(name, int(raw)) if self.controller else None
-        if lines is None:
+        log = self.controller.log(name) if self.controller else None
+        if log is None:
             await send_error(send, 404, f"engine {name!r} has no logs (it is not managed)",
                              "no_logs")
             return
-        await send_json(send, 200, {"engine": name, "lines": lines})
+        try:
+            lines = await read_log(log, query)
+        except ValueError as exc:
+            await send_error(send, 400, str(exc))
+            return
+        await send_json(send, 200, {"engine": name, "lines": lines.lines, "first": lines.first,
+                                    "next": lines.next, "missed": lines.missed})
 
     def _authorized(self, scope: Scope, mount: Mount | None) -> bool:
         assert self.token is not None
@@ -215,3 +222,43 @@ class Api:
         return (mount is not None and mount.peer_auth and self.cluster_token is not None
                 and header(scope, FORWARDED_BY) is not None
                 and hmac.compare_digest(given, self.cluster_token))
+
+
+#: The longest a log read waits for a new line (``wait_s``).
+LOG_WAIT_MAX_S = 30.0
+
+
+def _whole(query: dict[str, list[str]], key: str, low: int, high: int) -> int | None:
+    raw = query.get(key, [None])[0]
+    if raw is None:
+        return None
+    if not raw.isdigit() or not low <= int(raw) <= high:
+        raise ValueError(f"{key}: expected a whole number {low}-{high}, got {raw!r}")
+    return int(raw)
+
+
+class LogQuery(NamedTuple):
+    tail: int | None
+    after: int | None
+    wait_s: int
+
+
+def log_query(query: dict[str, list[str]]) -> LogQuery:
+    """``?tail=N`` (default 100): the last lines. ``?after=N``: the lines numbered N and on
+    (``next`` of the previous answer); with ``wait_s=S``, wait up to S seconds for one."""
+    tail = _whole(query, "tail", 1, 100_000)
+    after = _whole(query, "after", 0, 2**62)
+    if tail is not None and after is not None:
+        raise ValueError("tail and after: give one of them")
+    return LogQuery(tail, after, _whole(query, "wait_s", 0, int(LOG_WAIT_MAX_S)) or 0)
+
+
+async def read_log(log: EngineLog, query: LogQuery) -> Lines:
+    if query.after is None:
+        return log.tail(100 if query.tail is None else query.tail)
+    lines = log.after(query.after)
+    if not lines.lines and query.wait_s:
+        with trio.move_on_after(query.wait_s):
+            await log.changed.wait()
+        lines = log.after(query.after)
+    return lines

@@ -341,8 +341,6 @@ class Lifecycles:
                            "stops probing, start resumes probing")
         return 202, doc
 
-    def logs(self, name: str, tail: int) -> list[str] | None:
+    def log(self, name: str) -> EngineLog | None:
         runner = self.runners.get(name)
-        if runner is None or runner.log is None:
-            return None
-        return runner.log.tail(tail)
+        return None if runner is None else runner.log

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from typing import Any
 
 import httpx2
@@ -29,11 +28,11 @@ def base_url(args: argparse.Namespace) -> tuple[str, str | None]:
     return f"http://{host}:{settings.listen_port}", token or settings.token
 
 
-def call(args: argparse.Namespace, method: str, path: str) -> Any:
+def call(args: argparse.Namespace, method: str, path: str, *, timeout: float = 10.0) -> Any:
     url, token = base_url(args)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        response = httpx2.request(method, url + path, headers=headers, timeout=10.0,
+        response = httpx2.request(method, url + path, headers=headers, timeout=timeout,
                                   trust_env=False)
     except httpx2.ConnectError:
         raise InputError(f"cannot reach nvpair at {url} (is `nvpair serve` running?)") from None
@@ -100,26 +99,28 @@ def run(args: argparse.Namespace) -> int:
     raise ConfigError(f"unknown command {cmd}")
 
 
+#: How long one ``logs -f`` request waits for a new line before it asks again.
+FOLLOW_WAIT_S = 10
+
+
 def follow_logs(args: argparse.Namespace) -> int:
     doc = call(args, "GET", f"/v1/engines/{args.name}/logs?tail={max(1, args.tail)}")
-    lines: list[str] = doc["lines"]
-    for line in lines:
-        print(line)
+    _print_lines(doc)
     if not args.follow:
         return 0
-    last = lines[-1] if lines else None
     try:
         while True:
-            time.sleep(1.0)
-            doc = call(args, "GET", f"/v1/engines/{args.name}/logs?tail=1000")
-            new: list[str] = doc["lines"]
-            start = 0
-            if last is not None and last in new:
-                start = len(new) - new[::-1].index(last)
-            for line in new[start:]:
-                print(line)
-            sys.stdout.flush()
-            if new:
-                last = new[-1]
+            doc = call(args, "GET", f"/v1/engines/{args.name}/logs?after={doc['next']}"
+                       f"&wait_s={FOLLOW_WAIT_S}", timeout=FOLLOW_WAIT_S + 10.0)
+            _print_lines(doc)
     except KeyboardInterrupt:
         return 0
+
+
+def _print_lines(doc: dict[str, Any]) -> None:
+    if doc.get("missed"):
+        print(f"[nvpair: {doc['missed']} lines came and went faster than they were read]",
+              file=sys.stderr)
+    for line in doc["lines"]:
+        print(line)
+    sys.stdout.flush()

@@ -1,0 +1,67 @@
+"""Commands that talk to a running nvpair, run as a person runs them (a real subprocess)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import httpx2
+import trio
+from tests.managed import free_port, managed_config
+
+from nvpair import service
+
+# An "engine" whose output repeats itself, as engines do (`GET /health 200` every few
+# seconds): one identical line per SIGUSR1.
+TICKER = """
+import signal, sys
+signal.signal(signal.SIGUSR1, lambda *_: print("tick", flush=True))
+print("ticker ready", flush=True)
+while True:
+    signal.pause()
+"""
+
+
+async def next_lines(client: httpx2.AsyncClient, after: int) -> dict:  # type: ignore[type-arg]
+    r = await client.get(f"/v1/engines/e/logs?after={after}&wait_s=10")
+    assert r.status_code == 200, r.text
+    return r.json()  # type: ignore[no-any-return]
+
+
+async def test_logs_follow_prints_each_repeated_line_once(nursery, tmp_path) -> None:
+    settings = managed_config(tmp_path, "e", free_port(), [sys.executable, "-c", TICKER])
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, settings)
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            doc = {"next": 0, "lines": []}
+            seen: list[str] = []
+            while "ticker ready" not in seen:  # its signal handler is in place
+                doc = await next_lines(client, doc["next"])
+                seen += doc["lines"]
+            pid = (await client.get("/v1/engines/e")).json()["pid"]
+            assert seen[0].startswith("[nvpair] starting:") and doc["missed"] == 0
+
+            follower = await trio.lowlevel.open_process(
+                [sys.executable, "-m", "nvpair", "logs", "e", "-f", "-n", "1",
+                 "--url", running.url], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                env={**os.environ, "NO_COLOR": "1"})
+            try:
+                out = b""
+                assert follower.stdout is not None
+                while b"ticker ready\n" not in out:  # the tail of one line
+                    out += await follower.stdout.receive_some()
+                for i in range(1, 4):
+                    os.kill(pid, signal.SIGUSR1)
+                    doc = await next_lines(client, doc["next"])
+                    assert doc["lines"] == ["tick"]  # the same text, a new line, once
+                    while out.count(b"tick\n") < i:  # the follower shows it too
+                        out += await follower.stdout.receive_some()
+                # What it printed, in order, and nothing twice: a follower that found its
+                # place by the last line's text would print the first tick and no other.
+                assert out == b"ticker ready\ntick\ntick\ntick\n"
+            finally:
+                follower.kill()
+                with trio.move_on_after(5, shield=True):  # reap it even when failing
+                    await follower.wait()
