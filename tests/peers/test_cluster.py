@@ -205,6 +205,11 @@ async def _lifecycle(tmp_path: Path) -> None:
                                                           2),
                                           "max": round(100 * max(cpu.values()), 2)}
             assert statistics.median(cpu.values()) < 0.10, REPORT
+            # One advert per peer per interval, each with its HTTP head (docs/peers.md:
+            # about 240 KB a minute at 1 s): fewer bytes would mean missed heartbeats, more
+            # a bloated push (a full state dump, extra requests).
+            per_push = REPORT["bytes_per_node_per_min_out"] / ((N - 1) * 60 / INTERVAL)
+            assert 0.7 * REPORT["advert_bytes"] < per_push < 1024, (per_push, REPORT)
 
             # 4. A frozen node and the silent hung peer go stale, then gone, while the
             #    cluster listing stays fast on every other node.
