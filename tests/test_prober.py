@@ -113,6 +113,10 @@ async def test_generating_fallback_with_opt_in_runs_at_a_low_rate(nursery, autoj
     board = await start(nursery, spec, fake)
     await trio.sleep(300)
     assert board.current.engines[0].state == "ready"
+    health = board.current.engines[0].probe("health")
+    ready = board.current.engines[0].probe("ready")
+    assert health is not None and health.path == "/health"  # the status says what is asked
+    assert ready is not None and ready.path == "/health"
     # /ping is missing too, so health falls back to /health: at most one per 30 s.
     assert fake.counts["/health"] <= 300 / 30 + 2
     # ... and a result 30 s old is on schedule there, not overdue: never shown stale.

@@ -108,11 +108,12 @@ class Prober:
                 answer = await probes.request(self.client, spec, path, api_key=self.spec.api_key)
             except ProbeError as exc:
                 return Outcome(ok=False, kind=exc.kind, http_status=exc.http_status,
-                               latency_ms=_ms(started), error=str(exc)), None
+                               latency_ms=_ms(started), error=str(exc), path=path), None
         if scope.cancelled_caught or answer is None:
-            return Outcome(ok=False, kind="timeout", latency_ms=_ms(started),
+            return Outcome(ok=False, kind="timeout", latency_ms=_ms(started), path=path,
                            error=f"GET {path} did not answer within {spec.timeout_s:g} s"), None
-        return Outcome(ok=True, http_status=answer.status, latency_ms=answer.latency_ms), answer
+        return Outcome(ok=True, http_status=answer.status, latency_ms=answer.latency_ms,
+                       path=path), answer
 
     async def check_identity(self) -> None:
         """Probe identity once and record the result (a mismatch makes the engine unhealthy)."""
@@ -128,7 +129,7 @@ class Prober:
             except ProbeError as exc:
                 outcome = Outcome(ok=exc.kind != "mismatch", kind=exc.kind,
                                   http_status=answer.status, latency_ms=answer.latency_ms,
-                                  error=str(exc))
+                                  error=str(exc), path=outcome.path)
                 if exc.kind == "mismatch":
                     self._record_mismatch(outcome, now, f"{self.where} {exc}")
                     return

@@ -23,6 +23,7 @@ class Outcome(msgspec.Struct, frozen=True):
     http_status: int | None = None
     latency_ms: float | None = None
     error: str | None = None
+    path: str | None = None  # the path requested (a fallback's, once it took over)
 
 
 def record(stats: ProbeStats, outcome: Outcome, now: float) -> ProbeStats:
@@ -58,9 +59,12 @@ def with_probe(engine: EngineState, name: str, stats: ProbeStats) -> EngineState
 
 def count(engine: EngineState, probe: str, path: str, outcome: Outcome, now: float
           ) -> EngineState:
-    """The engine with one more outcome counted for ``probe``."""
-    return with_probe(engine, probe, record(engine.probe(probe) or ProbeStats(path=path),
-                                            outcome, now))
+    """The engine with one more outcome counted for ``probe``; its stats name the path the
+    outcome came from (``path``, the manifest's, when the outcome did not request one)."""
+    stats = record(engine.probe(probe) or ProbeStats(path=path), outcome, now)
+    if outcome.path is not None and outcome.path != stats.path:
+        stats = msgspec.structs.replace(stats, path=outcome.path)
+    return with_probe(engine, probe, stats)
 
 
 def enter(engine: EngineState, state: State, now: float, **changes: object) -> EngineState:

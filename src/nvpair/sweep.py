@@ -98,7 +98,8 @@ class Sweep:
                 models = probes.parse_models(answer.body, spec.format, prober._paths["models"])
             except ProbeError as exc:
                 outcome = Outcome(ok=False, kind=exc.kind, http_status=answer.status,
-                                  latency_ms=answer.latency_ms, error=str(exc))
+                                  latency_ms=answer.latency_ms, error=str(exc),
+                                  path=outcome.path)
         mismatch = None
         want = prober.spec.model
         ident = prober.spec.probes.identity
