@@ -16,6 +16,7 @@ from nvpair.decoding import convert
 from nvpair.errors import ConfigError, ManifestError
 from nvpair.manifest import (
     BUILTIN_KINDS,
+    PROBE_NAMES,
     Base,
     Manifest,
     Port,
@@ -97,6 +98,11 @@ class Config(Base, frozen=True):
     cluster: ClusterConfig = ClusterConfig()
 
 
+def url_host(host: str) -> str:
+    """``host`` as it stands in a URL or a bind address: IPv6 literals in brackets."""
+    return f"[{host}]" if ":" in host else host
+
+
 class EngineSpec(msgspec.Struct, frozen=True):
     """One engine, with its manifest and the config's overrides merged: what the core runs."""
 
@@ -120,8 +126,7 @@ class EngineSpec(msgspec.Struct, frozen=True):
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"http://{url_host(self.host)}:{self.port}"
 
 
 class Settings(msgspec.Struct, frozen=True):
@@ -234,12 +239,6 @@ def resolve(config: Config, source: str, base: Path, *, listen: str | None = Non
             raise ConfigError(f"{where}.name: duplicate engine name {eng.name!r}")
         names.add(eng.name)
         engines.append(_resolve_engine(eng, where, base))
-    for i, peer in enumerate(config.peers):
-        if not re.match(r"^https?://[^/\s]+", peer.url):
-            raise ConfigError(
-                f"{source}: peers[{i}].url: expected http(s)://HOST:PORT, got {peer.url!r}")
-        if peer.token_file:
-            read_secret(peer.token_file, source, f"peers[{i}].token_file", base)
     cluster = resolve_cluster(config.cluster, config.peers, source=source, base=base,
                               node=config.node or socket.gethostname(), api_token=token,
                               read_secret=read_secret)
@@ -316,9 +315,7 @@ def _resolve_engine(eng: EngineConfig, where: str, base: Path) -> EngineSpec:
 
 
 def _merge_probes(probes: Probes, overrides: dict[str, ProbeOverride], where: str) -> Probes:
-    merged: dict[str, ProbeSpec | None] = {}
-    for name in ("ready", "health", "identity", "models"):
-        merged[name] = getattr(probes, name)
+    merged: dict[str, ProbeSpec | None] = {n: getattr(probes, n) for n in PROBE_NAMES}
     for name, override in overrides.items():
         if name not in merged:
             raise ConfigError(

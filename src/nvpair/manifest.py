@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 import msgspec
 
@@ -19,6 +19,7 @@ from nvpair.errors import ManifestError
 
 Cost = Literal["cheap", "queued", "generating"]
 ProbeName = Literal["ready", "health", "identity", "models"]
+PROBE_NAMES: tuple[ProbeName, ...] = get_args(ProbeName)
 ModelsFormat = Literal["openai", "ollama_tags"]
 
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
@@ -87,6 +88,10 @@ class Probes(Base, frozen=True):
     identity: ProbeSpec | None = None
     models: ProbeSpec | None = None
 
+    def named(self) -> list[tuple[ProbeName, ProbeSpec]]:
+        """The probes this engine has, by name, in PROBE_NAMES order."""
+        return [(n, p) for n in PROBE_NAMES if (p := getattr(self, n)) is not None]
+
 
 class StartSpec(Base, frozen=True):
     #: argv template; placeholders such as {model}, {host}, {port}, {tp} fill whole arguments.
@@ -136,10 +141,7 @@ _KIND = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
 
 def check_probes(probes: Probes, *, allow_generating: bool, where: str) -> None:
     """Reject generating probes without the opt-in, and too-frequent generating probes."""
-    for name in ("ready", "health", "identity", "models"):
-        spec: ProbeSpec | None = getattr(probes, name)
-        if spec is None:
-            continue
+    for name, spec in probes.named():
         # A generating fallback path is checked when it is used (see probes.py): the
         # primary path is what runs on every current engine.
         if spec.cost == "generating" and not allow_generating:

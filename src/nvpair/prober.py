@@ -17,7 +17,7 @@ import trio
 from nvpair import probes
 from nvpair.config import EngineSpec
 from nvpair.errors import ProbeError
-from nvpair.manifest import GENERATING_MIN_INTERVAL_S, ProbeSpec
+from nvpair.manifest import GENERATING_MIN_INTERVAL_S, PROBE_NAMES, ProbeSpec
 from nvpair.router.traffic import Traffic
 from nvpair.snapshot import Board, EngineState
 from nvpair.state import Outcome, after_liveness, count, enter, with_auth_notice
@@ -66,13 +66,11 @@ class Prober:
         self.board = board
         self.client = client
         self._paths = {n: p.path for n, p in self._specs().items()}
-        self._locks = {n: trio.Lock() for n in ("ready", "health", "identity", "models")}
+        self._locks: dict[str, trio.Lock] = {n: trio.Lock() for n in PROBE_NAMES}
         self._rng = random.Random()
 
     def _specs(self) -> dict[str, ProbeSpec]:
-        p = self.spec.probes
-        return {n: s for n, s in (("ready", p.ready), ("health", p.health),
-                                  ("identity", p.identity), ("models", p.models)) if s}
+        return dict(self.spec.probes.named())
 
     def interval(self, name: str) -> float:
         spec = self._specs()[name]

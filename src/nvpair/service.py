@@ -12,7 +12,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
 from nvpair.api import Api, Mount
-from nvpair.config import Settings
+from nvpair.config import Settings, url_host
 from nvpair.lifecycle import EngineRunner, Lifecycles
 from nvpair.peers.broker import Broker
 from nvpair.peers.push import keep_alive_for
@@ -40,8 +40,7 @@ class Running(msgspec.Struct, frozen=False):
 
 def hypercorn_config(settings: Settings) -> HypercornConfig:
     cfg = HypercornConfig()
-    host = f"[{settings.listen_host}]" if ":" in settings.listen_host else settings.listen_host
-    cfg.bind = [f"{host}:{settings.listen_port}"]
+    cfg.bind = [f"{url_host(settings.listen_host)}:{settings.listen_port}"]
     cfg.keep_alive_timeout = settings.keep_alive_s
     if settings.cluster is not None:  # so that steady peer pushes keep their connection
         cfg.keep_alive_timeout = max(cfg.keep_alive_timeout,

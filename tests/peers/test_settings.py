@@ -83,6 +83,10 @@ def test_etcd_defaults(load) -> None:
     ("[cluster]\nbackend = 'etcd'\netcd_url = 'http://e:1'\netcd_prefix = 'x'\n",
      "cluster.etcd_prefix: must end with '/'"),
     ("[cluster]\ntoken_file = 'cluster'\nintervall_s = 1\n", "cluster.intervall_s: unknown key"),
+    ("[[peers]]\nurl = 'file:///etc/passwd'\n",
+     r"peers\[0\].url: expected http\(s\)://HOST:PORT, got 'file:///etc/passwd'"),
+    ("[cluster]\ntoken_file = 'cluster'\n[[peers]]\nurl = 'http://b:1'\ntoken_file = 'nope'\n",
+     r"peers\[0\].token_file: cannot read"),
 ])
 def test_errors_are_one_line_and_name_the_key(load, text: str, expected: str) -> None:
     message = error(load, text)

@@ -8,18 +8,11 @@ import msgspec
 
 from nvpair.cli.table import render
 from nvpair.config import EngineSpec, Settings
-from nvpair.manifest import ProbeSpec
-
-PROBE_ORDER = ("ready", "health", "identity", "models")
-
-
-def probe_rows(engine: EngineSpec) -> list[tuple[str, ProbeSpec]]:
-    return [(n, p) for n in PROBE_ORDER if (p := getattr(engine.probes, n)) is not None]
 
 
 def steady_rate_per_hour(engine: EngineSpec) -> float:
     """Requests per hour an engine gets from nvpair once ready (``ready`` stops then)."""
-    return sum(3600.0 / p.interval_s for n, p in probe_rows(engine) if n != "ready")
+    return sum(3600.0 / p.interval_s for n, p in engine.probes.named() if n != "ready")
 
 
 def report(settings: Settings) -> dict[str, object]:
@@ -43,7 +36,7 @@ def report(settings: Settings) -> dict[str, object]:
                         "timeout_s": p.timeout_s,
                         "per_hour": round(3600 / p.interval_s),
                     }
-                    for n, p in probe_rows(e)
+                    for n, p in e.probes.named()
                 },
             }
         )
@@ -80,7 +73,7 @@ def run(settings: Settings, *, as_json: bool) -> int:
     prow: list[tuple[object, ...]] = []
     colours: list[list[str | None]] = []
     for e in settings.engines:
-        for n, p in probe_rows(e):
+        for n, p in e.probes.named():
             per_hour = "until ready" if n == "ready" else f"{3600 / p.interval_s:.0f}"
             prow.append(
                 (e.name, n, f"{p.method} {p.path}", p.cost, f"{p.interval_s:g}s",

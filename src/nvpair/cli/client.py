@@ -11,7 +11,7 @@ import httpx2
 import msgspec
 
 from nvpair.cli.table import STATE_COLOURS, render
-from nvpair.config import find_config_path, load_settings
+from nvpair.config import find_config_path, load_settings, url_host
 from nvpair.errors import ConfigError, InputError
 
 
@@ -24,7 +24,7 @@ def base_url(args: argparse.Namespace) -> tuple[str, str | None]:
         return "http://127.0.0.1:14322", token
     settings = load_settings(args.config)
     host = "127.0.0.1" if settings.listen_host in ("0.0.0.0", "::") else settings.listen_host
-    host = f"[{host}]" if ":" in host else host
+    host = url_host(host)
     return f"http://{host}:{settings.listen_port}", token or settings.token
 
 

@@ -99,6 +99,13 @@ def resolve_cluster(c: ClusterConfig, peers: Sequence[_Peer], *, source: str, ba
                     read_secret: SecretReader) -> ClusterSettings | None:
     """Check the ``[cluster]`` table against ``[[peers]]``; None when peers are not enabled."""
     where = f"{source}: cluster"
+    peer_tokens: list[str | None] = []
+    for i, peer in enumerate(peers):
+        if not _URL.match(peer.url):
+            raise ConfigError(
+                f"{source}: peers[{i}].url: expected http(s)://HOST:PORT, got {peer.url!r}")
+        peer_tokens.append(None if not peer.token_file else read_secret(
+            peer.token_file, source, f"peers[{i}].token_file", base))
     if c.backend == "push" and not peers and c.token_file is None:
         return None
     if not re.match(NODE_PATTERN, node):
@@ -124,10 +131,8 @@ def resolve_cluster(c: ClusterConfig, peers: Sequence[_Peer], *, source: str, ba
         raise ConfigError(f"{where}.ttl_s: must be at least 2 x interval_s ({2 * interval:g} s) "
                           "so that one late advert does not make a peer stale")
     targets = []
-    for i, peer in enumerate(peers):
-        peer_token = token
-        if peer.token_file:
-            peer_token = read_secret(peer.token_file, source, f"peers[{i}].token_file", base)
+    for peer, own in zip(peers, peer_tokens, strict=True):
+        peer_token = own or token
         assert peer_token is not None  # push always has the cluster token
         targets.append(PeerTarget(url=peer.url.rstrip("/"), token=peer_token, name=peer.name))
     etcd = None
