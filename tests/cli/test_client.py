@@ -61,6 +61,17 @@ async def test_logs_follow_prints_each_repeated_line_once(nursery, tmp_path) -> 
                 # What it printed, in order, and nothing twice: a follower that found its
                 # place by the last line's text would print the first tick and no other.
                 assert out == b"ticker ready\ntick\ntick\ntick\n"
+
+                # `nvpair logs -f | head -4`: the reader goes; the next line ends the
+                # follower quietly (exit 141, as for SIGPIPE), without a traceback.
+                await follower.stdout.aclose()
+                os.kill(pid, signal.SIGUSR1)
+                assert await follower.wait() == 141
+                assert follower.stderr is not None
+                err = b""
+                while chunk := await follower.stderr.receive_some():
+                    err += chunk
+                assert err == b""
             finally:
                 follower.kill()
                 with trio.move_on_after(5, shield=True):  # reap it even when failing
