@@ -80,10 +80,12 @@ async def test_errors_are_openai_shaped_and_4xx() -> None:
         r405 = await c.post("/v1/models")
         bad_tail = await c.get("/v1/engines/x/logs?tail=abc")
         no_engine = await c.get("/v1/engines/y/logs?tail=5")
+        post_logs = await c.post("/v1/engines/x/logs")
     assert r404.status_code == 404 and set(r404.json()["error"]) >= {"message", "type", "code"}
     assert r405.status_code == 405
     assert bad_tail.status_code == 400 and "tail" in bad_tail.json()["error"]["message"]
     assert no_engine.status_code == 404
+    assert post_logs.status_code == 405
 
 
 async def test_token_required_everywhere_but_healthz() -> None:

@@ -15,6 +15,7 @@ import trio
 from nvpair import views
 from nvpair.asgi import (
     FORWARDED_BY,
+    Message,
     Receive,
     Scope,
     Send,
@@ -115,11 +116,20 @@ class Api:
             return
         if scope["type"] != "http":
             return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
         try:
-            await self.route(scope, receive, send)
+            await self.route(scope, receive, tracked)
         except Exception:
             log.exception("error answering %s %s", scope.get("method"), scope.get("path"))
-            await send_error(send, 500, "internal error in nvpair; see its log", "internal_error")
+            if not started:  # else the answer is cut: the client sees it end early
+                await send_error(send, 500, "internal error in nvpair; see its log",
+                                 "internal_error")
 
     async def route(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
@@ -189,6 +199,9 @@ class Api:
             await send_json(send, status, doc)
             return
         if action == "logs" and len(rest) == 1:
+            if method != "GET":
+                await send_error(send, 405, f"use GET {scope['path']}")
+                return
             await self.logs_route(scope, send, name)
             return
         await send_error(send, 404, f"no route {method} {scope['path']}", "not_found")

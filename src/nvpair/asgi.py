@@ -32,7 +32,9 @@ ERROR_TYPES = {
     409: "conflict_error",
     413: "invalid_request_error",
     500: "server_error",
+    502: "server_error",  # the engine failed
     503: "unavailable_error",
+    504: "server_error",  # the engine was too slow
 }
 
 

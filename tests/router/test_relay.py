@@ -183,6 +183,63 @@ async def test_silent_engine_is_cut_after_the_idle_gap(nursery, tmp_path) -> Non
     assert b"[DONE]" not in b"".join(events)
 
 
+async def test_a_prefill_longer_than_the_idle_gap_is_not_cut(nursery, tmp_path) -> None:
+    """vLLM sends a stream's headers at once and its first token after prefill (or a wait
+    in its queue): until that first chunk, the first-byte timeout applies, not the gap."""
+    eng = ScriptEngine("m")
+    script = sse_script(3)
+    eng.script = lambda path, raw: [script[0], (1.0, script[1][1]), *script[2:]]
+    with trio.fail_after(30):
+        running = await start(nursery, tmp_path, {"e": eng},
+                              top="[router]\nidle_timeout_s = 0.5\nfirst_byte_timeout_s = 10")
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            r = await client.post(CHAT, content=body(stream=True))
+    assert r.content == b"".join(d for _, d in script[1:])
+
+
+async def test_headers_then_silence_end_at_the_first_byte_timeout(nursery, tmp_path) -> None:
+    eng = ScriptEngine("m")
+    eng.script = lambda path, raw: [sse_script(0)[0], (60.0, b"data: late\n\n")]
+    with trio.fail_after(30):
+        running = await start(nursery, tmp_path, {"e": eng},
+                              top="[router]\nidle_timeout_s = 30\nfirst_byte_timeout_s = 0.5")
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            t0 = trio.current_time()
+            events = await sse_events(client, body(stream=True))
+            elapsed = trio.current_time() - t0
+    assert 0.5 <= elapsed < 2.0, elapsed
+    error = msgspec.json.decode(events[-1].removeprefix(b"data: "))["error"]
+    assert error["message"] == ("engine e: no data from the engine within 0.5 s "
+                                "(first_byte_timeout_s)")
+    assert (error["code"], error["type"]) == ("engine_error", "server_error")
+
+
+async def test_a_cut_plain_body_reaches_the_client_cut_and_is_no_internal_error(
+        nursery, tmp_path, caplog) -> None:
+    eng = ScriptEngine("m")
+    head = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            b"content-length: 100\r\n\r\n")
+    eng.script = lambda path, raw: [(0.0, head), (0.0, b'{"partial":')]  # then the close
+    with trio.fail_after(30):
+        running = await start(nursery, tmp_path, {"e": eng})
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            with pytest.raises(httpx2.RemoteProtocolError):  # 11 of 100 bytes, then the end
+                await client.post(CHAT, content=body())
+            ok = await client.post(CHAT, content=body("nope"))  # nvpair still answers
+    assert ok.status_code == 404
+    assert running.traffic.of("e").failures == 1
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
+
+
+async def test_stream_null_is_a_valid_request(nursery, tmp_path) -> None:
+    eng = ScriptEngine("m")
+    with trio.fail_after(30):
+        running = await start(nursery, tmp_path, {"e": eng})
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            r = await client.post(CHAT, content=body(stream=None))  # type: ignore[arg-type]
+    assert r.status_code == 200, r.text
+
+
 async def test_slow_but_steady_stream_is_not_cut(nursery, tmp_path) -> None:
     eng = ScriptEngine("m")
     script = sse_script(8, gap=0.2)

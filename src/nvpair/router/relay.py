@@ -58,7 +58,6 @@ DROP_RESPONSE = frozenset({b"connection", b"keep-alive", b"proxy-authenticate",
 
 class RequestHead(msgspec.Struct):
     model: str | None = None
-    stream: bool = False
 
 
 _head = msgspec.json.Decoder(RequestHead)
@@ -225,7 +224,8 @@ class Router:
         """Send the request and pass the answer to the client; the outcome goes in ``result``
         as soon as it is known (before cleanup, which a client leaving may interrupt)."""
         failed = None
-        with trio.move_on_after(self.config.first_byte_timeout_s) as first:
+        first_by = trio.current_time() + self.config.first_byte_timeout_s
+        with trio.move_on_at(first_by) as first:
             try:
                 response = await target.upstream.send(
                     scope["path"], scope.get("query_string", b""), headers, body)
@@ -253,7 +253,7 @@ class Router:
                                   and value.startswith(b"text/event-stream"))
             await send({"type": "http.response.start", "status": response.status,
                         "headers": out})
-            chunks = _Chunks(response, self.config.idle_timeout_s)
+            chunks = _Chunks(response, first_by, self.config)
             gone: EngineGone | None = None
             try:
                 while (chunk := await chunks.next()) is not None:
@@ -267,8 +267,8 @@ class Router:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return
             result.finish("failed", f"{target.what}: {gone}")
-            if not sse:
-                raise gone  # a plain body: abort the connection so the truncation is visible
+            if not sse:  # a plain body: end without its end, so the client sees it cut
+                return  # (hypercorn closes a connection whose answer did not finish)
             # An SSE client can tell: an error event, and never [DONE].
             doc = error_doc(502, result.error or "", "engine_error")
             await send({"type": "http.response.body", "more_body": False,
@@ -279,19 +279,28 @@ class Router:
 
 
 class _Chunks:
-    """The raw body chunks as they come (no async generator: it is always closed here)."""
+    """The raw body chunks as they come (no async generator: it is always closed here).
 
-    def __init__(self, response: httpcore2.Response, idle_s: float) -> None:
+    Until the first chunk, the wait is bounded by the first-byte deadline (an engine may
+    send its headers at once and its first token after prefill or a queue); after it,
+    only by the idle gap between chunks."""
+
+    def __init__(self, response: httpcore2.Response, first_by: float,
+                 config: RouterConfig) -> None:
         stream = response.stream
         assert hasattr(stream, "__aiter__")
         self._raw: AsyncIterator[bytes] = stream.__aiter__()
-        self._idle_s = idle_s
+        self._first_by: float | None = first_by
+        self._first_s = config.first_byte_timeout_s
+        self._idle_s = config.idle_timeout_s
         self._ended = False
 
     async def next(self) -> bytes | None:
         """The next non-empty chunk, None at the end; EngineGone on a cut or a long silence."""
         while True:
-            with trio.move_on_after(self._idle_s) as idle:
+            deadline = (trio.current_time() + self._idle_s if self._first_by is None
+                        else self._first_by)
+            with trio.move_on_at(deadline) as idle:
                 try:
                     chunk = await self._raw.__anext__()
                 except StopAsyncIteration:
@@ -300,8 +309,12 @@ class _Chunks:
                 except BODY_ERRORS as exc:
                     raise EngineGone(f"the engine cut the answer ({exc})") from None
             if idle.cancelled_caught:
+                if self._first_by is not None:
+                    raise EngineGone(f"no data from the engine within {self._first_s:g} s "
+                                     "(first_byte_timeout_s)")
                 raise EngineGone(f"no data from the engine for {self._idle_s:g} s")
             if chunk:
+                self._first_by = None
                 return chunk
 
     async def aclose(self) -> None:
