@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import sys
 
 import httpx2
 import trio
@@ -143,3 +144,57 @@ async def test_adopted_engine_stop_unlists_without_signalling(nursery, tmp_path)
             assert (await client.get("/v1/models")).json()["data"] == []
             await client.post("/v1/engines/a/start")
             await wait_state(running.board, "a", "ready")
+
+
+# An engine that says a lot, then its last words without a newline, and dies; on SIGTERM
+# it says goodbye first.
+CHATTY = """
+import signal, sys
+def bye(*_):
+    print("got SIGTERM, saving state", flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, bye)
+for i in range(1500):  # more than a pipe holds; less than the ring
+    print("line %d" % i + " " * 100)
+sys.stdout.flush()
+if sys.argv[1] == "crash":
+    sys.stdout.write("Traceback: FATAL")
+    sys.exit(3)
+print("serving", flush=True)
+signal.pause()
+"""
+
+
+def _engine_lines(lines: list[str]) -> list[str]:
+    return [line.rstrip() for line in lines if not line.startswith("[nvpair]")]
+
+
+async def test_the_last_output_of_an_engine_is_logged(nursery, tmp_path) -> None:
+    settings = managed_config(tmp_path, "e", free_port(),
+                              [sys.executable, "-c", CHATTY, "crash"])
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, settings)
+        await wait_state(running.board, "e", "down")
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            lines = (await client.get("/v1/engines/e/logs?tail=100000")).json()["lines"]
+    first_run = lines[:lines.index(next(x for x in lines if " ended: " in x)) + 1]
+    assert _engine_lines(first_run)[-2:] == ["line 1499", "Traceback: FATAL"]
+    assert len(_engine_lines(first_run)) == 1501
+    assert first_run[-1].endswith("ended: exited with code 3")
+
+
+async def test_what_an_engine_says_while_it_stops_is_logged(nursery, tmp_path) -> None:
+    settings = managed_config(tmp_path, "e", free_port(), [sys.executable, "-c", CHATTY, "run"])
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, settings)
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            doc, seen = {"next": 0}, []
+            while "serving" not in seen:
+                doc = (await client.get(f"/v1/engines/e/logs?after={doc['next']}&wait_s=5")
+                       ).json()
+                seen += doc["lines"]
+            assert (await client.post("/v1/engines/e/stop")).status_code == 202
+            await wait_state(running.board, "e", "stopped")
+            lines = (await client.get("/v1/engines/e/logs?tail=3")).json()["lines"]
+    assert _engine_lines(lines[:2]) == ["serving", "got SIGTERM, saving state"]
+    assert " ended: " in lines[2]

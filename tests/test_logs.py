@@ -4,7 +4,7 @@ import pytest
 import trio
 import trio.testing
 
-from nvpair.logs import EngineLog, Lines
+from nvpair.logs import CUT_MARK, LINE_MAX, EngineLog, Lines
 
 
 def test_ring_keeps_the_last_lines_and_masks_secrets(tmp_path: Path) -> None:
@@ -53,3 +53,55 @@ def test_lines_are_numbered_so_a_follower_never_skips_or_repeats() -> None:
     assert log.tail(2) == Lines(["x2", "x3"], 5, 7, 0)
     with pytest.raises(ValueError, match="line 8 is not in this log"):
         log.after(8)
+
+
+def test_a_long_line_is_cut_with_a_secret_across_the_cut_masked_whole() -> None:
+    secret = "sk-SECRET-KEY"
+    log = EngineLog(None, redact=(secret,))
+    log.write("x" * (LINE_MAX - 5) + secret + " tail")
+    log.write("y" * LINE_MAX + secret)  # the secret starts past the cut: dropped with it
+    first, second = log.tail(2).lines
+    assert first == "x" * (LINE_MAX - 5) + "***" + CUT_MARK
+    assert second == "y" * LINE_MAX + CUT_MARK
+
+
+async def test_pump_cuts_an_endless_line_and_never_leaks_a_secret_split_by_reads() -> None:
+    secret = "sk-SECRET-KEY"
+    log = EngineLog(None, redact=(secret,))
+    send, receive = trio.testing.memory_stream_pair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(log.pump, receive)
+        await send.send_all(b"x" * (LINE_MAX - 2) + secret[:4].encode())  # no newline yet
+        await trio.testing.wait_all_tasks_blocked()
+        await send.send_all(secret[4:].encode() + b" and more" * 2000)  # still no newline
+        await trio.testing.wait_all_tasks_blocked()
+        await send.send_all(b" and the end\nnext\n")
+        await send.aclose()
+    assert log.tail(5).lines == ["x" * (LINE_MAX - 2) + "***" + CUT_MARK, "next"]
+
+
+async def test_pump_keeps_an_unfinished_last_line_when_cancelled() -> None:
+    log = EngineLog(None)
+    send, receive = trio.testing.memory_stream_pair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(log.pump, receive)
+        await send.send_all(b"done\nTraceback: FATAL")
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    assert log.tail(5).lines == ["done", "Traceback: FATAL"]
+
+
+def test_a_full_disk_keeps_lines_in_memory_and_says_so() -> None:
+    log = EngineLog(Path("/dev/full"))  # every write: ENOSPC
+    log.write("one")
+    log.write("two")
+    assert log.tail(5).lines == [
+        "one", "[nvpair] cannot write /dev/full: No space left on device; keeping lines in "
+        "memory only", "two"]
+
+
+def test_a_log_dir_that_cannot_be_made_keeps_lines_in_memory() -> None:
+    log = EngineLog(Path("/proc/no-such-dir/e.log"))
+    log.write("one")
+    assert log.tail(5).lines[1:] == ["one"]
+    assert log.tail(5).lines[0].startswith("[nvpair] cannot write /proc/no-such-dir/e.log: ")

@@ -37,6 +37,10 @@ from nvpair.views import engine_status
 
 log = logging.getLogger("nvpair.lifecycle")
 
+#: How long the engine's output is still read once it has ended (a child it left behind
+#: may hold the pipe open).
+OUTPUT_DRAIN_S = 2.0
+
 Action = Literal["start", "stop", "restart"]
 
 
@@ -163,35 +167,50 @@ class EngineRunner:
                   restarts=self.starts - 1)
         self.operation = None
         why = "exited"
+        assert proc.stdout is not None
+        # The output is read until its end, past the process's exit and its stop: its last
+        # lines (a traceback, say) are the ones a user needs.
+        ready_for = 0.0
         try:
-            async with trio.open_nursery() as nursery:
-                assert proc.stdout is not None
-                nursery.start_soon(self.log.pump, proc.stdout)
-                await nursery.start(partial(run_probes, spec, self.board, self.registry,
-                                            traffic=self.traffic))
+            async with trio.open_nursery() as output:
+                pumped = trio.Event()
 
-                async def watch_budget() -> None:
-                    nonlocal why
-                    with trio.move_on_after(spec.startup_budget_s):
-                        await self._until_ready()
-                        return
-                    why = "budget"
-                    nursery.cancel_scope.cancel(reason="startup budget exceeded")
+                async def pump(stream: trio.abc.ReceiveStream) -> None:
+                    await self.log.pump(stream)  # type: ignore[union-attr]
+                    pumped.set()
 
-                async def watch_requests() -> None:
-                    nonlocal why
-                    await self._until(lambda: self.desired != "running" or self._restart)
-                    why = "stop" if self.desired != "running" else "restart"
-                    nursery.cancel_scope.cancel(reason=f"{why} requested")
+                output.start_soon(pump, proc.stdout)
+                try:
+                    async with trio.open_nursery() as nursery:
+                        await nursery.start(partial(run_probes, spec, self.board, self.registry,
+                                                    traffic=self.traffic))
 
-                nursery.start_soon(watch_budget)
-                nursery.start_soon(watch_requests)
-                await proc.wait()
-                nursery.cancel_scope.cancel(reason="engine process exited")
+                        async def watch_budget() -> None:
+                            nonlocal why
+                            with trio.move_on_after(spec.startup_budget_s):
+                                await self._until_ready()
+                                return
+                            why = "budget"
+                            nursery.cancel_scope.cancel(reason="startup budget exceeded")
+
+                        async def watch_requests() -> None:
+                            nonlocal why
+                            await self._until(lambda: self.desired != "running" or self._restart)
+                            why = "stop" if self.desired != "running" else "restart"
+                            nursery.cancel_scope.cancel(reason=f"{why} requested")
+
+                        nursery.start_soon(watch_budget)
+                        nursery.start_soon(watch_requests)
+                        await proc.wait()
+                        nursery.cancel_scope.cancel(reason="engine process exited")
+                finally:
+                    ready_for = self._ready_for()
+                    with trio.CancelScope(shield=True):
+                        await self._terminate(proc)
+                        with trio.move_on_after(OUTPUT_DRAIN_S):  # a child may hold the pipe
+                            await pumped.wait()
+                    output.cancel_scope.cancel(reason="engine process ended")
         finally:
-            ready_for = self._ready_for()
-            with trio.CancelScope(shield=True):
-                await self._terminate(proc)
             self.log.write(f"[nvpair] process {proc.pid} ended: {_describe(proc.returncode)}")
         await self._after_exit(proc.returncode, why, ready_for)
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
 import os
 from collections import deque
 from pathlib import Path
@@ -13,6 +15,9 @@ import trio
 RING_LINES = 2000
 FILE_MAX_BYTES = 16 * 1024 * 1024
 LINE_MAX = 8192
+CUT_MARK = " [nvpair: line cut at 8192 characters]"
+
+log = logging.getLogger("nvpair.logs")
 
 
 class Lines(NamedTuple):
@@ -38,12 +43,18 @@ class EngineLog:
         self.max_bytes = max_bytes
         self.lines: deque[str] = deque(maxlen=ring)
         self.redact = tuple(s for s in redact if s)
+        #: bytes of an unfinished line kept before it is cut: enough that a secret across
+        #: the cut is still whole when it is masked
+        self._keep = LINE_MAX + max((len(s.encode()) for s in self.redact), default=0)
         self._file = None
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = path.open("ab")
         self.changed = trio.Event()
         self.written = 0
+        if path is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = path.open("ab")
+            except OSError as exc:
+                self._file_failed(exc)
 
     def tail(self, n: int) -> Lines:
         """The last ``n`` lines."""
@@ -60,23 +71,49 @@ class EngineLog:
         return Lines(list(itertools.islice(self.lines, start - oldest, None)), start,
                      self.written, start - number)
 
-    def write(self, line: str) -> None:
-        for secret in self.redact:
-            line = line.replace(secret, "***")
-        line = line[:LINE_MAX]
+    def write(self, line: str, *, cut: bool = False) -> None:
+        if cut or len(line) > LINE_MAX:
+            line = self._masked_head(line) + CUT_MARK
+        else:
+            for secret in self.redact:
+                line = line.replace(secret, "***")
         self.lines.append(line)
         self.written += 1
         if self._file is not None:
-            self._file.write(line.encode("utf-8", "replace") + b"\n")
-            self._file.flush()
-            if self._file.tell() > self.max_bytes:
-                self._rotate()
+            try:
+                self._file.write(line.encode("utf-8", "replace") + b"\n")
+                self._file.flush()
+                if self._file.tell() > self.max_bytes:
+                    self._rotate()
+            except OSError as exc:  # a full disk must not take the engine (or nvpair) down
+                self._file_failed(exc)
         self.changed.set()
         self.changed = trio.Event()
+
+    def _masked_head(self, line: str) -> str:
+        """The first LINE_MAX characters, masked; a secret across the cut is masked whole."""
+        out: list[str] = []
+        i = 0
+        while i < min(len(line), LINE_MAX):
+            secret = next((s for s in self.redact if line.startswith(s, i)), None)
+            out.append(line[i] if secret is None else "***")
+            i += 1 if secret is None else len(secret)
+        return "".join(out)
+
+    def _file_failed(self, exc: OSError) -> None:
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None
+        message = f"cannot write {self.path}: {exc.strerror or exc}; keeping lines in memory only"
+        log.warning("%s", message)
+        self.lines.append(f"[nvpair] {message}")
+        self.written += 1
 
     def _rotate(self) -> None:
         assert self._file is not None and self.path is not None
         self._file.close()
+        self._file = None
         os.replace(self.path, self.path.with_name(self.path.name + ".1"))
         self._file = self.path.open("ab")
 
@@ -86,21 +123,30 @@ class EngineLog:
             self._file = None
 
     async def pump(self, stream: trio.abc.ReceiveStream) -> None:
-        """Copy ``stream`` line by line until EOF."""
+        """Copy ``stream`` line by line until EOF (an unfinished last line too, also when
+        cancelled). A line longer than LINE_MAX is cut there; the rest of it is dropped."""
         pending = b""
-        while True:
-            try:
-                data = await stream.receive_some(65536)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                data = b""
-            if not data:
-                if pending:
-                    self.write(pending.decode("utf-8", "replace"))
-                return
-            pending += data
-            *complete, pending = pending.split(b"\n")
-            for raw in complete:
-                self.write(raw.rstrip(b"\r").decode("utf-8", "replace"))
-            if len(pending) > LINE_MAX:
+        dropping = False  # in the rest of a line that was cut
+        try:
+            while data := await _receive(stream):
+                pending += data
+                *complete, pending = pending.split(b"\n")
+                for raw in complete:
+                    if not dropping:
+                        self.write(raw.rstrip(b"\r").decode("utf-8", "replace"))
+                    dropping = False
+                if dropping:
+                    pending = b""
+                elif len(pending) > self._keep:
+                    self.write(pending[:self._keep].decode("utf-8", "replace"), cut=True)
+                    pending, dropping = b"", True
+        finally:
+            if pending and not dropping:
                 self.write(pending.decode("utf-8", "replace"))
-                pending = b""
+
+
+async def _receive(stream: trio.abc.ReceiveStream) -> bytes:
+    try:
+        return bytes(await stream.receive_some(65536))
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        return b""

@@ -1,6 +1,7 @@
 """The command line as a person runs it: a real subprocess, exit codes and output."""
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -52,3 +53,15 @@ def test_serve_refuses_public_listen_without_token(tmp_path: Path) -> None:
     r = nvpair("serve", "--listen", "0.0.0.0:14322", cwd=tmp_path)
     assert r.returncode == 2
     assert "--listen: 0.0.0.0 is not a loopback address; set token_file" in r.stderr
+
+
+def test_serve_on_a_busy_port_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = nvpair("serve", "--listen", f"127.0.0.1:{port}", cwd=tmp_path)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.splitlines()[-1] == (
+        f"nvpair: error: cannot listen on 127.0.0.1:{port}: Address already in use")
+    assert "Traceback" not in r.stderr

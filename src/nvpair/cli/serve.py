@@ -28,8 +28,18 @@ def run_serve(settings: Settings) -> int:
     try:
         trio.run(lambda: service.main(settings, announce=announce,
                                                    watch=print_transitions))
-    except OSError as exc:
-        print(f"nvpair: error: cannot listen on {settings.listen_host}:{settings.listen_port}: "
-              f"{exc.strerror}", file=sys.stderr)
+    except (OSError, ExceptionGroup) as exc:
+        error = _os_error(exc)
+        if error is None:
+            raise
+        where = error.filename or f"cannot listen on {settings.listen_host}:{settings.listen_port}"
+        print(f"nvpair: error: {where}: {error.strerror or error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError that ended the service (Trio wraps errors in exception groups)."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc if isinstance(exc, OSError) else None
