@@ -3,10 +3,12 @@
 import trio
 from tests.fakes import FakeEngine, engine_spec, vllm_routes
 
+from nvpair.prober import Prober
 from nvpair.probes import MAX_BODY
 from nvpair.snapshot import Board
 from nvpair.state import effective_state
 from nvpair.supervisor import initial_state, run_probes
+from nvpair.sweep import Sweep
 
 
 async def start(nursery: trio.Nursery, spec, fake: FakeEngine) -> Board:
@@ -139,3 +141,68 @@ async def test_an_oversized_answer_is_an_error_not_a_crash(nursery, autojump_clo
     assert outcome.error == "GET /v1/models answered more than 4 MiB"
     outcome, answer = await prober.probe("health")  # the engine's client is still fine
     assert outcome.ok and answer is not None
+
+
+async def watch_states(board: Board, seconds: float) -> list[str]:
+    """Every state the engine is in, sampled on each change, for ``seconds``."""
+    seen: list[str] = []
+    version = -1
+    with trio.move_on_after(seconds):
+        while True:
+            snap = await board.wait_changed(version)
+            version = snap.version
+            seen.append(snap.engines[0].state)
+    return seen
+
+
+async def test_another_kind_of_server_on_the_port_is_never_listed(
+        nursery, autojump_clock) -> None:
+    # llama.cpp configured, vLLM answering: /health is fine, /props is 404.
+    spec = engine_spec("llamacpp")
+    board = await start(nursery, spec, FakeEngine(vllm_routes()))
+    states = await watch_states(board, 120)
+    e = board.current.engines[0]
+    assert "ready" not in states and e.state == "unhealthy"
+    assert e.error == "127.0.0.1:8080 does not look like llamacpp: GET /props answered 404"
+
+
+async def test_a_web_page_on_the_port_is_never_listed(nursery, autojump_clock) -> None:
+    html = (200, "<html><body>It works!</body></html>")
+    spec = engine_spec("vllm")
+    board = await start(nursery, spec, FakeEngine({"/health": html, "/version": html,
+                                                   "/v1/models": html}))
+    states = await watch_states(board, 120)
+    e = board.current.engines[0]
+    assert "ready" not in states and e.state == "unhealthy"
+    assert e.error is not None and "does not look like vllm: GET /version is not JSON" in e.error
+
+
+async def test_not_listed_until_its_identity_answers(nursery, autojump_clock) -> None:
+    spec = engine_spec("vllm")
+    fake = FakeEngine(vllm_routes())
+    fake.hang.add("/version")
+    board = await start(nursery, spec, fake)
+    states = await watch_states(board, 30)
+    e = board.current.engines[0]
+    assert "ready" not in states and e.state == "starting"
+    assert e.error is not None and "who answers is not confirmed yet" in e.error
+    fake.hang.clear()
+    await watch_states(board, 10)
+    assert board.current.engines[0].state == "ready"
+
+
+async def test_a_vllm_serving_another_model_stays_unlisted(nursery, autojump_clock) -> None:
+    """The model check of a vLLM is the sweep's (its /version names no model); the identity
+    probe must not clear what the sweep found."""
+    spec = engine_spec("vllm", model="expected-model")
+    fake = FakeEngine(vllm_routes("wrong-model"))
+    board = Board((initial_state(spec),))
+    registry: dict[str, Prober] = {}
+    await nursery.start(lambda task_status: run_probes(
+        spec, board, registry, transport=fake.transport(), task_status=task_status))
+    await nursery.start(Sweep(board, registry, 5.0).run)
+    await watch_states(board, 30)
+    assert board.current.engines[0].state == "unhealthy"
+    states = await watch_states(board, 600)  # identity every 60 s, models every 30 s
+    assert set(states) == {"unhealthy"}, states
+    assert "serves wrong-model, expected expected-model" in (board.current.engines[0].error or "")

@@ -270,10 +270,14 @@ async def test_engine_that_wants_an_api_key_says_so(nursery, tmp_path) -> None:
     settings = load_settings(str(config(tmp_path, engine("g", "llamacpp", sim.port))))
     with trio.fail_after(30):
         running = await nursery.start(service.run, settings)
-        await wait_state(running.board, "g", "ready", where=lambda e: e.notice is not None)
+        # Its /health is open, its /props is not: who answers cannot be confirmed, so it
+        # is not listed, and the status says what to do.
+        await wait_state(running.board, "g", "starting", where=lambda e: e.notice is not None)
         async with httpx2.AsyncClient(base_url=running.url) as client:
             status = (await client.get("/v1/engines/g")).json()
+            listed = (await client.get("/v1/models")).json()["data"]
     assert "needs an API key; set api_key_file" in status["error"]
+    assert "who answers is not confirmed yet" in status["error"] and listed == []
     (tmp_path / "key").write_text("engine-key")
     fixed = config(tmp_path, engine("g", "llamacpp", sim.port, "api_key_file = 'key'"))
     with trio.fail_after(30):

@@ -68,6 +68,8 @@ class Prober:
         self._paths = {n: p.path for n, p in self._specs().items()}
         self._locks: dict[str, trio.Lock] = {n: trio.Lock() for n in PROBE_NAMES}
         self._rng = random.Random()
+        #: the engine's mismatch, if any, was found by the identity probe (not the sweep)
+        self._mismatch_is_ours = False
 
     def _specs(self) -> dict[str, ProbeSpec]:
         return dict(self.spec.probes.named())
@@ -121,30 +123,40 @@ class Prober:
         outcome, answer = await self.probe("identity")
         now = trio.current_time()
         identity = names = None
+        if answer is None and outcome.http_status == 404:  # this kind always has the path
+            self._record_mismatch(outcome, now, f"{self.where} does not look like "
+                                  f"{self.spec.kind}: GET {outcome.path} answered 404")
+            return
         if answer is not None:
             try:
                 identity, names = probes.parse_identity(answer.body, spec, self.spec.kind)
             except ProbeError as exc:
-                outcome = Outcome(ok=exc.kind != "mismatch", kind=exc.kind,
-                                  http_status=answer.status, latency_ms=answer.latency_ms,
-                                  error=str(exc), path=outcome.path)
-                if exc.kind == "mismatch":
-                    self._record_mismatch(outcome, now, f"{self.where} {exc}")
-                    return
+                outcome = Outcome(ok=False, kind=exc.kind, http_status=answer.status,
+                                  latency_ms=answer.latency_ms, error=str(exc),
+                                  path=outcome.path)
+                self._record_mismatch(outcome, now, f"{self.where} {exc}")
+                return
         mismatch = None
         if (identity is not None and self.spec.model and names
                 and not any(probes.same_model(self.spec.model, n) for n in names)):
                 mismatch = f"{self.where} serves {names[0]}, expected {self.spec.model}"
+
+        ours = self._mismatch_is_ours
 
         def change(e: EngineState) -> EngineState:
             e = count(e, "identity", spec.path, outcome, now)
             e = with_auth_notice(e, outcome, self._paths["identity"])
             if identity is None:
                 return e
-            e = msgspec.structs.replace(e, identity=identity, mismatch=mismatch)
-            if mismatch:
-                return enter(e, "unhealthy", now, error=mismatch)
+            # Without model names, the model check is the sweep's: keep what it found.
+            found = mismatch if names or ours else e.mismatch
+            e = msgspec.structs.replace(e, identity=identity, mismatch=found)
+            if found:
+                return enter(e, "unhealthy", now, error=found)
             return e  # a cleared mismatch lets the next good health probe make it ready
+
+        if identity is not None:
+            self._mismatch_is_ours = mismatch is not None
 
         self.board.update(self.spec.name, change)
 
@@ -157,6 +169,7 @@ class Prober:
             e = msgspec.structs.replace(e, mismatch=message)
             return enter(e, "unhealthy", now, error=message)
 
+        self._mismatch_is_ours = True
         self.board.update(self.spec.name, change)
 
     @property
@@ -179,8 +192,9 @@ class Prober:
                 await self.check_identity()
             spec = self._specs()[probe]
             now = trio.current_time()
-            after = self.board.update(name, partial(after_liveness, probe=probe, spec=spec,
-                                                    outcome=outcome, now=now))
+            after = self.board.update(name, partial(
+                after_liveness, probe=probe, spec=spec, outcome=outcome, now=now,
+                needs_identity=self.spec.probes.identity is not None))
             # The next tick follows the interval of the probe that runs next.
             interval = self.interval("ready" if after.state in ("starting", "down") else "health")
             next_tick = self._next(next_tick, interval)

@@ -112,7 +112,11 @@ def parse_identity(body: bytes, spec: ProbeSpec, kind: str) -> tuple[Identity, t
 
     Raises ProbeError("mismatch") when the body lacks the keys that this kind always has.
     """
-    doc = _json(body, f"GET {spec.path}")
+    try:
+        doc = _json(body, f"GET {spec.path}")
+    except ProbeError:
+        raise ProbeError("mismatch", f"does not look like {kind}: GET {spec.path} "
+                                     f"is not JSON{_excerpt(body)}") from None
     if not isinstance(doc, dict):
         raise ProbeError("mismatch", f"does not look like {kind}: GET {spec.path} is not an object")
     missing = [k for k in spec.require_keys if k not in doc]

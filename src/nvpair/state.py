@@ -73,9 +73,11 @@ def enter(engine: EngineState, state: State, now: float, **changes: object) -> E
 
 
 def after_liveness(
-    engine: EngineState, probe: str, spec: ProbeSpec, outcome: Outcome, now: float
+    engine: EngineState, probe: str, spec: ProbeSpec, outcome: Outcome, now: float,
+    needs_identity: bool = False,
 ) -> EngineState:
-    """Apply a ``ready`` or ``health`` probe outcome."""
+    """Apply a ``ready`` or ``health`` probe outcome. With ``needs_identity``, an engine is
+    not listed (made ready) before its identity probe has told who answers."""
     engine = count(engine, probe, spec.path, outcome, now)
     stats = engine.probe(probe)
     assert stats is not None
@@ -88,6 +90,11 @@ def after_liveness(
         recovering = engine.state in ("unhealthy", "starting", "down")
         if recovering and stats.consecutive_successes < spec.success_threshold:
             return engine
+        if recovering and needs_identity and engine.identity is None:
+            ident = engine.probe("identity")
+            why = ident.error if ident is not None and ident.error else "not probed yet"
+            return enter(engine, "unhealthy" if engine.state == "unhealthy" else "starting",
+                         now, error=f"answers, but who answers is not confirmed yet ({why})")
         return enter(engine, "ready", now, error=None)
     error = outcome.error
     if outcome.kind == "refused":

@@ -54,7 +54,7 @@ def engine_status(e: EngineState, snap: Snapshot, now: float, node: str) -> dict
         "restarts": e.restarts,
         "exit_code": e.exit_code,
         "exited_at": e.exited_at,
-        "error": e.error or e.notice,
+        "error": "; ".join(x for x in (e.error, e.notice) if x) or None,
         "version": snap.version,
     }
 
