@@ -34,12 +34,14 @@ class FakeEngine:
         self.refuse = False
         self.delay: dict[str, float] = {}
         self.counts: Counter[str] = Counter()
+        self.times: dict[str, list[float]] = {}  # when each request came, by path
         self.in_flight = 0
         self.max_in_flight = 0
 
     async def handle(self, request: httpx2.Request) -> httpx2.Response:
         path = request.url.path
         self.counts[path] += 1
+        self.times.setdefault(path, []).append(trio.current_time())
         if self.refuse:
             raise httpx2.ConnectError("connection refused", request=request)
         self.in_flight += 1

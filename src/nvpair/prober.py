@@ -70,6 +70,8 @@ class Prober:
         self._rng = random.Random()
         #: the engine's mismatch, if any, was found by the identity probe (not the sweep)
         self._mismatch_is_ours = False
+        #: when this engine last got a generating probe request, and how it went
+        self._generated: tuple[float, Outcome] | None = None
 
     def _specs(self) -> dict[str, ProbeSpec]:
         return dict(self.spec.probes.named())
@@ -84,7 +86,7 @@ class Prober:
         """One request of probe ``name`` under its timeout; never raises for engine trouble."""
         spec = self._specs()[name]
         async with self._locks[name]:
-            outcome, answer = await self._attempt(spec, self._paths[name])
+            outcome, answer = await self._request(spec, self._paths[name])
             if (outcome.http_status == 404 and spec.fallback_path
                     and self._paths[name] != spec.fallback_path):
                 if spec.fallback_cost == "generating" and not self.spec.allow_generating:
@@ -97,8 +99,28 @@ class Prober:
                     overdue = overdue_after(self.interval(name), spec.timeout_s)
                     self.board.update(self.spec.name, lambda e: msgspec.structs.replace(
                         e, overdue_after_s=overdue))
-                outcome, answer = await self._attempt(spec, spec.fallback_path)
+                outcome, answer = await self._request(spec, spec.fallback_path)
             return outcome, answer
+
+    @staticmethod
+    def _generates(spec: ProbeSpec, path: str) -> bool:
+        if path == spec.path:
+            return spec.cost == "generating"
+        return path == spec.fallback_path and spec.fallback_cost == "generating"
+
+    async def _request(self, spec: ProbeSpec, path: str) -> tuple[Outcome, probes.Answer | None]:
+        """``_attempt``, but an engine gets at most one generating request per
+        GENERATING_MIN_INTERVAL_S, whichever probe asks (``ready`` and ``health`` can
+        fall back to the same generating path): sooner, the last one's outcome stands."""
+        if not self._generates(spec, path):
+            return await self._attempt(spec, path)
+        now = trio.current_time()
+        if self._generated is not None and now < self._generated[0] + GENERATING_MIN_INTERVAL_S:
+            last = self._generated[1]
+            return (msgspec.structs.replace(last, kind="passive") if last.ok else last), None
+        outcome, answer = await self._attempt(spec, path)
+        self._generated = (now, outcome)
+        return outcome, answer
 
     async def _attempt(self, spec: ProbeSpec, path: str) -> tuple[Outcome, probes.Answer | None]:
         started = trio.current_time()
@@ -196,9 +218,14 @@ class Prober:
                 after_liveness, probe=probe, spec=spec, outcome=outcome, now=now,
                 needs_identity=self.spec.probes.identity is not None))
             # The next tick follows the interval of the probe that runs next.
-            interval = self.interval("ready" if after.state in ("starting", "down") else "health")
+            following = "ready" if after.state in ("starting", "down") else "health"
+            interval = self.interval(following)
             next_tick = self._next(next_tick, interval)
-            await trio.sleep_until(next_tick + self._jitter(interval))
+            wake = next_tick + self._jitter(interval)
+            if self._generated is not None and self._generates(self._specs()[following],
+                                                               self._paths[following]):
+                wake = max(wake, self._generated[0] + GENERATING_MIN_INTERVAL_S)
+            await trio.sleep_until(wake)
 
     def _passive(self, probe: str, state: str) -> Outcome | None:
         """A health tick that real traffic makes unnecessary: at most 3 in a row."""
