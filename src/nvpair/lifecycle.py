@@ -60,6 +60,7 @@ class EngineRunner:
         restart = spec.manifest.restart
         self.backoff = restart.initial_s
         self.starts = 0
+        self._ready_at: float | None = None  # when the current process first became ready
         self.log = None
         if spec.managed:
             path = None if log_dir is None else log_dir / f"{spec.name}.log"
@@ -147,6 +148,8 @@ class EngineRunner:
             self.operation = None
             await self._back_off()
             return
+        if self.desired != "running" or self._restart:  # asked while the port was checked
+            return
         argv, extra_env = build_command(spec.manifest, spec.command, placeholder_values(spec))
         env = {**os.environ, **extra_env, **spec.env}
         assert self.log is not None
@@ -163,6 +166,7 @@ class EngineRunner:
             await self._back_off()
             return
         self.starts += 1
+        self._ready_at = None
         self._set(state="starting", pid=proc.pid, error=None, exit_code=None, exited_at=None,
                   restarts=self.starts - 1)
         self.operation = None
@@ -189,6 +193,7 @@ class EngineRunner:
                             nonlocal why
                             with trio.move_on_after(spec.startup_budget_s):
                                 await self._until_ready()
+                                self._ready_at = trio.current_time()
                                 return
                             why = "budget"
                             nursery.cancel_scope.cancel(reason="startup budget exceeded")
@@ -249,10 +254,9 @@ class EngineRunner:
                 return
 
     def _ready_for(self) -> float:
-        e = self.board.current.engine(self.spec.name)
-        if e is None or e.state not in ("ready", "stale", "unhealthy"):
-            return 0.0
-        return trio.current_time() - e.since
+        """How long this process has served since it first became ready (flips to stale
+        and back do not count: the backoff resets once a process has served long enough)."""
+        return 0.0 if self._ready_at is None else trio.current_time() - self._ready_at
 
     async def _terminate(self, proc: trio.Process) -> None:
         """Stop signal to the process group, the grace period, then SIGKILL; always reap."""
