@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import base64
 import signal
 import statistics
 from pathlib import Path
@@ -124,6 +125,25 @@ async def _node_lifecycle(c: Cluster, tmp: Path, etcd: EtcdServer, engines: list
     assert "gone" not in seen["n2"], seen
     # re-registered before peers would drop the deleted key (the debounce): never seen gone
     assert REPORT["re_registered_s"] < DEBOUNCE, REPORT
+
+    # A key deleted behind n1's back while its lease lives on (`etcdctl del`): n1 puts
+    # it again at once (a keepalive alone would leave it missing until the next change).
+    seen = {}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(record_states, c, [n0, n2], seen)
+        key = base64.b64encode(b"nvpair/test/nodes/n1").decode()
+        r = await c.client.post(f"{etcd.url}/v3/kv/deleterange", json={"key": key})
+        assert r.status_code == 200 and r.json().get("deleted") == "1", r.text
+        deleted = trio.current_time()
+        while True:  # etcd itself is the witness: the key is back
+            r = await c.client.post(f"{etcd.url}/v3/kv/range", json={"key": key})
+            if r.json().get("kvs"):
+                break
+            assert trio.current_time() - deleted < DEBOUNCE, "n1's key did not come back"
+            await trio.sleep(0.05)  # an external process: nothing to wait on but it
+        REPORT["key_back_s"] = round(trio.current_time() - deleted, 2)
+        nursery.cancel_scope.cancel()
+    assert "gone" not in seen["n1"], seen
 
     # A frozen node: its lease expires (TTL), the DELETE is debounced, then it is gone.
     c.send_signal(n2, signal.SIGSTOP)

@@ -68,6 +68,7 @@ class EtcdBackend:
                                      "watches", "events", "failures"), 0)
         self._own_scope = trio.CancelScope()
         self._wake: trio.CancelScope | None = None
+        self._own_missing = False  # our key was deleted while our lease lives: put it again
         self._watch_scope: trio.CancelScope | None = None
         self._conflict_warned = False
         #: the lease owner's calls (grant, put, keepalive, revoke).
@@ -191,6 +192,8 @@ class EtcdBackend:
                     put_seq = -1
                     self._ok()
                 self.advertiser.refresh(trio.current_time())
+                if self._own_missing:  # deleted behind our back (the lease may live on)
+                    self._own_missing, put_seq = False, -1
                 if put_seq != self.advertiser.seq:
                     seq, body = self.advertiser.seq, self.advertiser.body
                     with trio.fail_after(self.timeout):
@@ -201,8 +204,8 @@ class EtcdBackend:
                     self._ok()
                 with trio.move_on_at(due) as self._wake:
                     await self.advertiser.wait_changed(put_seq)
-                if not self._wake.cancelled_caught:
-                    continue  # the advert changed: put it now
+                if not self._wake.cancelled_caught or self._own_missing:
+                    continue  # the advert changed, or our key is gone: put it now
                 with trio.fail_after(self.timeout):
                     remaining = await gw.keepalive(self.lease)
                 self.counts["keepalives"] += 1
@@ -231,7 +234,9 @@ class EtcdBackend:
         self._rewatch()
 
     def _wake_owner(self) -> None:
-        """Our key was deleted (lease revoked or expired): renew now, not at the next tick."""
+        """Our key was deleted (lease revoked or expired, or a plain delete): put it again
+        now, not at the next tick (a lost lease shows as such when the put is refused)."""
+        self._own_missing = True
         if self._wake is not None:
             self._wake.cancel(reason="own key deleted")
 
@@ -275,6 +280,8 @@ class EtcdBackend:
         for node, e in list(self.table.entries.items()):
             if node not in present and e.left_at is None:
                 self.table.delete(node, now, self.debounce(now))
+        if self.node not in present and self.lease is not None:
+            self._wake_owner()
 
     def _on_result(self, result: WatchResult) -> None:
         now = trio.current_time()
