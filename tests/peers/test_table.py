@@ -160,6 +160,21 @@ async def test_etcd_delete_is_debounced_and_a_re_put_cancels_it(autojump_clock) 
     assert table.states(now())["b"] == "gone"
 
 
+async def test_etcd_holds_no_peer_to_a_ttl_shorter_than_its_own_contacts(autojump_clock) -> None:
+    """A peer with a 3 s lease seen by a node with a 30 s lease (a rolling config change):
+    news comes with the node's own contacts, every 10 s, so the peer must not go stale
+    between them."""
+    table = PeerTable("me", gone_factor=3.0, min_ttl=30.0)
+    table.receive(advert(ttl=3), 10, now())
+    seen = set()
+    for _ in range(60):
+        await trio.sleep(1)
+        if int(now()) % 10 == 0:
+            table.touch(now())
+        seen |= set(table.states(now()).values())
+    assert seen == {"fresh"}
+
+
 def engine(models: tuple[str, ...], requests: int = 0, state: str = "ready") -> EngineState:
     stats = ProbeStats(path="/health", ok=True, requests=requests)
     return EngineState(name="e", kind="vllm", url="http://127.0.0.1:1", managed=False,

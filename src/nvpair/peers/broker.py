@@ -38,7 +38,10 @@ class Broker:
         ttl = float(etcd.lease_ttl_s) if etcd is not None else cluster.ttl_s
         self.advertiser = Advertiser(board, node, ttl, cluster.advertise_url)
         #: the API's ClusterView.
-        self.table = PeerTable(node, gone_factor=3.0 if etcd is not None else 2.0)
+        # With etcd, news of a peer comes with this node's own contacts (every own TTL / 3),
+        # so no peer can be held to a shorter TTL than this node's.
+        self.table = PeerTable(node, gone_factor=3.0 if etcd is not None else 2.0,
+                               min_ttl=ttl if etcd is not None else 0.0)
         self.receiver = None
         if cluster.backend == "push" and cluster.token is not None:
             self.receiver = Receiver(self.table, cluster.token)

@@ -143,9 +143,10 @@ class PeerTable:
     3 for etcd, where news is any successful contact with etcd, see ``touch``).
     """
 
-    def __init__(self, node: str, *, gone_factor: float = 2.0) -> None:
+    def __init__(self, node: str, *, gone_factor: float = 2.0, min_ttl: float = 0.0) -> None:
         self.node = node
         self.gone_factor = gone_factor
+        self.min_ttl = min_ttl
         self.entries: dict[str, Entry] = {}
         self.links: list[Link] = []
         self._by_node: dict[str, Link] = {}
@@ -208,7 +209,7 @@ class PeerTable:
 
     def receive(self, advert: Advert, size: int, now: float) -> str:
         """Store ``advert`` if it is the newest of its node; say what happened."""
-        ttl = min(max(advert.ttl_s, TTL_RANGE[0]), TTL_RANGE[1])
+        ttl = min(max(advert.ttl_s, TTL_RANGE[0], self.min_ttl), TTL_RANGE[1])
         e = self.entries.get(advert.node)
         if e is None:
             if advert.leaving:
