@@ -78,6 +78,8 @@ def test_etcd_defaults(load) -> None:
      "set both etcd_username and etcd_password_file"),
     ("[cluster]\nbackend = 'etcd'\netcd_url = 'http://e:1'\netcd_ca_file = 'cluster'\n",
      "TLS files are set, so use https://"),
+    ("[cluster]\nbackend = 'etcd'\netcd_url = 'https://e:1'\netcd_ca_file = 'cluster'\n",
+     r"cluster.etcd_ca_file: not a PEM certificate file \("),
     ("[cluster]\nbackend = 'etcd'\netcd_url = 'http://e:1'\netcd_lease_ttl_s = 1\n",
      "cluster.etcd_lease_ttl_s: expected"),
     ("[cluster]\nbackend = 'etcd'\netcd_url = 'http://e:1'\netcd_prefix = 'x'\n",

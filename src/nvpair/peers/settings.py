@@ -8,6 +8,7 @@ peers present it on every advert, and it must differ from the API's ``token_file
 from __future__ import annotations
 
 import re
+import ssl
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Literal, Protocol
@@ -169,9 +170,26 @@ def _resolve_etcd(c: ClusterConfig, where: str, source: str, base: Path,
         raise ConfigError(f"{where}.etcd_url: TLS files are set, so use https://")
     if ("etcd_cert_file" in files) != ("etcd_key_file" in files):
         raise ConfigError(f"{where}: set both etcd_cert_file and etcd_key_file, or neither")
+    _check_tls(files, where)
     ttl = c.etcd_lease_ttl_s
     return EtcdSettings(url=c.etcd_url.rstrip("/"), prefix=c.etcd_prefix, lease_ttl_s=ttl,
                         debounce_s=c.etcd_debounce_s or min(5.0, ttl / 2),
                         username=c.etcd_username, password=password,
                         ca_file=files.get("etcd_ca_file"), cert_file=files.get("etcd_cert_file"),
                         key_file=files.get("etcd_key_file"))
+
+
+def _check_tls(files: dict[str, str], where: str) -> None:
+    """Load the TLS files as the etcd client will, so a bad one is a config error."""
+    if not files:
+        return
+    try:
+        context = ssl.create_default_context(cafile=files.get("etcd_ca_file"))
+    except (ssl.SSLError, OSError) as exc:
+        raise ConfigError(f"{where}.etcd_ca_file: not a PEM certificate file ({exc})") from None
+    if "etcd_cert_file" in files:
+        try:
+            context.load_cert_chain(files["etcd_cert_file"], files["etcd_key_file"])
+        except (ssl.SSLError, OSError) as exc:
+            raise ConfigError(f"{where}.etcd_cert_file/etcd_key_file: not a PEM certificate "
+                              f"and its key ({exc})") from None
