@@ -18,11 +18,12 @@ CLUSTER = "cluster-secret"
 USER = "user-secret"
 
 
-def advert_body(node: str = "peer", seq: int = 1, *, pad: int = 0, leaving: bool = False) -> bytes:
+def advert_body(node: str = "peer", seq: int = 1, *, pad: int = 0, leaving: bool = False,
+                boot: str = "b1") -> bytes:
     models = (AdvertModel(id="remote-model", engine="e", engines=("e",), kind="vllm",
                           owned_by="x" * pad),)
     return msgspec.json.encode(Advert(
-        node=node, boot_id="b1", seq=seq, ttl_s=15, url="http://10.1.1.1:1", leaving=leaving,
+        node=node, boot_id=boot, seq=seq, ttl_s=15, url="http://10.1.1.1:1", leaving=leaving,
         engines=(AdvertEngine(name="e", kind="vllm", state="ready", models=("remote-model",)),),
         models=() if leaving else models))
 
@@ -103,3 +104,25 @@ async def test_adverts_need_the_cluster_token_and_a_valid_body(node: str) -> Non
             assert await cluster_ids() == set()
             assert (await post(advert_body(seq=3))).headers["x-nvpair-outcome"] == "left"
             assert await cluster_ids() == set()
+
+
+async def test_two_processes_with_one_name_are_told_not_hidden(node: str) -> None:
+    """The newest boot of a name wins; the other process's adverts are refused with 409,
+    so its sender shows the error (and a leave from a boot never heard retires nothing)."""
+    with trio.fail_after(10):
+        async with httpx2.AsyncClient(base_url=node, trust_env=False) as client:
+            async def post(body: bytes) -> httpx2.Response:
+                return await client.post("/v1/peers/adverts", content=body,
+                                         headers=auth(CLUSTER))
+
+            assert (await post(advert_body(boot="a1"))).status_code == 204
+            r = await post(advert_body(boot="z9", seq=2, leaving=True))  # never heard: ignored
+            assert r.status_code == 204 and r.headers["x-nvpair-outcome"] == "ignored"
+            assert (await post(advert_body(boot="b2"))).headers["x-nvpair-outcome"] == \
+                "restarted"
+            r = await post(advert_body(boot="a1", seq=7))
+            assert r.status_code == 409 and r.json()["error"]["code"] == "duplicate_node"
+            assert "give each its own node name" in r.json()["error"]["message"]
+            doc = (await client.get("/v1/peers", headers=auth(USER))).json()
+    assert doc["peers"][0]["boot_id"] == "b2" and doc["peers"][0]["state"] == "fresh"
+

@@ -77,6 +77,12 @@ class Receiver:
                              "must be unique", "duplicate_node")
             return
         outcome = self.table.receive(advert, len(body), trio.current_time())
+        if outcome == "old-boot":  # another process took this name over (or a replay)
+            self._reject("old-boot")
+            await send_error(send, 409, f"node {advert.node!r}: boot {advert.boot_id} was "
+                             "replaced by a newer one; if two processes run with this name, "
+                             "give each its own node name", "duplicate_node")
+            return
         self.accepted += 1
         if outcome in ("new", "restarted", "left"):
             log.info("peer %s: %s (boot %s)", advert.node, outcome, advert.boot_id)

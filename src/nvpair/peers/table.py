@@ -221,6 +221,8 @@ class PeerTable:
             return "new"
         if advert.boot_id in e.retired:
             return "old-boot"
+        if advert.boot_id != e.advert.boot_id and advert.leaving:
+            return "ignored"  # the leave of a boot never heard: it cannot retire the current
         if advert.boot_id != e.advert.boot_id:
             e.retired = [*e.retired[-(RETIRED_BOOTS - 1):], e.advert.boot_id]
             e.left_at = None
