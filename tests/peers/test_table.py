@@ -233,3 +233,16 @@ async def test_routes_name_fresh_peers_serving_a_model_and_say_why_others_cannot
         others=("node a is stale", "node b is stale"))
     table.receive(advert("c", seq=2, models=(), url="http://c:1"), 200, now())
     assert table.routes("x", now()) == PeerRoutes(others=("node c no longer lists it",))
+
+
+async def test_why_not_is_short_and_forgotten_nodes_are_forgotten(autojump_clock) -> None:
+    table = PeerTable("me")
+    for i in range(8):
+        table.receive(advert(f"n{i}", url=f"http://n{i}:1"), 200, now())
+    await trio.sleep(3.5)  # all stale
+    assert table.routes("m", now()).others == (
+        *(f"node n{i} is stale" for i in range(5)), "and 3 more")
+    await trio.sleep(6 + FORGET_AFTER_S)  # gone, then forgotten
+    table.prune(now())
+    assert table.entries == {} and table.seen == {}
+    assert table.routes("m", now()) == PeerRoutes()  # no longer known: 404, not 503

@@ -29,6 +29,8 @@ PeerState = Literal["fresh", "one-way", "stale", "gone", "left"]
 LISTED: frozenset[str] = frozenset({"fresh", "one-way", "stale"})
 #: receivers clamp the sender's ttl_s to this range, so one bad advert cannot pin or flap.
 TTL_RANGE = (1.0, 300.0)
+#: the most reasons a 503 for a peer's model names
+REASONS_SHOWN = 5
 #: gone and left peers stay in /v1/peers this long, then they are forgotten.
 FORGET_AFTER_S = 600.0
 RETIRED_BOOTS = 8
@@ -281,7 +283,12 @@ class PeerTable:
                   if (end := self.ended_at(e, now)) is not None and now - end > FORGET_AFTER_S]
         for node in forget:
             del self.entries[node]
-        if forget:
+        if forget:  # a forgotten node's models are no longer "known" through it
+            gone = set(forget)
+            for model, nodes in list(self.seen.items()):
+                nodes -= gone
+                if not nodes:
+                    del self.seen[model]
             self._changed()
 
     # -- reads --------------------------------------------------------------------------
@@ -376,6 +383,8 @@ class PeerTable:
                 ready.append(PeerRoute(e.node, e.advert.url, link.token if link else None))
         if not ready and not others:
             others = [f"node {n} no longer lists it" for n in sorted(self.seen.get(model, ()))]
+        if len(others) > REASONS_SHOWN:  # a message, not a census
+            others = [*others[:REASONS_SHOWN], f"and {len(others) - REASONS_SHOWN} more"]
         return PeerRoutes(tuple(ready), tuple(others))
 
     def doc(self, now: float) -> dict[str, Any]:
