@@ -12,6 +12,7 @@ import trio
 from tests.managed import free_port, managed_config
 
 from nvpair import service
+from nvpair.sim import SimOptions, serve_sim
 
 # An "engine" whose output repeats itself, as engines do (`GET /health 200` every few
 # seconds): one identical line per SIGUSR1.
@@ -76,3 +77,19 @@ async def test_logs_follow_prints_each_repeated_line_once(nursery, tmp_path) -> 
                 follower.kill()
                 with trio.move_on_after(5, shield=True):  # reap it even when failing
                     await follower.wait()
+
+
+async def test_a_url_that_is_not_nvpair_is_one_line_not_a_traceback(nursery) -> None:
+    sim = await nursery.start(serve_sim, SimOptions(kind="vllm", model="m"))
+    engine_url = f"http://127.0.0.1:{sim.port}"
+    with trio.fail_after(30):
+        for argv, expected in (
+                (["models", "--url", engine_url],
+                 f"nvpair: error: {engine_url} does not answer like nvpair (an engine's URL?)"),
+                (["status", "--url", engine_url], "nvpair: error: GET /v1/engines: 404"),
+                (["status", "--url", "http://[::1"], "nvpair: error: GET http://[::1/v1/engines")):
+            r = await trio.run_process([sys.executable, "-m", "nvpair", *argv],
+                                       capture_stdout=True, capture_stderr=True, check=False)
+            err = r.stderr.decode()
+            assert r.returncode == 2 and err.startswith(expected), (argv, err)
+            assert err.count("\n") == 1 and "Traceback" not in err, err

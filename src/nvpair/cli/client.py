@@ -36,7 +36,7 @@ def call(args: argparse.Namespace, method: str, path: str, *, timeout: float = 1
                                   trust_env=False)
     except httpx2.ConnectError:
         raise InputError(f"cannot reach nvpair at {url} (is `nvpair serve` running?)") from None
-    except httpx2.HTTPError as exc:
+    except (httpx2.HTTPError, httpx2.InvalidURL) as exc:
         raise InputError(f"{method} {url}{path}: {exc}") from None
     try:
         doc = msgspec.json.decode(response.content)
@@ -70,6 +70,14 @@ def print_status(engines: list[dict[str, Any]]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except (KeyError, TypeError, AttributeError):  # JSON, but not nvpair's
+        url, _ = base_url(args)
+        raise InputError(f"{url} does not answer like nvpair (an engine's URL?)") from None
+
+
+def _run(args: argparse.Namespace) -> int:
     cmd = args.command
     if cmd == "status":
         doc = call(args, "GET", f"/v1/engines/{args.name}" if args.name else "/v1/engines")
