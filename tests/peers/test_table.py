@@ -123,6 +123,20 @@ async def test_one_way_when_our_pushes_fail_longer_than_ttl(autojump_clock) -> N
     assert table.states(now()) == {"a": "fresh"}
 
 
+async def test_a_peer_that_refused_our_first_push_is_not_one_way_at_once(
+        autojump_clock) -> None:
+    """On a cold start the first push often finds the peer not listening yet."""
+    table = PeerTable("me")
+    link = table.add_link(Link("http://a:1", name="a"))
+    link.failed(now(), "ConnectError")
+    table.receive(advert(), 10, now())
+    assert table.states(now()) == {"a": "fresh"}  # it pushes to us: it is up now
+    await trio.sleep(3.5)  # still never through, past the ttl
+    link.failed(now(), "ConnectError")
+    table.receive(advert(), 10, now())
+    assert table.states(now()) == {"a": "one-way"}
+
+
 async def test_a_link_is_joined_by_learned_node_or_by_advertised_url(autojump_clock) -> None:
     table = PeerTable("me")
     by_url = table.add_link(Link("http://10.0.0.9:1"))

@@ -52,6 +52,7 @@ class Link:
         self.bytes_sent = 0
         self.connects = 0
         self.last_ok_at: float | None = None
+        self.first_failed_at: float | None = None  # the first failure, before any success
         self.last_error: str | None = None
         self.last_error_at: float | None = None
         #: called when the link starts or stops failing (the table's version changes).
@@ -75,14 +76,22 @@ class Link:
         self.failures += 1
         self.consecutive_failures += 1
         self.last_error, self.last_error_at = error, now
+        if self.first_failed_at is None and self.last_ok_at is None:
+            self.first_failed_at = now
         if self.consecutive_failures == 1:
             self.on_change()
 
-    def failing(self, now: float, ttl: float) -> bool:
-        """Our pushes have failed for longer than ``ttl`` (or never got through)."""
+    def failing_since(self) -> float | None:
+        """Since when our pushes have not got through (None while they do)."""
         if self.consecutive_failures == 0:
-            return False
-        return self.last_ok_at is None or now - self.last_ok_at > ttl
+            return None
+        return self.last_ok_at if self.last_ok_at is not None else self.first_failed_at
+
+    def failing(self, now: float, ttl: float) -> bool:
+        """Our pushes have not got through for longer than ``ttl`` (a peer that is still
+        starting refuses the first ones: that alone is not one-way)."""
+        since = self.failing_since()
+        return since is not None and now - since > ttl
 
     def doc(self, now: float) -> dict[str, Any]:
         return {"url": self.url, "name": self.name, "node": self.node, "pushes": self.pushes,
@@ -202,8 +211,8 @@ class PeerTable:
                 continue
             times += [e.received_at + e.ttl, e.received_at + e.ttl * self.gone_factor]
             link = self.link_for(e)
-            if link is not None and link.consecutive_failures and link.last_ok_at is not None:
-                times.append(link.last_ok_at + e.ttl)
+            if link is not None and (since := link.failing_since()) is not None:
+                times.append(since + e.ttl)
         # states change just after a boundary (age > ttl)
         return min((t + 1e-6 for t in times if t + 1e-6 > now), default=float("inf"))
 
@@ -338,7 +347,8 @@ class PeerTable:
             return e.received_at + e.ttl * self.gone_factor
         link = self.link_for(e)
         if state == "one-way" and link is not None:
-            return None if link.last_ok_at is None else link.last_ok_at + e.ttl
+            since = link.failing_since()
+            return None if since is None else since + e.ttl
         return None
 
     def states(self, now: float) -> dict[str, PeerState]:
