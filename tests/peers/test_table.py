@@ -6,7 +6,13 @@ from __future__ import annotations
 import msgspec
 import trio
 
-from nvpair.peers.advert import Advert, AdvertEngine, Advertiser, AdvertModel
+from nvpair.peers.advert import (
+    MAX_ADVERT_BYTES,
+    Advert,
+    AdvertEngine,
+    Advertiser,
+    AdvertModel,
+)
 from nvpair.peers.table import FORGET_AFTER_S, Link, PeerRoutes, PeerTable
 from nvpair.snapshot import Board, EngineState, Model, ProbeStats
 
@@ -260,3 +266,20 @@ async def test_why_not_is_short_and_forgotten_nodes_are_forgotten(autojump_clock
     table.prune(now())
     assert table.entries == {} and table.seen == {}
     assert table.routes("m", now()) == PeerRoutes()  # no longer known: 404, not 503
+
+
+async def test_an_advert_too_large_keeps_the_models_that_fit_and_says_how_many_not(
+        autojump_clock) -> None:
+    many = tuple(f"org/model-{i:04d}-" + "x" * 150 for i in range(600))
+    board = Board((engine(many[:20]),))
+    adv = Advertiser(board, "me", ttl_s=15, url="http://me:1")
+    board.publish((engine(many),))
+    assert adv.refresh(trio.current_time())  # it changed: peers must hear of it
+    sent = msgspec.json.decode(adv.body, type=Advert)
+    assert len(adv.body) <= MAX_ADVERT_BYTES
+    assert 20 < len(sent.models) < 600 and len(sent.models) + sent.left_out == 600
+    assert set(sent.engines[0].models) == {m.id for m in sent.models}
+    assert not adv.refresh(trio.current_time())  # the same content: nothing rebuilt
+    table = PeerTable("you")
+    table.receive(sent, len(adv.body), now())
+    assert table.doc(now())["peers"][0]["models_left_out"] == sent.left_out

@@ -7,6 +7,7 @@ it on their own monotonic clock.
 
 from __future__ import annotations
 
+import logging
 import secrets
 from typing import Annotated
 
@@ -18,8 +19,11 @@ from nvpair.peers.settings import NODE_PATTERN, URL_PATTERN
 from nvpair.snapshot import Board
 from nvpair.state import effective_state
 
-#: An advert larger than this is refused by receivers (413) and never sent.
+#: An advert larger than this is refused by receivers (413) and never sent: a node with
+#: more models than fit advertises the first ones and how many it left out.
 MAX_ADVERT_BYTES = 64 * 1024
+
+log = logging.getLogger("nvpair.peers")
 
 Text = Annotated[str, msgspec.Meta(max_length=512)]
 Name = Annotated[str, msgspec.Meta(max_length=128)]
@@ -65,6 +69,8 @@ class Advert(msgspec.Struct, frozen=True):
     models: tuple[AdvertModel, ...] = ()
     #: a graceful leave: drop this node at once (and ignore this boot from now on).
     leaving: bool = False
+    #: models this node serves but left out so the advert fits MAX_ADVERT_BYTES.
+    left_out: Annotated[int, msgspec.Meta(ge=0)] = 0
 
     def content(self) -> tuple[object, ...]:
         """What a receiver stores; equal contents need no new listing."""
@@ -117,6 +123,7 @@ class Advertiser:
         self.boot_id = secrets.token_hex(8)
         self._changed = trio.Event()
         self._advert = Advert(node=node, boot_id=self.boot_id, seq=0, ttl_s=ttl_s, url=url)
+        self._content: tuple[object, ...] | None = None  # the last content built from
         self.body = encoder.encode(self._advert)
         self.changed_at = trio.current_time()
         self.refresh(trio.current_time())
@@ -136,16 +143,22 @@ class Advertiser:
     def refresh(self, now: float) -> bool:
         """Rebuild the advert if its content changed; True if it did (seq grew)."""
         engines, models = describe(self.board, self.node, now)
-        old = self._advert
-        if old.seq and (self.url, engines, _stable(models)) == (old.url, old.engines,
-                                                                _stable(old.models)):
+        content = (self.url, engines, _stable(models))
+        if self._advert.seq and content == self._content:
             return False
-        seq = max(self.board.current.version, old.seq + 1)
+        self._content = content
+        seq = max(self.board.current.version, self._advert.seq + 1)
         advert = Advert(node=self.node, boot_id=self.boot_id, seq=seq, ttl_s=self.ttl_s,
                         url=self.url, engines=engines, models=models)
         body = encoder.encode(advert)
-        if len(body) > MAX_ADVERT_BYTES:  # keep the last that fits; peers see it go stale
-            return False
+        if len(body) > MAX_ADVERT_BYTES:
+            advert, body = _fitted(advert)
+            if len(body) > MAX_ADVERT_BYTES:  # the engines alone: keep the last that fit
+                log.error("advert: %d engines do not fit %d bytes; peers keep the last advert",
+                          len(engines), MAX_ADVERT_BYTES)
+                return False
+            log.warning("advert: %d of %d models left out: the advert must fit %d bytes",
+                        advert.left_out, len(models), MAX_ADVERT_BYTES)
         self._advert, self.body, self.changed_at = advert, body, now
         self._changed.set()
         self._changed = trio.Event()
@@ -170,3 +183,27 @@ class Advertiser:
             snap = await self.board.wait_changed(version)
             version = snap.version
             self.refresh(trio.current_time())
+
+
+def _fitted(advert: Advert) -> tuple[Advert, bytes]:
+    """The advert with as many of its models as fit MAX_ADVERT_BYTES (the first ones, and
+    the engines naming only those), and how many were left out."""
+
+    def cut(n: int) -> tuple[Advert, bytes]:
+        kept = advert.models[:n]
+        ids = {m.id for m in kept}
+        engines = tuple(msgspec.structs.replace(e, models=tuple(m for m in e.models if m in ids))
+                        for e in advert.engines)
+        smaller = msgspec.structs.replace(advert, models=kept, engines=engines,
+                                          left_out=len(advert.models) - n)
+        return smaller, encoder.encode(smaller)
+
+    low, high = 0, len(advert.models)  # cut(low) fits (none fit: the engines alone)
+    while low < high:
+        mid = (low + high + 1) // 2
+        if len(cut(mid)[1]) <= MAX_ADVERT_BYTES:
+            low = mid
+        else:
+            high = mid - 1
+    return cut(low)
+

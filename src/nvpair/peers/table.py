@@ -416,6 +416,7 @@ class PeerTable:
                 "first_seen_age_s": age(now, e.first_seen), "adverts": e.adverts,
                 "bytes_received": e.bytes_received, "left_age_s": age(now, e.left_at),
                 "deleted_age_s": age(now, e.deleted_at), "models": len(e.items),
+                "models_left_out": a.left_out,
                 "engines": [{"name": g.name, "kind": g.kind, "state": g.state,
                              "models": list(g.models)} for g in a.engines],
                 "outbound": None if link is None else link.doc(now)})
