@@ -19,7 +19,9 @@ from nvpair.errors import ConfigError
 from nvpair.manifest import Base, Seconds
 
 Backend = Literal["push", "etcd"]
-LeaseTTL = Annotated[int, msgspec.Meta(ge=2, le=3600)]
+#: receivers hold any peer to 1-300 s (table.TTL_RANGE): no advert can pin itself longer
+MAX_TTL_S = 300
+LeaseTTL = Annotated[int, msgspec.Meta(ge=2, le=MAX_TTL_S)]
 NODE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 URL_PATTERN = r"^https?://[^/\s]+"
 _URL = re.compile(URL_PATTERN)
@@ -131,6 +133,9 @@ def resolve_cluster(c: ClusterConfig, peers: Sequence[_Peer], *, source: str, ba
     if ttl < 2 * interval:
         raise ConfigError(f"{where}.ttl_s: must be at least 2 x interval_s ({2 * interval:g} s) "
                           "so that one late advert does not make a peer stale")
+    if ttl > MAX_TTL_S:
+        raise ConfigError(f"{where}.ttl_s: at most {MAX_TTL_S} s (peers cap it there), got "
+                          f"{ttl:g} s (3 x interval_s unless set)")
     targets = []
     for peer, own in zip(peers, peer_tokens, strict=True):
         peer_token = own or token

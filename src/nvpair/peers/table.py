@@ -22,13 +22,14 @@ import msgspec
 import trio
 
 from nvpair.peers.advert import Advert
+from nvpair.peers.settings import MAX_TTL_S
 from nvpair.snapshot import LISTED_STATES
 from nvpair.views import age
 
 PeerState = Literal["fresh", "one-way", "stale", "gone", "left"]
 LISTED: frozenset[str] = frozenset({"fresh", "one-way", "stale"})
 #: receivers clamp the sender's ttl_s to this range, so one bad advert cannot pin or flap.
-TTL_RANGE = (1.0, 300.0)
+TTL_RANGE = (1.0, float(MAX_TTL_S))
 #: the most reasons a 503 for a peer's model names
 REASONS_SHOWN = 5
 #: gone and left peers stay in /v1/peers this long, then they are forgotten.
