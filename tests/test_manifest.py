@@ -92,3 +92,11 @@ def test_unknown_kind() -> None:
 def test_missing_manifest_path(tmp_path: Path) -> None:
     with pytest.raises(ManifestError, match="cannot read manifest: No such file"):
         load_manifest(str(tmp_path / "nope.json"))
+
+
+def test_a_restart_backoff_that_starts_above_its_maximum_is_rejected() -> None:
+    doc = base_manifest()
+    doc["restart"] = {"initial_s": 90, "max_s": 60}
+    with pytest.raises(ManifestError) as info:
+        decode(doc)
+    assert str(info.value) == "x.json: restart.initial_s (90) is above restart.max_s (60)"

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import msgspec
 
-from nvpair.decoding import convert
+from nvpair.decoding import convert, one_line
 from nvpair.errors import ConfigError, ManifestError
 from nvpair.manifest import (
     BUILTIN_KINDS,
@@ -21,6 +21,7 @@ from nvpair.manifest import (
     Manifest,
     Port,
     ProbeOverride,
+    ProbeOverrides,
     Probes,
     ProbeSpec,
     Seconds,
@@ -45,7 +46,7 @@ class EngineConfig(Base, frozen=True):
     api_key_file: str | None = None
     args: dict[str, ArgValue] = {}
     env: dict[str, str] = {}
-    probes: dict[str, ProbeOverride] = {}
+    probes: ProbeOverrides = ProbeOverrides()
     #: opt in to probes that run a generation on the engine (see the manifest reference).
     allow_generating_probes: bool = False
     #: other names clients may use for this engine's models.
@@ -96,6 +97,10 @@ class Config(Base, frozen=True):
     router: RouterConfig = RouterConfig()
     #: the peers broker: cluster token, advertised URL, backend (push or etcd); docs/peers.md.
     cluster: ClusterConfig = ClusterConfig()
+
+
+#: an engine's host: a name or an IPv4/IPv6 address (no scheme, port, path or spaces)
+_HOST = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.%A-Za-z]*")
 
 
 def url_host(host: str) -> str:
@@ -232,13 +237,18 @@ def resolve(config: Config, source: str, base: Path, *, listen: str | None = Non
             "that the API requires a bearer token"
         )
     names: set[str] = set()
-    engines = []
+    engines: list[EngineSpec] = []
     for i, eng in enumerate(config.engines):
         where = f"{source}: engines[{i}]"
         if eng.name in names:
             raise ConfigError(f"{where}.name: duplicate engine name {eng.name!r}")
         names.add(eng.name)
-        engines.append(_resolve_engine(eng, where, base))
+        spec = _resolve_engine(eng, where, base)
+        twin = next((e for e in engines if (e.host, e.port) == (spec.host, spec.port)), None)
+        if twin is not None:
+            raise ConfigError(f"{where}: {spec.host}:{spec.port} is engine {twin.name!r} "
+                              "already (one engine, probed twice); give each its own port")
+        engines.append(spec)
     cluster = resolve_cluster(config.cluster, config.peers, source=source, base=base,
                               node=config.node or socket.gethostname(), api_token=token,
                               read_secret=read_secret)
@@ -267,6 +277,9 @@ def _default_log_dir() -> Path:
 
 
 def _resolve_engine(eng: EngineConfig, where: str, base: Path) -> EngineSpec:
+    if not _HOST.fullmatch(eng.host):
+        raise ConfigError(f"{where}.host: expected an IP address or a host name, "
+                          f"got {eng.host!r}")
     try:
         manifest = load_manifest(eng.kind, base=base)
     except ManifestError as exc:
@@ -314,13 +327,12 @@ def _resolve_engine(eng: EngineConfig, where: str, base: Path) -> EngineSpec:
     return spec
 
 
-def _merge_probes(probes: Probes, overrides: dict[str, ProbeOverride], where: str) -> Probes:
+def _merge_probes(probes: Probes, overrides: ProbeOverrides, where: str) -> Probes:
     merged: dict[str, ProbeSpec | None] = {n: getattr(probes, n) for n in PROBE_NAMES}
-    for name, override in overrides.items():
-        if name not in merged:
-            raise ConfigError(
-                f"{where}.probes.{name}: unknown probe (expected ready, health, identity or models)"
-            )
+    for name in PROBE_NAMES:
+        override: ProbeOverride | None = getattr(overrides, name)
+        if override is None:
+            continue
         current = merged[name]
         changes = {k: v for k, v in msgspec.structs.asdict(override).items() if v is not None}
         if current is None:
@@ -333,7 +345,7 @@ def _merge_probes(probes: Probes, overrides: dict[str, ProbeOverride], where: st
                 {**msgspec.structs.asdict(current), **changes}, ProbeSpec, strict=True
             )
         except msgspec.ValidationError as exc:
-            raise ConfigError(f"{where}.probes.{name}: {exc}") from None
+            raise ConfigError(one_line(f"{where}.probes.{name}", exc)) from None
     ready, health = merged["ready"], merged["health"]
     assert ready is not None and health is not None
     return Probes(ready=ready, health=health, identity=merged["identity"], models=merged["models"])

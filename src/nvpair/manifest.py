@@ -41,7 +41,7 @@ class ProbeSpec(Base, frozen=True):
 
     path: str
     method: Literal["GET", "HEAD", "POST"] = "GET"
-    expect_status: tuple[int, ...] = (200,)
+    expect_status: Annotated[tuple[int, ...], msgspec.Meta(min_length=1)] = (200,)
     cost: Cost = "cheap"
     interval_s: Seconds = 5.0
     timeout_s: Seconds = 2.0
@@ -73,7 +73,7 @@ class ProbeOverride(Base, frozen=True):
 
     path: str | None = None
     method: Literal["GET", "HEAD", "POST"] | None = None
-    expect_status: tuple[int, ...] | None = None
+    expect_status: Annotated[tuple[int, ...], msgspec.Meta(min_length=1)] | None = None
     cost: Cost | None = None
     interval_s: Seconds | None = None
     timeout_s: Seconds | None = None
@@ -81,6 +81,15 @@ class ProbeOverride(Base, frozen=True):
     success_threshold: Count | None = None
     needs_api_key: bool | None = None
 
+
+
+class ProbeOverrides(Base, frozen=True):
+    """An engine's changes to its manifest's probes (a typo in a name is an error)."""
+
+    ready: ProbeOverride | None = None
+    health: ProbeOverride | None = None
+    identity: ProbeOverride | None = None
+    models: ProbeOverride | None = None
 
 class Probes(Base, frozen=True):
     ready: ProbeSpec
@@ -169,6 +178,10 @@ def decode_manifest(data: bytes, source: str) -> Manifest:
     if not _KIND.match(manifest.kind):
         raise ManifestError(f"{source}: kind: expected lower-case letters, digits, '-' or '_'")
     check_probes(manifest.probes, allow_generating=manifest.allow_generating_probes, where=source)
+    restart = manifest.restart
+    if restart.initial_s > restart.max_s:
+        raise ManifestError(f"{source}: restart.initial_s ({restart.initial_s:g}) is above "
+                            f"restart.max_s ({restart.max_s:g})")
     return manifest
 
 
