@@ -104,8 +104,6 @@ def test_env_var_names_the_config(write, monkeypatch) -> None:
          r"engines\[0\].host: expected an IP address or a host name, got 'http://x'$"),
         ("[[engines]]\nname = 'a'\nkind = 'vllm'\nhost = 'my host'\n", r"engines\[0\].host: "),
         ("[[engines]]\nname = 'a'\nkind = 'vllm'\nhost = ''\n", r"engines\[0\].host: "),
-        ("[[engines]]\nname = 'a'\nkind = 'vllm'\n[[engines]]\nname = 'b'\nkind = 'openai'\n",
-         r"engines\[1\]: 127.0.0.1:8000 is engine 'a' already \(one engine, probed twice\)"),
         ("[[engines]]\nname = 'a'\nkind = 'vllm'\n[engines.probes.health]\nexpect_status = []\n",
          r"engines\[0\].probes.health.expect_status: expected array of length >= 1$"),
         ("[[engines]]\nname = 'a'\nkind = 'vllm'\n[engines.probes.health]\ninterval_s = 'x'\n",
@@ -146,3 +144,12 @@ def test_unreadable_api_key_file(write) -> None:
 def test_missing_config_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read config: No such file"):
         load_settings(str(tmp_path / "absent.toml"))
+
+
+def test_two_engines_on_one_port_are_warned_of(write, caplog) -> None:
+    settings_for(write, "[[engines]]\nname = 'a'\nkind = 'vllm'\n"
+                        "[[engines]]\nname = 'b'\nkind = 'openai'\n")
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"{write('x', '').parent / 'nvpair.toml'}: engines[1]: 127.0.0.1:8000 is engine 'a' "
+        "already: one engine, probed twice"]
+
