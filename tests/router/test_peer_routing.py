@@ -3,17 +3,22 @@ sockets): the same base URL works for the whole cluster's models."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import httpx2
 import msgspec
 import trio
+import trio.testing
 from tests.managed import free_port, wait_state
+from tests.peers.cluster import Sock, sockets
 from tests.router.script_engine import ScriptEngine, json_script, sse_script
 
 from nvpair import service
 from nvpair.config import load_settings
+from nvpair.peers.advert import Advert, AdvertEngine, AdvertModel
 from nvpair.peers.table import PeerTable
+from nvpair.sim import SimOptions, serve_sim
 
 CHAT = "/v1/chat/completions"
 def cluster_token(node: str) -> str:
@@ -139,3 +144,38 @@ async def test_a_peers_model_whose_engine_is_down_is_503_naming_the_node(
     assert r.status_code == 503
     assert r.headers["retry-after"] == "2"
     assert "node b" in r.json()["error"]["message"]
+
+
+async def test_a_peer_that_moves_leaves_no_connection_behind(nursery, tmp_path) -> None:
+    """A peer advertises a new URL: requests follow it, and the pool to the old one is
+    closed (its idle keep-alive connection would sit in CLOSE-WAIT until nvpair stops)."""
+    old = await nursery.start(serve_sim, SimOptions(kind="vllm", model="m-b"))
+    new = await nursery.start(serve_sim, SimOptions(kind="vllm", model="m-b"))
+    (tmp_path / "cluster").write_text("cluster-secret")
+    (tmp_path / "nvpair.toml").write_text(
+        "listen = '127.0.0.1:0'\nnode = 'a'\n[cluster]\ntoken_file = 'cluster'\n")
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, load_settings(str(tmp_path / "nvpair.toml")))
+        async with httpx2.AsyncClient(base_url=running.url, trust_env=False) as client:
+            for seq, sim in ((1, old), (2, new)):
+                advert = Advert(
+                    node="b", boot_id="b1", seq=seq, ttl_s=15, url=f"http://127.0.0.1:{sim.port}",
+                    engines=(AdvertEngine(name="e", kind="vllm", state="ready", models=("m-b",)),),
+                    models=(AdvertModel(id="m-b", engine="e", engines=("e",), kind="vllm"),))
+                r = await client.post("/v1/peers/adverts", content=msgspec.json.encode(advert),
+                                      headers={"authorization": "Bearer cluster-secret"})
+                assert r.status_code == 204, r.text
+                r = await client.post(CHAT, content=chat("m-b"))
+                assert r.status_code == 200 and r.headers["x-nvpair-node"] == "b", r.text
+                assert sim.stats().path(CHAT).count == 1
+                if seq == 1:
+                    assert mine(await sockets(), old.port)  # kept alive for the next request
+            await trio.testing.wait_all_tasks_blocked(0.05)  # the old pool's close has run
+            assert mine(await sockets(), old.port) == []
+            assert mine(await sockets(), new.port)
+
+
+def mine(socks: list[Sock], port: int) -> list[Sock]:
+    """This process's open connections to ``port``."""
+    return [s for s in socks if s.pid == os.getpid() and s.peer_port == port
+            and s.state in ("ESTAB", "CLOSE-WAIT")]

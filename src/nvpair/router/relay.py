@@ -115,17 +115,19 @@ class Router:
                 self.known.names[spec.name] = set(names)
         self.rng = random.Random()
         self._targets: dict[str, Target] = {}
+        self._peer_ends: dict[str, tuple[str, str | None]] = {}  # node -> (url, token)
         self._stack: AsyncExitStack | None = None
+        self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Own the engines' connection pools until cancelled (then close them)."""
-        async with AsyncExitStack() as stack:
-            self._stack = stack
+        async with AsyncExitStack() as stack, trio.open_nursery() as nursery:
+            self._stack, self._nursery = stack, nursery
             task_status.started()
             try:
                 await trio.sleep_forever()
             finally:
-                self._stack = None
+                self._stack = self._nursery = None
                 self._targets.clear()
 
     def _target(self, pool_key: str, make: Callable[[], Target]) -> Target:
@@ -147,9 +149,22 @@ class Router:
     def _peer(self, route: PeerRoute) -> Target:
         node = route.node
         token = route.token or self.cluster_token  # the peer's own, when one is configured
-        return self._target(f"peer {node} {route.url} {token}", lambda: Target(
+        key = f"peer {node}"
+        if self._peer_ends.get(node, (route.url, token)) != (route.url, token):
+            old = self._targets.pop(key, None)  # the peer moved (or its token changed)
+            if old is not None:
+                old.upstream.retired = True
+                self._release(old.upstream)
+        self._peer_ends[node] = (route.url, token)
+        return self._target(key, lambda: Target(
             peer_key(node), f"node {node}", Upstream(route.url, self.config, token=token),
             (b"x-nvpair-node", node.encode()), ((FORWARDED_BY, self.node.encode()),)))
+
+    def _release(self, upstream: Upstream) -> None:
+        """Close a replaced pool once no request uses it (its idle connections would
+        otherwise sit in CLOSE-WAIT until nvpair stops)."""
+        if upstream.retired and upstream.users == 0 and self._nursery is not None:
+            self._nursery.start_soon(upstream.aclose)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] != "POST":
@@ -203,6 +218,7 @@ class Router:
         for target in targets:  # the first, and one retry if it never got the request
             self.traffic.started(target.key)
             result = Result()
+            target.upstream.users += 1
             try:
                 await self._relay(target, scope, [*headers, *target.extra], body, send, result)
             except Refused as exc:
@@ -215,6 +231,8 @@ class Router:
                 raise
             finally:
                 self.traffic.finished(target.key, result.outcome, result.error)
+                target.upstream.users -= 1
+                self._release(target.upstream)
             return
         await send_error(send, 503, f"no engine could take the request ({last_error})",
                          "engine_unreachable", [(b"retry-after", b"2")])

@@ -49,6 +49,10 @@ class Upstream:
         self._extensions: dict[str, Any] = {"timeout": {
             "connect": config.connect_timeout_s, "read": None, "write": 60.0,
             "pool": config.first_byte_timeout_s}}
+        #: relayed requests using the pool now, and whether it is replaced (close it once
+        #: the last of them is done)
+        self.users = 0
+        self.retired = False
 
     @classmethod
     def engine(cls, spec: EngineSpec, config: RouterConfig, **kw: Any) -> Upstream:
