@@ -165,6 +165,14 @@ async def sse_events(client: httpx2.AsyncClient, payload: bytes) -> list[bytes]:
     return [e for e in r.content.split(b"\n\n") if e]
 
 
+async def timed_stream(url: str) -> tuple[float, list[bytes]]:
+    """One streaming request: how long it took, and its SSE events."""
+    async with httpx2.AsyncClient(base_url=url) as client:
+        t0 = trio.current_time()
+        events = await sse_events(client, body(stream=True))
+        return trio.current_time() - t0, events
+
+
 async def test_silent_engine_is_cut_after_the_idle_gap(nursery, tmp_path) -> None:
     eng = ScriptEngine("m")
     script = sse_script(3)
@@ -172,10 +180,7 @@ async def test_silent_engine_is_cut_after_the_idle_gap(nursery, tmp_path) -> Non
     with trio.fail_after(30):
         running = await start(nursery, tmp_path, {"e": eng},
                               top="[router]\nidle_timeout_s = 0.5")
-        async with httpx2.AsyncClient(base_url=running.url) as client:
-            t0 = trio.current_time()
-            events = await sse_events(client, body(stream=True))
-            elapsed = trio.current_time() - t0
+        elapsed, events = await timed_stream(running.url)
     assert 0.5 <= elapsed < 2.0
     assert events[:2] == [e.strip() for _, e in script[1:3]]
     error = msgspec.json.decode(events[-1].removeprefix(b"data: "))
@@ -203,10 +208,7 @@ async def test_headers_then_silence_end_at_the_first_byte_timeout(nursery, tmp_p
     with trio.fail_after(30):
         running = await start(nursery, tmp_path, {"e": eng},
                               top="[router]\nidle_timeout_s = 30\nfirst_byte_timeout_s = 0.5")
-        async with httpx2.AsyncClient(base_url=running.url) as client:
-            t0 = trio.current_time()
-            events = await sse_events(client, body(stream=True))
-            elapsed = trio.current_time() - t0
+        elapsed, events = await timed_stream(running.url)
     assert 0.5 <= elapsed < 2.0, elapsed
     error = msgspec.json.decode(events[-1].removeprefix(b"data: "))["error"]
     assert error["message"] == ("engine e: no data from the engine within 0.5 s "
