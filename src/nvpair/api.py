@@ -3,6 +3,7 @@ is encoded, never a call to an engine. Encoded bodies are cached per snapshot ve
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 from collections.abc import Callable, Sequence
@@ -15,7 +16,6 @@ import trio
 from nvpair import views
 from nvpair.asgi import (
     FORWARDED_BY,
-    Message,
     Receive,
     Scope,
     Send,
@@ -116,18 +116,13 @@ class Api:
             return
         if scope["type"] != "http":
             return
-        started = False
-
-        async def tracked(message: Message) -> None:
-            nonlocal started
-            started = True
-            await send(message)
-
         try:
-            await self.route(scope, receive, tracked)
+            await self.route(scope, receive, send)
         except Exception:
             log.exception("error answering %s %s", scope.get("method"), scope.get("path"))
-            if not started:  # else the answer is cut: the client sees it end early
+            # If the answer had begun, the server refuses a second one: it then ends cut,
+            # which the client sees (no per-message bookkeeping on the hot path for this).
+            with contextlib.suppress(Exception):
                 await send_error(send, 500, "internal error in nvpair; see its log",
                                  "internal_error")
 
