@@ -212,3 +212,54 @@ async def test_a_vllm_serving_another_model_stays_unlisted(nursery, autojump_clo
     states = await watch_states(board, 600)  # identity every 60 s, models every 30 s
     assert set(states) == {"unhealthy"}, states
     assert "serves wrong-model, expected expected-model" in (board.current.engines[0].error or "")
+
+
+async def start_with_sweep(nursery: trio.Nursery, spec, fake: FakeEngine) -> Board:
+    board = Board((initial_state(spec),))
+    registry: dict[str, Prober] = {}
+    await nursery.start(lambda task_status: run_probes(
+        spec, board, registry, transport=fake.transport(), task_status=task_status))
+    await nursery.start(Sweep(board, registry, 5.0).run)
+    return board
+
+
+async def test_a_server_without_the_kinds_identity_that_takes_the_port_stays_unlisted(
+        nursery, autojump_clock) -> None:
+    """The identity probe's "does not look like vllm" is not the sweep's to clear, even
+    when the newcomer lists the same model."""
+    fake = FakeEngine(vllm_routes())
+    board = await start_with_sweep(nursery, engine_spec("vllm"), fake)
+    await watch_states(board, 10)
+    assert board.current.engines[0].state == "ready"
+    del fake.routes["/version"]  # another OpenAI-style server now answers on the port
+    states = await watch_states(board, 600)
+    after = states[states.index("unhealthy"):]
+    assert "ready" not in after, states
+    assert "does not look like vllm" in (board.current.engines[0].error or "")
+
+
+async def test_an_engine_upgraded_in_place_goes_back_to_the_manifests_path(
+        nursery, autojump_clock) -> None:
+    info = (200, {"model_path": "m", "is_generation": True})
+    old = {"/ready": (200, ""), "/ping": (200, ""), "/get_model_info": info,
+           "/v1/models": (200, {"object": "list", "data": [{"id": "m", "object": "model"}]})}
+    fake = FakeEngine(old)  # an old SGLang: /get_model_info, no /model_info
+    board = await start_with_sweep(nursery, engine_spec("sglang"), fake)
+    await watch_states(board, 10)
+    assert board.current.engines[0].state == "ready"
+    fake.routes["/model_info"] = fake.routes.pop("/get_model_info")  # the upgrade
+    states = await watch_states(board, 300)
+    assert set(states) == {"ready"}, states
+    ident = board.current.engines[0].probe("identity")
+    assert ident is not None and ident.path == "/model_info" and ident.ok
+
+
+async def test_a_server_with_neither_identity_path_gets_one_request_a_tick(
+        nursery, autojump_clock) -> None:
+    fake = FakeEngine({"/ready": (200, ""), "/ping": (200, "")})
+    board = await start_with_sweep(nursery, engine_spec("sglang"), fake)
+    await watch_states(board, 600)
+    e = board.current.engines[0]
+    assert e.state == "unhealthy" and "does not look like sglang" in (e.error or "")
+    asked = fake.counts["/model_info"] + fake.counts["/get_model_info"]
+    assert asked <= 600 / 60 + 3, fake.counts  # the identity interval, plus the first pair

@@ -67,9 +67,9 @@ class Prober:
         self.client = client
         self._paths = {n: p.path for n, p in self._specs().items()}
         self._locks: dict[str, trio.Lock] = {n: trio.Lock() for n in PROBE_NAMES}
+        #: per probe, the paths that answered 404 when last asked
+        self._missing: dict[str, set[str]] = {n: set() for n in PROBE_NAMES}
         self._rng = random.Random()
-        #: the engine's mismatch, if any, was found by the identity probe (not the sweep)
-        self._mismatch_is_ours = False
         #: when this engine last got a generating probe request, and how it went
         self._generated: tuple[float, Outcome] | None = None
 
@@ -83,24 +83,45 @@ class Prober:
         return spec.interval_s
 
     async def probe(self, name: str) -> tuple[Outcome, probes.Answer | None]:
-        """One request of probe ``name`` under its timeout; never raises for engine trouble."""
+        """One request of probe ``name`` under its timeout; never raises for engine trouble.
+
+        A 404 moves the probe between the manifest's path and its fallback: at once when
+        the other path is not known to be missing too (an old build lacks the path; an
+        upgraded one lacks the fallback), else at the next tick (one request a tick for
+        a server that has neither)."""
         spec = self._specs()[name]
         async with self._locks[name]:
-            outcome, answer = await self._request(spec, self._paths[name])
-            if (outcome.http_status == 404 and spec.fallback_path
-                    and self._paths[name] != spec.fallback_path):
-                if spec.fallback_cost == "generating" and not self.spec.allow_generating:
-                    return msgspec.structs.replace(outcome, kind="error", error=(
-                        f"the engine has no {spec.path} (an older build?) and its fallback "
-                        f"{spec.fallback_path} generates; set allow_generating_probes = true "
-                        "to use it, or upgrade the engine")), None
-                self._paths[name] = spec.fallback_path
-                if name == "health":  # a slower schedule: "overdue" must follow it
-                    overdue = overdue_after(self.interval(name), spec.timeout_s)
-                    self.board.update(self.spec.name, lambda e: msgspec.structs.replace(
-                        e, overdue_after_s=overdue))
-                outcome, answer = await self._request(spec, spec.fallback_path)
+            path = self._paths[name]
+            outcome, answer = await self._request(spec, path)
+            if outcome.http_status != 404 or not spec.fallback_path:
+                self._missing[name].discard(path)
+                return outcome, answer
+            missing = self._missing[name]
+            other = spec.fallback_path if path != spec.fallback_path else spec.path
+            if path not in missing:  # it worked (or was never asked): news of the other is old
+                missing.discard(other)
+            missing.add(path)
+            if (other == spec.fallback_path and spec.fallback_cost == "generating"
+                    and not self.spec.allow_generating):
+                return msgspec.structs.replace(outcome, kind="error", error=(
+                    f"the engine has no {spec.path} (an older build?) and its fallback "
+                    f"{spec.fallback_path} generates; set allow_generating_probes = true "
+                    "to use it, or upgrade the engine")), None
+            self._use(name, other)
+            if other in missing:
+                return outcome, answer  # both missing: the other one at the next tick
+            outcome, answer = await self._request(spec, other)
+            if outcome.http_status == 404:
+                missing.add(other)
             return outcome, answer
+
+    def _use(self, name: str, path: str) -> None:
+        self._paths[name] = path
+        if name == "health":  # the schedule may change: "overdue" must follow it
+            spec = self._specs()[name]
+            overdue = overdue_after(self.interval(name), spec.timeout_s)
+            self.board.update(self.spec.name, lambda e: msgspec.structs.replace(
+                e, overdue_after_s=overdue))
 
     @staticmethod
     def _generates(spec: ProbeSpec, path: str) -> bool:
@@ -163,22 +184,18 @@ class Prober:
                 and not any(probes.same_model(self.spec.model, n) for n in names)):
                 mismatch = f"{self.where} serves {names[0]}, expected {self.spec.model}"
 
-        ours = self._mismatch_is_ours
-
         def change(e: EngineState) -> EngineState:
             e = count(e, "identity", spec.path, outcome, now)
             e = with_auth_notice(e, outcome, self._paths["identity"])
             if identity is None:
                 return e
-            # Without model names, the model check is the sweep's: keep what it found.
-            found = mismatch if names or ours else e.mismatch
-            e = msgspec.structs.replace(e, identity=identity, mismatch=found)
-            if found:
-                return enter(e, "unhealthy", now, error=found)
+            e = msgspec.structs.replace(e, identity=identity)
+            if mismatch:
+                e = msgspec.structs.replace(e, mismatch=mismatch, mismatch_by="identity")
+                return enter(e, "unhealthy", now, error=mismatch)
+            if e.mismatch_by == "identity":  # the model list's finding is the sweep's
+                e = msgspec.structs.replace(e, mismatch=None, mismatch_by=None)
             return e  # a cleared mismatch lets the next good health probe make it ready
-
-        if identity is not None:
-            self._mismatch_is_ours = mismatch is not None
 
         self.board.update(self.spec.name, change)
 
@@ -188,10 +205,11 @@ class Prober:
 
         def change(e: EngineState) -> EngineState:
             e = count(e, "identity", spec.path, outcome, now)
-            e = msgspec.structs.replace(e, mismatch=message)
+            # who answers is not known: it must be confirmed again before it is listed
+            e = msgspec.structs.replace(e, mismatch=message, mismatch_by="identity",
+                                        identity=None)
             return enter(e, "unhealthy", now, error=message)
 
-        self._mismatch_is_ours = True
         self.board.update(self.spec.name, change)
 
     @property

@@ -115,10 +115,10 @@ class Sweep:
                 return msgspec.structs.replace(e, models_stale=bool(e.models))
             e = msgspec.structs.replace(e, models=models, models_at=now, models_stale=False)
             if mismatch:
-                e = msgspec.structs.replace(e, mismatch=mismatch)
+                e = msgspec.structs.replace(e, mismatch=mismatch, mismatch_by="models")
                 return enter(e, "unhealthy", now, error=mismatch)
-            if e.mismatch and not (ident and ident.model_pointers):
-                e = msgspec.structs.replace(e, mismatch=None)
+            if e.mismatch_by == "models":
+                e = msgspec.structs.replace(e, mismatch=None, mismatch_by=None)
             return e
 
         self.board.update(name, change)
