@@ -198,3 +198,20 @@ async def test_what_an_engine_says_while_it_stops_is_logged(nursery, tmp_path) -
             lines = (await client.get("/v1/engines/e/logs?tail=3")).json()["lines"]
     assert _engine_lines(lines[:2]) == ["serving", "got SIGTERM, saving state"]
     assert " ended: " in lines[2]
+
+
+async def test_what_an_engine_says_while_nvpair_shuts_down_is_logged(tmp_path) -> None:
+    settings = managed_config(tmp_path, "e", free_port(), [sys.executable, "-c", CHATTY, "run"])
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            running = await nursery.start(service.run, settings)
+            async with httpx2.AsyncClient(base_url=running.url) as client:
+                doc, seen = {"next": 0}, []
+                while "serving" not in seen:
+                    doc = (await client.get(f"/v1/engines/e/logs?after={doc['next']}&wait_s=5")
+                           ).json()
+                    seen += doc["lines"]
+            running.stop()  # nvpair's own shutdown: it stops the engine on its way out
+    lines = (settings.log_dir / "e.log").read_text().splitlines()
+    assert [x.rstrip() for x in lines[-3:-1]] == ["serving", "got SIGTERM, saving state"]
+    assert " ended: " in lines[-1]

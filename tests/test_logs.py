@@ -105,3 +105,19 @@ def test_a_log_dir_that_cannot_be_made_keeps_lines_in_memory() -> None:
     log.write("one")
     assert log.tail(5).lines[1:] == ["one"]
     assert log.tail(5).lines[0].startswith("[nvpair] cannot write /proc/no-such-dir/e.log: ")
+
+
+async def test_wide_characters_before_a_secret_do_not_let_a_cut_leak_it() -> None:
+    secret = "sk-" + "S" * 29
+    log = EngineLog(None, redact=(secret,))
+    send, receive = trio.testing.memory_stream_pair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(log.pump, receive)
+        # 2 bytes a character: the secret starts before character LINE_MAX but past byte
+        # LINE_MAX, and the line goes on without a newline past any cut
+        await send.send_all(("é" * (LINE_MAX - 20) + secret).encode() + b"x" * 4 * LINE_MAX)
+        await trio.testing.wait_all_tasks_blocked()
+        await send.send_all(b"\nnext\n")
+        await send.aclose()
+    first, second = log.tail(2).lines
+    assert first == "é" * (LINE_MAX - 20) + "***" + CUT_MARK and second == "next"

@@ -178,10 +178,16 @@ class EngineRunner:
         try:
             async with trio.open_nursery() as output:
                 pumped = trio.Event()
+                # shielded: on nvpair's own shutdown the output is read on while the
+                # engine stops (and a chatty engine never blocks on a full pipe)
+                reading = trio.CancelScope(shield=True)
 
                 async def pump(stream: trio.abc.ReceiveStream) -> None:
-                    await self.log.pump(stream)  # type: ignore[union-attr]
-                    pumped.set()
+                    try:
+                        with reading:
+                            await self.log.pump(stream)  # type: ignore[union-attr]
+                    finally:
+                        pumped.set()
 
                 output.start_soon(pump, proc.stdout)
                 try:
@@ -214,7 +220,7 @@ class EngineRunner:
                         await self._terminate(proc)
                         with trio.move_on_after(OUTPUT_DRAIN_S):  # a child may hold the pipe
                             await pumped.wait()
-                    output.cancel_scope.cancel(reason="engine process ended")
+                    reading.cancel(reason="engine process ended")
         finally:
             self.log.write(f"[nvpair] process {proc.pid} ended: {_describe(proc.returncode)}")
         await self._after_exit(proc.returncode, why, ready_for)

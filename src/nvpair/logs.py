@@ -43,9 +43,10 @@ class EngineLog:
         self.max_bytes = max_bytes
         self.lines: deque[str] = deque(maxlen=ring)
         self.redact = tuple(s for s in redact if s)
-        #: bytes of an unfinished line kept before it is cut: enough that a secret across
-        #: the cut is still whole when it is masked
-        self._keep = LINE_MAX + max((len(s.encode()) for s in self.redact), default=0)
+        #: bytes of an unfinished line kept before it is cut: enough for LINE_MAX
+        #: characters and a secret across the cut, whole, however wide the characters
+        #: (UTF-8: up to 4 bytes each)
+        self._keep = 4 * (LINE_MAX + max((len(s) for s in self.redact), default=0))
         self._file = None
         self.changed = trio.Event()
         self.written = 0

@@ -85,8 +85,10 @@ def test_etcd_defaults(load) -> None:
     ("[cluster]\nbackend = 'etcd'\netcd_url = 'http://e:1'\netcd_prefix = 'x'\n",
      "cluster.etcd_prefix: must end with '/'"),
     ("[cluster]\ntoken_file = 'cluster'\nintervall_s = 1\n", "cluster.intervall_s: unknown key"),
-    (PEER + "[cluster]\ntoken_file = 'cluster'\ninterval_s = 120\n",
-     r"cluster.ttl_s: at most 300 s \(peers cap it there\), got 360 s"),
+    (PEER + "[cluster]\ntoken_file = 'cluster'\ninterval_s = 5\nttl_s = 360\n",
+     r"cluster.ttl_s: at most 300 s \(peers cap it there\), got 360 s$"),
+    (PEER + "[cluster]\ntoken_file = 'cluster'\ninterval_s = 200\n",
+     r"cluster.ttl_s: must be at least 2 x interval_s \(400 s\).*; it is 300 s unless set$"),
     ("[cluster]\nbackend = 'etcd'\netcd_url = 'http://e:1'\netcd_lease_ttl_s = 600\n",
      "cluster.etcd_lease_ttl_s: expected"),
     ("[[peers]]\nurl = 'file:///etc/passwd'\n",
@@ -104,3 +106,9 @@ def test_a_node_name_must_suit_a_key(load, write) -> None:
     path = write("bad.toml", "node = 'a b'\n[cluster]\ntoken_file = 'cluster'\n")
     with pytest.raises(ConfigError, match="node: 'a b' cannot name a peer"):
         load_settings(str(path))
+
+
+def test_a_long_interval_gets_the_longest_ttl_by_default(load) -> None:
+    c = load(PEER + "[cluster]\ntoken_file = 'cluster'\ninterval_s = 120\n").cluster
+    assert (c.interval_s, c.ttl_s) == (120.0, 300.0)  # 3 x 120 is past the receivers' cap
+

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import sys
 
@@ -32,8 +33,13 @@ def run_serve(settings: Settings) -> int:
         error = _os_error(exc)
         if error is None:
             raise
-        where = error.filename or f"cannot listen on {settings.listen_host}:{settings.listen_port}"
-        print(f"nvpair: error: {where}: {error.strerror or error}", file=sys.stderr)
+        if error.filename:
+            where = f"{error.filename}: "
+        elif error.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
+            where = f"cannot listen on {settings.listen_host}:{settings.listen_port}: "
+        else:
+            where = ""
+        print(f"nvpair: error: {where}{error.strerror or error}", file=sys.stderr)
         return 1
     return 0
 

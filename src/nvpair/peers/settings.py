@@ -129,13 +129,14 @@ def resolve_cluster(c: ClusterConfig, peers: Sequence[_Peer], *, source: str, ba
     if c.advertise_url is not None and not _URL.match(c.advertise_url):
         raise ConfigError(
             f"{where}.advertise_url: expected http(s)://HOST:PORT, got {c.advertise_url!r}")
-    interval, ttl = c.interval_s, c.ttl_s or 3 * c.interval_s
+    interval, ttl = c.interval_s, c.ttl_s or min(3 * c.interval_s, MAX_TTL_S)
     if ttl < 2 * interval:
         raise ConfigError(f"{where}.ttl_s: must be at least 2 x interval_s ({2 * interval:g} s) "
-                          "so that one late advert does not make a peer stale")
+                          "so that one late advert does not make a peer stale"
+                          + ("" if c.ttl_s else f"; it is {ttl:g} s unless set"))
     if ttl > MAX_TTL_S:
         raise ConfigError(f"{where}.ttl_s: at most {MAX_TTL_S} s (peers cap it there), got "
-                          f"{ttl:g} s (3 x interval_s unless set)")
+                          f"{ttl:g} s")
     targets = []
     for peer, own in zip(peers, peer_tokens, strict=True):
         peer_token = own or token
