@@ -9,6 +9,7 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx2
 import trio
@@ -134,3 +135,18 @@ class Reader:
                     self.worst = max(self.worst, trio.current_time() - start)
                     self.count += 1
                 await trio.sleep(0.02)
+
+
+async def log_until(client: httpx2.AsyncClient, engine: str, line: str
+                    ) -> tuple[list[str], dict[str, Any]]:
+    """Follow an engine's log over the API (long polls) until ``line`` is written: every
+    line so far, and the last answer (its ``next`` is where to follow on)."""
+    doc: dict[str, Any] = {"next": 0}
+    seen: list[str] = []
+    while line not in seen:
+        r = await client.get(f"/v1/engines/{engine}/logs?after={doc['next']}&wait_s=10")
+        assert r.status_code == 200, r.text
+        doc = r.json()
+        seen += doc["lines"]
+    return seen, doc
+

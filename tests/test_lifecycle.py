@@ -13,6 +13,7 @@ from tests.managed import (
     alive,
     free_port,
     group_members,
+    log_until,
     managed_config,
     reading,
     sim_command,
@@ -188,11 +189,7 @@ async def test_what_an_engine_says_while_it_stops_is_logged(nursery, tmp_path) -
     with trio.fail_after(30):
         running = await nursery.start(service.run, settings)
         async with httpx2.AsyncClient(base_url=running.url) as client:
-            doc, seen = {"next": 0}, []
-            while "serving" not in seen:
-                doc = (await client.get(f"/v1/engines/e/logs?after={doc['next']}&wait_s=5")
-                       ).json()
-                seen += doc["lines"]
+            await log_until(client, "e", "serving")
             assert (await client.post("/v1/engines/e/stop")).status_code == 202
             await wait_state(running.board, "e", "stopped")
             lines = (await client.get("/v1/engines/e/logs?tail=3")).json()["lines"]
@@ -206,11 +203,7 @@ async def test_what_an_engine_says_while_nvpair_shuts_down_is_logged(tmp_path) -
         async with trio.open_nursery() as nursery:
             running = await nursery.start(service.run, settings)
             async with httpx2.AsyncClient(base_url=running.url) as client:
-                doc, seen = {"next": 0}, []
-                while "serving" not in seen:
-                    doc = (await client.get(f"/v1/engines/e/logs?after={doc['next']}&wait_s=5")
-                           ).json()
-                    seen += doc["lines"]
+                await log_until(client, "e", "serving")
             running.stop()  # nvpair's own shutdown: it stops the engine on its way out
     lines = (settings.log_dir / "e.log").read_text().splitlines()
     assert [x.rstrip() for x in lines[-3:-1]] == ["serving", "got SIGTERM, saving state"]

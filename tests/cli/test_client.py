@@ -9,7 +9,7 @@ import sys
 
 import httpx2
 import trio
-from tests.managed import free_port, managed_config
+from tests.managed import free_port, log_until, managed_config
 
 from nvpair import service
 from nvpair.sim import SimOptions, serve_sim
@@ -36,11 +36,7 @@ async def test_logs_follow_prints_each_repeated_line_once(nursery, tmp_path) -> 
     with trio.fail_after(30):
         running = await nursery.start(service.run, settings)
         async with httpx2.AsyncClient(base_url=running.url) as client:
-            doc = {"next": 0, "lines": []}
-            seen: list[str] = []
-            while "ticker ready" not in seen:  # its signal handler is in place
-                doc = await next_lines(client, doc["next"])
-                seen += doc["lines"]
+            seen, doc = await log_until(client, "e", "ticker ready")  # its handler is set
             pid = (await client.get("/v1/engines/e")).json()["pid"]
             assert seen[0].startswith("[nvpair] starting:") and doc["missed"] == 0
 
