@@ -207,13 +207,13 @@ class Api:
         except ValueError as exc:
             await send_error(send, 400, str(exc))
             return
-        log = self.controller.log(name) if self.controller else None
-        if log is None:
+        engine_log = self.controller.log(name) if self.controller else None
+        if engine_log is None:
             await send_error(send, 404, f"engine {name!r} has no logs (it is not managed)",
                              "no_logs")
             return
         try:
-            lines = await read_log(log, query)
+            lines = await read_log(engine_log, query)
         except ValueError as exc:
             await send_error(send, 400, str(exc))
             return
@@ -233,7 +233,7 @@ class Api:
 
 
 #: The longest a log read waits for a new line (``wait_s``).
-LOG_WAIT_MAX_S = 30.0
+LOG_WAIT_MAX_S = 30
 
 
 def _whole(query: dict[str, list[str]], key: str, low: int, high: int) -> int | None:
@@ -258,7 +258,7 @@ def log_query(query: dict[str, list[str]]) -> LogQuery:
     after = _whole(query, "after", 0, 2**62)
     if tail is not None and after is not None:
         raise ValueError("tail and after: give one of them")
-    return LogQuery(tail, after, _whole(query, "wait_s", 0, int(LOG_WAIT_MAX_S)) or 0)
+    return LogQuery(tail, after, _whole(query, "wait_s", 0, LOG_WAIT_MAX_S) or 0)
 
 
 async def read_log(log: EngineLog, query: LogQuery) -> Lines:

@@ -174,7 +174,6 @@ class EngineRunner:
         assert proc.stdout is not None
         # The output is read until its end, past the process's exit and its stop: its last
         # lines (a traceback, say) are the ones a user needs.
-        ready_for = 0.0
         try:
             async with trio.open_nursery() as output:
                 pumped = trio.Event()
@@ -215,7 +214,6 @@ class EngineRunner:
                         await proc.wait()
                         nursery.cancel_scope.cancel(reason="engine process exited")
                 finally:
-                    ready_for = self._ready_for()
                     with trio.CancelScope(shield=True):
                         await self._terminate(proc)
                         with trio.move_on_after(OUTPUT_DRAIN_S):  # a child may hold the pipe
@@ -223,9 +221,9 @@ class EngineRunner:
                     reading.cancel(reason="engine process ended")
         finally:
             self.log.write(f"[nvpair] process {proc.pid} ended: {_describe(proc.returncode)}")
-        await self._after_exit(proc.returncode, why, ready_for)
+        await self._after_exit(proc.returncode, why)
 
-    async def _after_exit(self, code: int | None, why: str, ready_for: float) -> None:
+    async def _after_exit(self, code: int | None, why: str) -> None:
         spec = self.spec
         if why in ("stop", "restart"):
             self._set(state="stopped" if why == "stop" else "starting", pid=None,
@@ -237,7 +235,7 @@ class EngineRunner:
             error = f"not ready within its startup budget of {spec.startup_budget_s:g} s{detail}"
         else:
             error = f"engine process {_describe(code)}"
-        if ready_for >= spec.manifest.restart.reset_after_s:
+        if self._ready_for() >= spec.manifest.restart.reset_after_s:
             self.backoff = spec.manifest.restart.initial_s
         self._set(state="down", pid=None, exit_code=code, exited_at=_wall(),
                   error=error)

@@ -108,8 +108,7 @@ class EngineLog:
             self._file = None
         message = f"cannot write {self.path}: {exc.strerror or exc}; keeping lines in memory only"
         log.warning("%s", message)
-        self.lines.append(f"[nvpair] {message}")
-        self.written += 1
+        self.write(f"[nvpair] {message}")  # to the ring only: the file is closed
 
     def _rotate(self) -> None:
         assert self._file is not None and self.path is not None

@@ -78,7 +78,7 @@ class Prober:
 
     def interval(self, name: str) -> float:
         spec = self._specs()[name]
-        if self._paths[name] == spec.fallback_path and spec.fallback_cost == "generating":
+        if self._generates(spec, self._paths[name]):
             return max(spec.interval_s, GENERATING_MIN_INTERVAL_S)
         return spec.interval_s
 

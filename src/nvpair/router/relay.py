@@ -115,7 +115,6 @@ class Router:
                 self.known.names[spec.name] = set(names)
         self.rng = random.Random()
         self._targets: dict[str, Target] = {}
-        self._peer_ends: dict[str, tuple[str, str | None]] = {}  # node -> (url, token)
         self._stack: AsyncExitStack | None = None
         self._nursery: trio.Nursery | None = None
 
@@ -150,12 +149,11 @@ class Router:
         node = route.node
         token = route.token or self.cluster_token  # the peer's own, when one is configured
         key = f"peer {node}"
-        if self._peer_ends.get(node, (route.url, token)) != (route.url, token):
-            old = self._targets.pop(key, None)  # the peer moved (or its token changed)
-            if old is not None:
-                old.upstream.retired = True
-                self._release(old.upstream)
-        self._peer_ends[node] = (route.url, token)
+        old = self._targets.get(key)
+        if old is not None and old.upstream.end != (route.url, token):
+            del self._targets[key]  # the peer moved (or its token changed)
+            old.upstream.retired = True
+            self._release(old.upstream)
         return self._target(key, lambda: Target(
             peer_key(node), f"node {node}", Upstream(route.url, self.config, token=token),
             (b"x-nvpair-node", node.encode()), ((FORWARDED_BY, self.node.encode()),)))

@@ -34,6 +34,8 @@ class Upstream:
 
     def __init__(self, url: str, config: RouterConfig, *, token: str | None = None,
                  max_connections: int = 256) -> None:
+        #: where it goes and with which token (a peer that moves gets a new pool)
+        self.end = (url, token)
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s)://HOST:PORT URL: {url!r}")
