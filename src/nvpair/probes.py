@@ -3,18 +3,30 @@ owns a probe's policy applies its deadline (see prober.py)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import httpx2
 import msgspec
 import trio
 
+from nvpair.decoding import decode_json, excerpt
 from nvpair.errors import ProbeError
 from nvpair.manifest import ModelsFormat, ProbeSpec
 from nvpair.snapshot import Identity, Model
 from nvpair.streams import close_early
 
 MAX_BODY = 4 * 1024 * 1024
+#: at most this many models of one engine are listed; the rest are counted as left out.
+MAX_MODELS = 10_000
+#: what peers accept (src/nvpair/peers/advert.py: ids are ``Text``, 512 characters); a
+#: longer id is left out, so one odd model never makes peers refuse the node's advert.
+MAX_ID_CHARS = 512
+#: ``owned_by`` is cut to this many characters (peers accept 512).
+MAX_OWNER_CHARS = 128
+INT64 = (-(2**63), 2**63 - 1)
+#: C0 and C1 control characters, DEL, and the Unicode line and paragraph separators.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 class Answer(msgspec.Struct, frozen=True):
@@ -33,7 +45,10 @@ async def request(
     if client.is_closed:
         raise ProbeError("error", "the engine's probe client is closed (engine stopping)")
     started = trio.current_time()
-    for attempt in (1, 2):
+    # A generating request may have reached the engine even when the answer broke: it is
+    # never sent twice.
+    attempts = (1,) if generates(spec, path) else (1, 2)
+    for attempt in attempts:
         try:
             async with client.stream(spec.method, path, headers=headers) as response:
                 body = await _read_capped(response, f"{spec.method} {path}")
@@ -42,7 +57,7 @@ async def request(
         except httpx2.RemoteProtocolError as exc:
             # A pooled keep-alive connection the engine closed just as we reused it: the
             # request never reached the engine, so one immediate retry is safe for a probe.
-            if attempt == 1:
+            if attempt < len(attempts):
                 continue
             raise ProbeError("error", f"protocol error: {_reason(exc)}") from None
         except httpx2.TimeoutException:
@@ -75,21 +90,26 @@ async def _read_capped(response: httpx2.Response, what: str) -> bytes:
     return b"".join(chunks)
 
 
+def generates(spec: ProbeSpec, path: str) -> bool:
+    """Whether asking ``path`` for this probe runs a generation on the engine."""
+    if path == spec.path:
+        return spec.cost == "generating"
+    return path == spec.fallback_path and spec.fallback_cost == "generating"
+
+
 def _reason(exc: BaseException) -> str:
     text = str(exc) or type(exc).__name__
     return text.splitlines()[0][:200]
 
 
 def _excerpt(body: bytes) -> str:
-    text = body[:160].decode("utf-8", "replace").strip()
-    return f": {text}" if text else ""
+    return excerpt(body)
 
 
 def _json(body: bytes, what: str) -> Any:
-    try:
-        return msgspec.json.decode(body)
-    except msgspec.DecodeError:
-        raise ProbeError("body", f"{what}: the answer is not JSON{_excerpt(body)}") from None
+    """``body`` as JSON; any decode failure (nesting past the decoder's depth and bytes that
+    are not UTF-8 included) is a one-line ``ProbeError("body")``."""
+    return decode_json(body, what)
 
 
 def pointer(doc: Any, ptr: str) -> Any:
@@ -112,11 +132,8 @@ def parse_identity(body: bytes, spec: ProbeSpec, kind: str) -> tuple[Identity, t
 
     Raises ProbeError("mismatch") when the body lacks the keys that this kind always has.
     """
-    try:
-        doc = _json(body, f"GET {spec.path}")
-    except ProbeError:
-        raise ProbeError("mismatch", f"does not look like {kind}: GET {spec.path} "
-                                     f"is not JSON{_excerpt(body)}") from None
+    doc = decode_json(body, f"GET {spec.path}", error=lambda message: ProbeError(
+        "mismatch", f"does not look like {kind}: {message}"))
     if not isinstance(doc, dict):
         raise ProbeError("mismatch", f"does not look like {kind}: GET {spec.path} is not an object")
     missing = [k for k in spec.require_keys if k not in doc]
@@ -125,13 +142,37 @@ def parse_identity(body: bytes, spec: ProbeSpec, kind: str) -> tuple[Identity, t
             "mismatch",
             f"does not look like {kind}: GET {spec.path} lacks {', '.join(missing)}",
         )
-    names = tuple(str(v) for p in spec.model_pointers if (v := pointer(doc, p)) not in (None, ""))
-    version = pointer(doc, spec.version_pointer) if spec.version_pointer else None
-    return Identity(model=names[0] if names else None,
-                    version=None if version is None else str(version)), names
+    names = tuple(n for p in spec.model_pointers if (n := _scalar(pointer(doc, p))))
+    version = _scalar(pointer(doc, spec.version_pointer)) if spec.version_pointer else None
+    return Identity(model=names[0] if names else None, version=version or None), names
+
+
+def _scalar(value: Any) -> str | None:
+    """A name or version as text: strings and numbers only (a list or an object is not a
+    name), at most MAX_ID_CHARS characters; None otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        return None
+    text = value if isinstance(value, str) else repr(value)
+    return text[:MAX_ID_CHARS]
+
+
+class Listing(msgspec.Struct, frozen=True):
+    """The models an engine listed, and those left out (``left_out``, ``why`` in words)."""
+
+    models: tuple[Model, ...]
+    left_out: int = 0
+    why: str | None = None
 
 
 def parse_models(body: bytes, fmt: ModelsFormat, path: str) -> tuple[Model, ...]:
+    return parse_listing(body, fmt, path).models
+
+
+def parse_listing(body: bytes, fmt: ModelsFormat, path: str) -> Listing:
+    """The model list. Entries that peers would refuse are left out one by one and counted
+    (an id that is not a string, empty, over MAX_ID_CHARS or with control characters; beyond
+    MAX_MODELS); ``created`` that is not an int64 is 0; ``owned_by`` is cut to
+    MAX_OWNER_CHARS. Raises ProbeError only for a body that is not a model list at all."""
     doc = _json(body, f"GET {path}")
     if fmt == "ollama_tags":
         items = doc.get("models") if isinstance(doc, dict) else None
@@ -140,22 +181,51 @@ def parse_models(body: bytes, fmt: ModelsFormat, path: str) -> tuple[Model, ...]
         items = doc.get("data") if isinstance(doc, dict) else None
         key, owner = "id", ""
     if items is None:  # Ollama answers "data": null when it has no models
-        return ()
+        return Listing(models=())
     if not isinstance(items, list):
         raise ProbeError("body", f"GET {path}: expected a list of models")
-    models = []
+    models: list[Model] = []
+    dropped: dict[str, int] = {}
     for item in items:
-        if not isinstance(item, dict) or not isinstance(item.get(key), str):
-            raise ProbeError("body", f"GET {path}: a model entry has no string {key!r}")
+        why = _unlistable(item, key)
+        if why is None and len(models) >= MAX_MODELS:
+            why = f"over the cap of {MAX_MODELS:,} models"
+        if why is not None:
+            dropped[why] = dropped.get(why, 0) + 1
+            continue
         created = item.get("created")
-        models.append(
-            Model(
-                id=item[key],
-                created=created if isinstance(created, int) else 0,
-                owned_by=str(item.get("owned_by") or owner),
-            )
-        )
-    return tuple(models)
+        owned_by = item.get("owned_by")
+        models.append(Model(
+            id=item[key],
+            created=created if _is_int64(created) else 0,
+            owned_by=(owned_by if isinstance(owned_by, str) and owned_by else owner)
+            [:MAX_OWNER_CHARS],
+        ))
+    if not dropped:
+        return Listing(models=tuple(models))
+    left_out = sum(dropped.values())
+    reasons = ", ".join(f"{n:,} {why}" for why, n in dropped.items())
+    return Listing(models=tuple(models), left_out=left_out,
+                   why=f"GET {path}: {left_out:,} of {len(items):,} models left out ({reasons})")
+
+
+def _unlistable(item: Any, key: str) -> str | None:
+    """Why a model entry cannot be listed, or None."""
+    if not isinstance(item, dict):
+        return "not an object"
+    name = item.get(key)
+    if not isinstance(name, str) or not name:
+        return f"without a string {key!r}"
+    if len(name) > MAX_ID_CHARS:
+        return f"with an {key} over {MAX_ID_CHARS} characters"
+    if _CONTROL.search(name):
+        return f"with control characters in the {key}"
+    return None
+
+
+def _is_int64(value: Any) -> bool:
+    return (isinstance(value, int) and not isinstance(value, bool)
+            and INT64[0] <= value <= INT64[1])
 
 
 def same_model(expected: str, served: str) -> bool:

@@ -1,0 +1,201 @@
+"""Parsing what engines answer: whatever the bytes, a parser returns or raises ProbeError
+(property tests), and each sanitising rule of the model list (unit tests)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx2
+import msgspec
+import pytest
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nvpair import probes
+from nvpair.decoding import DECODER_DEPTH, decode_json
+from nvpair.errors import ProbeError
+from nvpair.manifest import BUILTIN_KINDS, ProbeSpec, load_manifest
+from nvpair.peers.advert import AdvertModel
+
+IDENTITY = {k: spec for k in BUILTIN_KINDS
+            if (spec := load_manifest(k).probes.identity) is not None}
+FORMATS = ("openai", "ollama_tags")
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
+    | st.text(max_size=40),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner,
+                                                                max_size=5),
+    max_leaves=30,
+)
+keys = st.sampled_from(["data", "models", "id", "name", "created", "owned_by", "model_path",
+                        "is_generation", "build_info", "total_slots", "version", "model_id",
+                        "router", "served_model_name", "model_alias"])
+# documents shaped like the real ones, with odd values in odd places
+shaped = st.recursive(
+    json_values,
+    lambda inner: st.dictionaries(keys, inner, max_size=6) | st.lists(inner, max_size=6),
+    max_leaves=40,
+)
+
+
+def deep(levels: int, open_: str = "[", close: str = "]") -> bytes:
+    return (open_ * levels + close * levels).encode()
+
+
+bodies = st.one_of(
+    st.binary(max_size=300),
+    shaped.map(lambda v: json.dumps(v).encode()),
+    st.integers(min_value=1, max_value=3000).map(deep),
+    st.integers(min_value=1, max_value=3000).map(lambda n: deep(n, '{"data":', "}")
+                                                  .replace(b"}", b"")  + b"1" + b"}" * n),
+    st.binary(max_size=40).map(lambda b: b'{"data": [{"id": "' + b + b'"}]}'),
+    st.integers().map(lambda n: f'{{"data": [{{"id": "m", "created": {n}}}]}}'.encode()),
+    st.just(b'{"data": [{"id": "m", "created": 1' + b"0" * 5000 + b"}]}"),
+    st.just(b"9" * 5000),
+)
+
+
+def outcome_of(call):  # type: ignore[no-untyped-def]
+    try:
+        return call()
+    except ProbeError as exc:
+        assert str(exc) and "\n" not in str(exc)
+        return exc
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=bodies, fmt=st.sampled_from(FORMATS))
+def test_parse_models_returns_or_raises_probe_error(body: bytes, fmt: str) -> None:
+    result = outcome_of(lambda: probes.parse_listing(body, fmt, "/v1/models"))  # type: ignore[arg-type]
+    if isinstance(result, probes.Listing):
+        for m in result.models:  # everything listed is what peers accept
+            msgspec.json.decode(msgspec.json.encode(
+                {"id": m.id, "engine": "e", "created": m.created, "owned_by": m.owned_by}),
+                type=AdvertModel)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=bodies, kind=st.sampled_from(sorted(IDENTITY)))
+def test_parse_identity_returns_or_raises_probe_error(body: bytes, kind: str) -> None:
+    outcome_of(lambda: probes.parse_identity(body, IDENTITY[kind], kind))
+
+
+def test_deep_nesting_is_one_line() -> None:
+    with pytest.raises(ProbeError) as caught:
+        probes.parse_models(deep(5000), "openai", "/v1/models")
+    assert str(caught.value) == (
+        f"GET /v1/models is JSON nested too deeply (over about {DECODER_DEPTH:,} levels)")
+    # what the limit says is true: just under it decodes, at it does not
+    assert decode_json(deep(DECODER_DEPTH - 50), "x") is not None
+    with pytest.raises(ProbeError):
+        decode_json(deep(DECODER_DEPTH), "x")
+
+
+def test_identity_of_a_deep_body_is_a_mismatch() -> None:
+    with pytest.raises(ProbeError) as caught:
+        probes.parse_identity(deep(5000, '{"a":', "}").replace(b"}", b"") + b"1" + b"}" * 5000,
+                              IDENTITY["vllm"], "vllm")
+    assert caught.value.kind == "mismatch"
+    assert str(caught.value).startswith("does not look like vllm: GET /version is JSON nested")
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    (b'{"data": [{"id": "caf\xe9"}]}', "GET /v1/models is not UTF-8"),
+    (b"\xff\xfe\x00", "GET /v1/models is not UTF-8"),
+    (b"<html>\n<body>Bad Gateway</body>", "GET /v1/models is not JSON: <html> <body>Bad Gateway"),
+    (b"", "GET /v1/models is not JSON"),
+])
+def test_bodies_that_are_not_json(body: bytes, says: str) -> None:
+    with pytest.raises(ProbeError) as caught:
+        probes.parse_models(body, "openai", "/v1/models")
+    assert str(caught.value).startswith(says), str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def listing(*items: object, fmt: str = "openai") -> probes.Listing:
+    key = "models" if fmt == "ollama_tags" else "data"
+    return probes.parse_listing(msgspec.json.encode({key: list(items)}), fmt, "/v1/models")  # type: ignore[arg-type]
+
+
+def test_odd_models_are_left_out_one_by_one() -> None:
+    got = listing(
+        {"id": "good-1", "created": 5, "owned_by": "me"},
+        {"id": "x" * 600},
+        {"id": "x" * 512},
+        {"id": "bad\nid"},
+        {"id": "esc\x1b[31m"},
+        {"id": 7},
+        {"id": None},
+        {"id": ""},
+        "not an object",
+        {"id": "good-2"},
+    )
+    assert [m.id for m in got.models] == ["good-1", "x" * 512, "good-2"]
+    assert got.left_out == 7
+    assert got.why is not None and "\n" not in got.why
+    assert got.why.startswith("GET /v1/models: 7 of 10 models left out (")
+    for words in ("1 with an id over 512 characters", "2 with control characters in the id",
+                  "3 without a string 'id'", "1 not an object"):
+        assert words in got.why, got.why
+
+
+def test_a_clean_list_leaves_nothing_out() -> None:
+    got = listing({"id": "a"}, {"id": "b"})
+    assert (got.left_out, got.why) == (0, None)
+
+
+@pytest.mark.parametrize(("created", "listed"), [
+    (True, 0), (False, 0), (1.5, 0), ("12", 0), (None, 0), (2**63, 0), (-(2**63) - 1, 0),
+    (2**63 - 1, 2**63 - 1), (-(2**63), -(2**63)), (1700000000, 1700000000),
+])
+def test_created_is_an_int64_or_zero(created: object, listed: int) -> None:
+    (model,) = listing({"id": "m", "created": created}).models
+    assert model.created == listed and type(model.created) is int
+
+
+def test_owned_by_is_cut_and_defaulted() -> None:
+    long, odd, none = listing({"id": "a", "owned_by": "o" * 600},
+                              {"id": "b", "owned_by": {"x": 1}}, {"id": "c"}).models
+    assert long.owned_by == "o" * probes.MAX_OWNER_CHARS
+    assert (odd.owned_by, none.owned_by) == ("", "")
+    (ollama,) = listing({"name": "m", "owned_by": 3}, fmt="ollama_tags").models
+    assert ollama.owned_by == "ollama"
+
+
+def test_more_than_the_cap_keeps_the_first_and_counts_the_rest() -> None:
+    got = listing(*({"id": f"m{i}"} for i in range(probes.MAX_MODELS + 5)), {"id": "x\ty"})
+    assert len(got.models) == probes.MAX_MODELS
+    assert got.models[-1].id == f"m{probes.MAX_MODELS - 1}"
+    assert got.left_out == 6
+    assert got.why is not None and "5 over the cap of 10,000 models" in got.why
+
+
+def test_identity_names_are_text() -> None:
+    spec = IDENTITY["llamacpp"]
+    body = msgspec.json.encode({"build_info": ["b1"], "total_slots": 1,
+                                "model_alias": {"deep": [1]}, "model_path": "p" * 600})
+    identity, names = probes.parse_identity(body, spec, "llamacpp")
+    assert names == ("p" * 512,) and identity.model == "p" * 512
+    assert identity.version is None  # a list is no version
+
+
+# -- a generating path is never sent twice ---------------------------------------------------
+
+async def test_a_generating_request_is_not_retried() -> None:
+    sent: list[str] = []
+
+    def handler(request: httpx2.Request) -> httpx2.Response:
+        sent.append(request.url.path)
+        raise httpx2.RemoteProtocolError("Server disconnected", request=request)
+
+    cheap = ProbeSpec(path="/ping", fallback_path="/health", fallback_cost="generating")
+    async with httpx2.AsyncClient(base_url="http://e", transport=httpx2.MockTransport(handler)
+                                  ) as client:
+        with trio.fail_after(5):
+            for path in ("/ping", "/health"):
+                with pytest.raises(ProbeError):
+                    await probes.request(client, cheap, path, api_key=None)
+    # the cheap path is retried once (a keep-alive race); the generating one never
+    assert sent == ["/ping", "/ping", "/health"]
