@@ -1,0 +1,350 @@
+"""nvpair.server on real sockets: client-closed connections, deadlines, the cap, fd limits."""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+import textwrap
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as stock_serve
+
+from nvpair.server import Connections, Limits, raise_fd_limit, serve
+
+REQUEST = b"GET /x HTTP/1.1\r\nhost: x\r\n\r\n"
+
+
+class App:
+    """A tiny ASGI app: ``ok`` for any path; ``/hold`` waits for ``release``; it reads the
+    whole body and records a client's disconnect."""
+
+    def __init__(self) -> None:
+        self.release = trio.Event()
+        self.disconnects = 0
+        self.bodies: list[bytes] = []
+        self.arrived = trio.Event()  # set (and replaced) when a body has been read
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                kind = message["type"].rsplit(".", 1)[1]
+                await send({"type": f"lifespan.{kind}.complete"})
+                if kind == "shutdown":
+                    return
+        body = b""
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.disconnects += 1
+                return
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        self.bodies.append(body)
+        self.arrived.set()
+        self.arrived = trio.Event()
+        if scope["path"] == "/hold":
+            await self.release.wait()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+
+def config() -> HypercornConfig:
+    cfg = HypercornConfig()
+    cfg.bind = ["127.0.0.1:0"]
+    cfg.accesslog = None
+    cfg.graceful_timeout = 1.0
+    return cfg
+
+
+async def start(nursery: trio.Nursery, app: App, limits: Limits,
+                connections: Connections | None = None, *, stock: bool = False) -> int:
+    """Serve ``app`` (nvpair's server, or hypercorn's own with ``stock``); the port."""
+    stop = trio.Event()
+    cfg = config()
+    if stock:
+        cfg.keep_alive_timeout = limits.keep_alive_s
+        binds = await nursery.start(lambda task_status: stock_serve(
+            app, cfg, shutdown_trigger=stop.wait, task_status=task_status))
+    else:
+        binds = await nursery.start(lambda task_status: serve(
+            app, cfg, limits, shutdown_trigger=stop.wait, connections=connections,
+            task_status=task_status))
+    return int(binds[0].rsplit(":", 1)[1])
+
+
+def server_sockets(port: int) -> dict[str, int]:
+    """The server side's TCP sockets on ``port`` by state (from /proc/net/tcp), but LISTEN."""
+    names = {"01": "ESTAB", "08": "CLOSE-WAIT", "09": "LAST-ACK", "06": "TIME-WAIT"}
+    counts: dict[str, int] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] != "0A":
+                    state = names.get(fields[3], fields[3])
+                    counts[state] = counts.get(state, 0) + 1
+    return counts
+
+
+def fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def get(stream: trio.SocketStream, request: bytes = REQUEST) -> bytes:
+    await stream.send_all(request)
+    received = b""
+    while not received.endswith(b"\r\n\r\nok"):
+        chunk = await stream.receive_some(4096)
+        assert chunk, f"closed before the answer: {received!r}"
+        received += chunk
+    return received
+
+
+async def closed_by_server(stream: trio.SocketStream) -> bool:
+    """Whether the server closes (EOF or reset) what is still unanswered on ``stream``."""
+    try:
+        while await stream.receive_some(4096):
+            pass
+    except trio.BrokenResourceError:
+        pass
+    return True
+
+
+@pytest.fixture
+async def app() -> AsyncIterator[App]:
+    yield App()
+
+
+async def client_closed_connections(port: int, n: int) -> None:
+    streams = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(n)]
+    for stream in streams:
+        await get(stream)
+    for stream in streams:
+        await stream.aclose()
+
+
+async def test_stock_hypercorn_keeps_them_until_its_idle_timer(nursery, app) -> None:
+    # The upstream behaviour the Connection subclass exists for (if this starts failing,
+    # hypercorn has fixed it and the subclass can go).
+    port = await start(nursery, app, Limits(keep_alive_s=30), stock=True)
+    with trio.fail_after(10):
+        await client_closed_connections(port, 50)
+        await trio.sleep(1.0)
+    assert server_sockets(port).get("CLOSE-WAIT", 0) == 50
+
+
+async def test_client_closed_connections_settle_within_a_second(nursery, app) -> None:
+    port = await start(nursery, app, Limits())
+    warm = await trio.open_tcp_stream("127.0.0.1", port)
+    await get(warm)
+    await warm.aclose()
+    baseline = fds()
+    with trio.fail_after(10):
+        await client_closed_connections(port, 300)
+    with trio.fail_after(1.0):
+        # /proc has no event to wait for: poll it, within the ceiling above
+        while server_sockets(port).get("CLOSE-WAIT", 0) or fds() > baseline:  # noqa: ASYNC110
+            await trio.sleep(0.02)
+
+
+async def test_keep_alive_is_per_path(nursery, app) -> None:
+    limits = Limits(keep_alive_s=0.3, keep_alive_paths={"/long": 5.0})
+    port = await start(nursery, app, limits)
+    with trio.fail_after(5):
+        short = await trio.open_tcp_stream("127.0.0.1", port)
+        long = await trio.open_tcp_stream("127.0.0.1", port)
+        await get(short)
+        await get(long, b"GET /long HTTP/1.1\r\nhost: x\r\n\r\n")
+        start_time = trio.current_time()
+        assert await closed_by_server(short)
+        assert trio.current_time() - start_time < 0.3 + 0.5
+        await trio.sleep(0.5)  # longer than keep_alive_s: /long's connection still serves
+        await get(long)
+        await short.aclose()
+        await long.aclose()
+
+
+async def trickle(stream: trio.SocketStream, data: bytes, every: float) -> None:
+    for i in range(len(data)):
+        try:
+            await stream.send_all(data[i:i + 1])
+        except trio.BrokenResourceError:
+            return
+        await trio.sleep(every)
+
+
+@pytest.mark.parametrize("kept_alive", [False, True])
+async def test_a_slow_header_is_cut(nursery, app, kept_alive) -> None:
+    port = await start(nursery, app, Limits(header_timeout_s=0.5))
+    with trio.fail_after(5):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        if kept_alive:
+            await get(stream)
+        began = trio.current_time()
+        async with trio.open_nursery() as inner:
+            inner.start_soon(trickle, stream, REQUEST * 10, 0.05)
+            assert await closed_by_server(stream)
+            inner.cancel_scope.cancel()
+        assert trio.current_time() - began < 0.5 + 0.5
+        await stream.aclose()
+    assert len(app.bodies) == int(kept_alive)
+
+
+async def test_a_slow_body_is_cut_and_a_prompt_one_is_read(nursery, app) -> None:
+    port = await start(nursery, app, Limits(body_timeout_s=0.5))
+    head = b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: 40\r\n\r\n"
+    with trio.fail_after(5):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        await get(stream, head + b"a" * 40)
+        began = trio.current_time()
+        await stream.send_all(head)
+        async with trio.open_nursery() as inner:
+            inner.start_soon(trickle, stream, b"b" * 40, 0.05)
+            assert await closed_by_server(stream)
+            inner.cancel_scope.cancel()
+        assert trio.current_time() - began < 0.5 + 0.5
+        await stream.aclose()
+    assert app.bodies == [b"a" * 40]
+    assert app.disconnects == 1
+
+
+def raise_own_fd_limit(at_least: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft >= at_least:
+        return
+    if hard != resource.RLIM_INFINITY and hard < at_least:
+        pytest.skip(f"needs {at_least} file descriptors, the hard limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (at_least, hard))
+
+
+async def test_3000_idle_connections_do_not_stop_a_new_client(nursery, app) -> None:
+    raise_own_fd_limit(3000 + 1024 + 512)
+    connections = Connections(cap=1024)
+    port = await start(nursery, app, Limits(), connections)
+    with trio.fail_after(60):
+        held = []
+        for i in range(3000):
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            if i % 2:  # half of them after a request, half before their first
+                await get(stream)
+            held.append(stream)
+        assert server_sockets(port).get("ESTAB", 0) <= 1024
+    with trio.fail_after(1.0):
+        new = await trio.open_tcp_stream("127.0.0.1", port)
+        await get(new)
+    assert 1000 <= connections.high_water <= 1024
+    assert len(connections) <= 1024
+    for stream in [new, *held]:
+        await stream.aclose()
+
+
+async def test_at_the_cap_with_none_idle_a_new_client_waits_for_a_slot(nursery, app) -> None:
+    connections = Connections(cap=2)
+    port = await start(nursery, app, Limits(), connections)
+    hold = b"GET /hold HTTP/1.1\r\nhost: x\r\n\r\n"
+    with trio.fail_after(5):
+        busy = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(2)]
+        for stream in busy:
+            await stream.send_all(hold)
+        while len(app.bodies) < 2:
+            await app.arrived.wait()
+        third = await trio.open_tcp_stream("127.0.0.1", port)  # in the kernel's backlog
+        await third.send_all(REQUEST)
+        with trio.move_on_after(0.3):
+            got = await third.receive_some(4096)
+            pytest.fail(f"a third connection was served beyond the cap of 2: {got!r}")
+        assert len(connections) == 2
+        app.release.set()
+        received = b""
+        while not received.endswith(b"ok"):
+            received += await third.receive_some(4096)
+        for stream in busy:
+            assert (await get(stream, b"")).endswith(b"ok")  # both held answers came
+        for stream in [*busy, third]:
+            await stream.aclose()
+    assert connections.high_water == 2
+
+
+SERVER_UNDER_A_LOW_FD_LIMIT = textwrap.dedent("""
+    import logging, resource, sys, trio
+    from hypercorn.config import Config
+    from nvpair.server import Connections, Limits, serve
+    from tests.test_server import App
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (40, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+    async def main():
+        cfg = Config()
+        cfg.bind = ["127.0.0.1:0"]
+        cfg.accesslog = None
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(
+                lambda task_status: serve(App(), cfg, Limits(), connections=Connections(10_000),
+                                          shutdown_trigger=trio.sleep_forever,
+                                          task_status=task_status))
+            print(binds[0], flush=True)
+
+    trio.run(main)
+""")
+
+
+async def test_out_of_fds_on_accept_is_one_line_and_heals(tmp_path) -> None:
+    script = tmp_path / "low_fd_server.py"
+    script.write_text(SERVER_UNDER_A_LOW_FD_LIMIT)
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    with trio.fail_after(30):
+        proc = await trio.lowlevel.open_process([sys.executable, str(script)], env=env,
+                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            assert proc.stdout is not None and proc.stderr is not None
+            line = b""
+            while not line.endswith(b"\n"):
+                line += await proc.stdout.receive_some(1)
+            port = int(line.decode().strip().rsplit(":", 1)[1])
+            held = []
+            for _ in range(80):  # more than the 40 fds the server has
+                stream = await trio.open_tcp_stream("127.0.0.1", port)
+                held.append(stream)
+            await trio.sleep(1.0)  # the server keeps hitting EMFILE while these are held
+            answered = 0
+            for stream in held:  # the first ones were closed to make room; the last answer
+                with trio.move_on_after(3):
+                    try:
+                        await get(stream)
+                        answered += 1
+                    except (AssertionError, trio.BrokenResourceError):
+                        pass
+            assert answered >= 10
+            for stream in held:
+                await stream.aclose()
+        finally:
+            proc.kill()
+        await proc.wait()
+        errors = b""
+        while chunk := await proc.stderr.receive_some(65536):
+            errors += chunk
+    text = errors.decode()
+    assert text.count("cannot accept connections: Too many open files") == 1, text
+    assert "Traceback" not in text, text
+
+
+def test_raise_fd_limit_lifts_the_soft_limit_to_the_hard_one() -> None:
+    code = ("import resource\nfrom nvpair.server import raise_fd_limit\n"
+            "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))\n"
+            "print(raise_fd_limit(), resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=30).stdout.split()
+    assert out[0] == out[1] == out[2], out
+    assert raise_fd_limit() >= 64
