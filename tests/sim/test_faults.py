@@ -163,3 +163,108 @@ async def test_initial_fault_from_options(start_sim, http):
 
         sim = await start_sim("vllm", fault=Fault("error", status=503))
         assert (await http(sim).get("/health")).status_code == 503
+
+
+# -- garbage: what a hostile engine answers ---------------------------------------------------
+
+async def read_all(stream: trio.SocketStream) -> bytes:
+    """Everything until the server closes (or resets) the connection."""
+    data = b""
+    try:
+        while chunk := await stream.receive_some(65536):
+            data += chunk
+    except trio.BrokenResourceError:
+        pass
+    await stream.aclose()
+    return data
+
+
+async def garbage(sim, kind: str, path: str = "/v1/models", **options) -> bytes:
+    sim.set_fault("garbage", kind=kind, paths=[path], **options)
+    stream = await raw_request(sim, f"GET {path} HTTP/1.1\nHost: sim\nConnection: close\n\n")
+    return await read_all(stream)
+
+
+async def test_garbage_bodies(start_sim, http):
+    import json
+
+    with trio.fail_after(20):
+        sim = await start_sim("vllm")
+        client = http(sim)
+        deep = await garbage(sim, "deep_json")
+        assert deep.endswith(b"[" * 5000 + b"]" * 5000) and deep.startswith(b"HTTP/1.1 200")
+        sim.set_fault("garbage", kind="huge", paths=["/v1/models"])
+        huge = (await client.get("/v1/models")).content
+        assert len(huge) >= 12_000_000 and len(json.loads(huge)["data"]) > 10_000
+        sim.set_fault("garbage", kind="many", paths=["/v1/models"])
+        many = (await client.get("/v1/models")).content
+        assert len(json.loads(many)["data"]) == 150_000 and len(many) < 4 * 2**20
+        sim.set_fault("garbage", kind="not_utf8", paths=["/v1/models"])
+        with pytest.raises(UnicodeDecodeError):
+            (await client.get("/v1/models")).content.decode()
+        sim.set_fault("garbage", kind="odd_models", paths=["/v1/models"])
+        odd = (await client.get("/v1/models")).json()["data"]
+        ids = [m["id"] for m in odd]
+        assert ids[0] == "good-1" and ids[-1] == "good-2"
+        assert "i" * 600 in ids and 42 in ids and "ctl\x00nul" in ids and "ctl\nnewline" in ids
+        assert {"id": "created-true", "created": True} in odd
+        assert {"id": "long-owner", "owned_by": "o" * 600} in odd
+        # paths limits it; the shape follows the path (Ollama's /api/tags lists "models")
+        assert (await client.get("/version")).status_code == 200
+        sim.set_fault("garbage", kind="many", paths=["/api/tags"])
+        tags = await client.get("/api/tags")
+        assert len(tags.json()["models"]) == 150_000
+
+
+async def test_garbage_on_the_wire(start_sim, http):
+    with trio.fail_after(20):
+        sim = await start_sim("openai")
+        redirect = await garbage(sim, "redirect")
+        assert redirect.startswith(b"HTTP/1.1 302 ")
+        assert b"location: http://127.0.0.1:9/" in redirect
+        assert (await garbage(sim, "redirect", status=301)).startswith(b"HTTP/1.1 301 ")
+        not_http = await garbage(sim, "not_http")
+        assert not_http.startswith(b"SSH-2.0-") and b"HTTP/" not in not_http
+        big = await garbage(sim, "big_headers")
+        head, _, body = big.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and len(head) > 64 * 1024 and body
+        reset = await garbage(sim, "reset_after_headers")
+        head, _, body = reset.partition(b"\r\n\r\n")
+        length = int(head.split(b"content-length: ")[1].split(b"\r\n")[0])
+        assert head.startswith(b"HTTP/1.1 200") and len(body) < length
+        assert sim.stats().path("/v1/models").resets >= 1
+        with pytest.raises(httpx2.HTTPError):  # a client sees a broken answer
+            await http(sim).get("/v1/models")
+
+
+async def test_garbage_drips_one_byte_at_a_time(start_sim):
+    with trio.fail_after(20):
+        sim = await start_sim("llamacpp")
+        sim.set_fault("garbage", kind="drip", paths=["/v1/models"], seconds=0.2)
+        stream = await raw_request(sim, "GET /v1/models HTTP/1.1\nHost: sim\n\n")
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += await stream.receive_some(65536)
+        started = trio.current_time()
+        first = head.partition(b"\r\n\r\n")[2] or await stream.receive_some(65536)
+        second = await stream.receive_some(65536)
+        assert (len(first), len(second)) == (1, 1)
+        assert trio.current_time() - started >= 0.15  # paced, not sent at once
+        await stream.aclose()
+
+
+async def test_garbage_needs_a_known_kind(start_sim):
+    from nvpair.sim import Fault
+
+    with pytest.raises(ValueError, match="needs a kind"):
+        Fault("garbage")
+    with pytest.raises(ValueError, match="unknown garbage kind"):
+        Fault("garbage", kind="nope")  # type: ignore[arg-type]
+    with trio.fail_after(10):
+        sim = await start_sim("vllm")
+        async with httpx2.AsyncClient(base_url=sim.control_url) as control:
+            answer = await control.post("/__sim/fault", json={"mode": "garbage",
+                                                               "kind": "deep_json"})
+            assert answer.json()["faults"] == [{"mode": "garbage", "kind": "deep_json"}]
+            bad = await control.post("/__sim/fault", json={"mode": "garbage", "kind": "x"})
+            assert bad.status_code == 400

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import trio
 
-from nvpair.sim.faults import FAULT_MODES, Fault
+from nvpair.sim.faults import FAULT_MODES, GARBAGE_KINDS, Fault
 from nvpair.sim.handle import SimHandle
 from nvpair.sim.options import KIND_DEFAULTS, KINDS, PROFILES, SimOptions
 from nvpair.sim.serve import serve_sim
@@ -117,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--fault-status", type=int, default=None)
     add("--fault-exit-code", type=int, default=None)
     add("--fault-model", default=None)
+    add("--fault-kind", choices=GARBAGE_KINDS, default=None, help="what the garbage fault sends")
 
     add = p.add_argument_group("processes").add_argument
     add("--spawn-children", type=int, default=0, metavar="N")
@@ -143,7 +144,7 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
         fault = Fault(
             args.fault, paths=tuple(p for p in args.fault_paths.split(",") if p),
             seconds=args.fault_seconds, status=args.fault_status,
-            exit_code=args.fault_exit_code, model=args.fault_model,
+            exit_code=args.fault_exit_code, model=args.fault_model, kind=args.fault_kind,
         )
     generation_env = os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true")
     return SimOptions(

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import trio
 
 from nvpair.sim.faults import DEFAULT_MISMATCH_MODEL, DEFAULT_SLOW_S
+from nvpair.sim.garbage import send_garbage
 from nvpair.sim.http import Reply, Request
 from nvpair.sim.options import SimOptions
 from nvpair.sim.state import SimState
@@ -234,6 +235,10 @@ class Engine:
             await trio.sleep_forever()
         if state.fault("reset", path) is not None:
             reply.reset()
+            return True
+        garbage = state.fault("garbage", path)
+        if garbage is not None:
+            await send_garbage(garbage, request, reply)
             return True
         if state.fault("hang", path) is not None:
             await trio.sleep_forever()

@@ -13,9 +13,16 @@ from typing import Literal, get_args
 import msgspec
 
 FaultMode = Literal[
-    "hang", "stall", "reset", "slow", "error", "crash", "flap", "mismatch", "refuse", "none"
+    "hang", "stall", "reset", "slow", "error", "crash", "flap", "mismatch", "refuse", "garbage",
+    "none",
 ]
 FAULT_MODES: tuple[str, ...] = get_args(FaultMode)
+#: what the ``garbage`` fault answers (see :mod:`nvpair.sim.garbage`).
+GarbageKind = Literal[
+    "deep_json", "huge", "many", "not_utf8", "odd_models", "redirect", "not_http", "drip",
+    "big_headers", "reset_after_headers",
+]
+GARBAGE_KINDS: tuple[str, ...] = get_args(GarbageKind)
 
 #: ``slow`` without ``seconds`` adds this much.
 DEFAULT_SLOW_S = 1.0
@@ -38,6 +45,12 @@ class Fault(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaul
       answer, or ``status`` with the engine's error body when given.
     * ``mismatch``: serve ``model`` (default "mismatched-model") instead of the real name.
     * ``refuse``: stop listening (connects are refused) and drop open connections.
+    * ``garbage``: answer what no engine should, as ``kind`` says (a hostile engine):
+      ``deep_json`` (JSON nested 5,000 levels), ``huge`` (a 12 MB model list), ``many``
+      (150,000 models in 2.7 MB), ``not_utf8``, ``odd_models`` (entries peers refuse next
+      to good ones), ``redirect`` (``status``, default 302), ``not_http`` (bytes that are
+      not HTTP, then close), ``drip`` (a model list one byte per ``seconds``, default 1),
+      ``big_headers`` (over 64 KiB of header fields), ``reset_after_headers``.
 
     ``paths`` limits a fault to those request paths (a trailing ``*`` matches a prefix);
     empty means every path. ``mismatch`` and ``refuse`` ignore ``paths``.
@@ -49,10 +62,17 @@ class Fault(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaul
     status: int | None = None
     exit_code: int | None = None
     model: str | None = None
+    kind: GarbageKind | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in FAULT_MODES:
             raise ValueError(f"unknown fault mode {self.mode!r}; one of {', '.join(FAULT_MODES)}")
+        if (self.mode == "garbage") != (self.kind is not None):
+            raise ValueError("the garbage fault needs a kind (and only it takes one): one of "
+                             + ", ".join(GARBAGE_KINDS))
+        if self.kind is not None and self.kind not in GARBAGE_KINDS:
+            raise ValueError(f"unknown garbage kind {self.kind!r}; one of "
+                             f"{', '.join(GARBAGE_KINDS)}")
         if self.seconds is not None and not (math.isfinite(self.seconds) and self.seconds >= 0):
             raise ValueError("fault seconds must be a finite number >= 0")
         if self.status is not None and not 100 <= self.status <= 599:

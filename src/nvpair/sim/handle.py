@@ -13,7 +13,7 @@ import msgspec
 from nvpair.sim.accounting import PathStats
 from nvpair.sim.dist import Rendezvous
 from nvpair.sim.engine import Engine
-from nvpair.sim.faults import Fault, FaultMode
+from nvpair.sim.faults import Fault, FaultMode, GarbageKind
 from nvpair.sim.options import Phase, SimOptions
 from nvpair.sim.port import EnginePort
 
@@ -119,11 +119,12 @@ class SimHandle:
     def set_fault(
         self, fault: Fault | FaultMode, *, paths: Sequence[str] = (), seconds: float | None = None,
         status: int | None = None, exit_code: int | None = None, model: str | None = None,
+        kind: GarbageKind | None = None,
     ) -> None:
         """Switch a fault on (``"none"`` clears all); see :class:`Fault` for the modes."""
         if not isinstance(fault, Fault):
             fault = Fault(fault, paths=tuple(paths), seconds=seconds, status=status,
-                          exit_code=exit_code, model=model)
+                          exit_code=exit_code, model=model, kind=kind)
         self._state.set_fault(fault)
 
     def clear_faults(self) -> None:

@@ -133,6 +133,19 @@ class Reply:
     def reset(self) -> None:
         self.reset_requested = True
 
+    async def send_raw(self, data: bytes, *, status: int = 0) -> None:
+        """Write ``data`` to the socket as it is, past h11 (bytes that are not HTTP, or an
+        answer sent piece by piece); ``status`` is what it counts as. The connection is
+        closed afterwards (h11 no longer knows where the exchange stands)."""
+        self.status = status
+        self.close_after = True
+        try:
+            await self._conn.stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self._conn.gone = True
+            self.client_gone()
+            await trio.lowlevel.checkpoint()
+
     def client_gone(self) -> None:
         """The client went away: abandon the request."""
         if not self.finished:
