@@ -11,6 +11,7 @@ import trio
 from nvpair import service
 from nvpair.cli.progress import print_transitions
 from nvpair.config import Settings
+from nvpair.server import raise_fd_limit
 
 
 def run_serve(settings: Settings) -> int:
@@ -18,6 +19,7 @@ def run_serve(settings: Settings) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx2").setLevel(logging.WARNING)
     logging.getLogger("httpcore2").setLevel(logging.WARNING)
+    raise_fd_limit()  # client connections and engines' pipes; the cap fits under it
 
     def announce(url: str) -> None:
         auth = " (bearer token required)" if settings.token else ""
