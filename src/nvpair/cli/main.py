@@ -43,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("sim", help="run an engine simulator (see `nvpair sim --help`)", add_help=False)
 
+    p = sub.add_parser("unit", help="print a systemd unit that runs this nvpair (docs/deploy.md)")
+    p.add_argument("--config", "-c", metavar="FILE", help="the config it serves "
+                   "(default /etc/nvpair/nvpair.toml)")
+    p.add_argument("--user", metavar="NAME", help="the user it runs as (default nvpair)")
+
     for name, helptext in (
         ("status", "show the engines of a running nvpair"),
         ("models", "list the models a running nvpair serves"),
@@ -109,6 +114,11 @@ def dispatch(args: argparse.Namespace) -> int:
         from nvpair.cli.serve import run_serve
 
         return run_serve(load_settings(args.config, listen=args.listen))
+    if args.command == "unit":
+        from nvpair.deploy import unit_text
+
+        sys.stdout.write(unit_text(config=args.config, user=args.user))
+        return 0
     if args.command == "demo":
         from nvpair.cli.demo import run_demo
 
