@@ -1,6 +1,6 @@
 import pytest
 
-from nvpair.command import CommandError, build_command
+from nvpair.command import CommandError, build_command, engine_env
 from nvpair.manifest import load_manifest
 
 
@@ -34,3 +34,11 @@ def test_missing_required_placeholder_names_it() -> None:
 def test_config_command_overrides_template() -> None:
     argv, _ = build_command(load_manifest("openai"), ("srv", "--port={port}"), {"port": 9})
     assert argv == ["srv", "--port=9"]
+
+
+def test_engines_never_inherit_nvpairs_secrets() -> None:
+    inherited = {"PATH": "/bin", "NVPAIR_TOKEN": "user-secret", "HOME": "/root"}
+    env = engine_env(inherited, {"OLLAMA_HOST": "h:1"}, {"HOME": "/srv"})
+    assert env == {"PATH": "/bin", "HOME": "/srv", "OLLAMA_HOST": "h:1"}
+    # ... unless the engine's own env in the config gives it one on purpose
+    assert engine_env(inherited, {}, {"NVPAIR_TOKEN": "x"})["NVPAIR_TOKEN"] == "x"

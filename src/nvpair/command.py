@@ -13,6 +13,10 @@ from nvpair.manifest import Manifest
 
 _PLACEHOLDER = re.compile(r"\{([a-z_][a-z0-9_]*)\}")
 
+#: environment variables nvpair reads a secret from: an engine never inherits them (it gets
+#: one only when its own ``env`` in the config sets it).
+SECRET_ENV = frozenset({"NVPAIR_TOKEN"})
+
 
 class CommandError(ValueError):
     pass
@@ -62,3 +66,13 @@ def build_command(
         except KeyError as exc:
             raise CommandError(f"start.env.{key} needs a value for {{{exc.args[0]}}}") from None
     return argv, env
+
+
+def engine_env(inherited: Mapping[str, str], template_env: Mapping[str, str],
+               config_env: Mapping[str, str]) -> dict[str, str]:
+    """A managed engine's environment: nvpair's own without its secrets, then the
+    manifest's ``start.env``, then the engine's ``env`` from the config (which wins)."""
+    env = {k: v for k, v in inherited.items() if k not in SECRET_ENV}
+    env.update(template_env)
+    env.update(config_env)
+    return env
