@@ -1,5 +1,6 @@
-"""The API over a hand-built snapshot (ASGI in-process); real-socket tests are in test_service."""
+"""The API over a hand-built snapshot (ASGI in-process); browser checks also on a socket."""
 
+from typing import Any
 from urllib.parse import parse_qs
 
 import httpx2
@@ -7,8 +8,10 @@ import msgspec
 import pytest
 import trio
 import trio.testing
+from hypothesis import given
+from hypothesis import strategies as st
 
-from nvpair.api import Api, log_query, read_log
+from nvpair.api import Api, browser_refusal, local_host, log_query, read_log, split_authority
 from nvpair.logs import EngineLog, Lines
 from nvpair.snapshot import Board, EngineState, Model, ProbeStats
 
@@ -25,7 +28,7 @@ def engine(name: str, state: str, models: tuple[str, ...] = (), **kw: object) ->
 
 
 def client(api: Api) -> httpx2.AsyncClient:
-    return httpx2.AsyncClient(transport=httpx2.ASGITransport(app=api), base_url="http://nvpair")
+    return httpx2.AsyncClient(transport=httpx2.ASGITransport(app=api), base_url="http://127.0.0.1:14322")
 
 
 async def test_models_lists_ready_and_stale_engines_only() -> None:
@@ -142,3 +145,218 @@ async def test_bad_log_queries_say_what_is_wrong(query: str, message: str) -> No
     with pytest.raises(ValueError) as info:
         await read_log(EngineLog(None), log_query(parse_qs(query)))
     assert str(info.value) == message
+
+
+class Recorder:
+    """A lifecycle controller that only records what it was asked."""
+
+    def __init__(self) -> None:
+        self.commands: list[tuple[str, str]] = []
+
+    async def command(self, name: str, action: str) -> tuple[int, dict[str, object]]:
+        self.commands.append((name, action))
+        return 202, {"name": name, "operation": action}
+
+    def log(self, name: str) -> None:
+        return None
+
+
+@pytest.mark.parametrize("headers", [
+    {"Origin": "https://evil.example"},
+    {"Host": "evil.example:14322"},  # DNS rebinding: evil.example now resolves to 127.0.0.1
+    {"Host": "127.0.0.1.nip.io:14322"},
+    {"Host": "127.0.0.1:notaport"},
+    {"Origin": "null"},  # a sandboxed frame or a file:// page
+    {"Origin": "http://127.0.0.1.evil.example"},
+    {"Origin": "http://localhost.evil.example:14322"},
+    {"Origin": "ftp://127.0.0.1"},
+    {"Sec-Fetch-Site": "cross-site"},
+])
+async def test_without_a_token_a_cross_site_stop_stops_nothing(headers) -> None:
+    recorder = Recorder()
+    api = Api(board_with(engine("x", "ready", ("m",))), node="n", controller=recorder)
+    async with client(api) as c:
+        r = await c.post("/v1/engines/x/stop", headers=headers)
+        read = await c.get("/v1/engines", headers=headers)
+        health = await c.get("/healthz", headers=headers)
+    assert r.status_code == 403, r.text
+    error = r.json()["error"]
+    assert error["type"] == "permission_error"
+    assert error["code"] in ("forbidden_host", "forbidden_origin")
+    assert "token_file" in error["message"]
+    assert recorder.commands == []
+    assert read.status_code == 403  # nor can a rebound page read the engines
+    assert health.status_code == 200
+
+
+@pytest.mark.parametrize("headers", [
+    {},
+    {"Host": "127.0.0.1:14322"},
+    {"Host": "127.3.4.5"},
+    {"Host": "localhost:14322"},
+    {"Host": "LOCALHOST"},
+    {"Host": "[::1]:14322"},
+    {"Host": "mybox.lan:14322"},  # allowed_hosts
+    {"Origin": "http://127.0.0.1:3000"},
+    {"Origin": "http://localhost:8080"},
+    {"Origin": "http://[::1]:8080"},
+    {"Origin": "http://MyBox.lan:3000"},
+    {"Sec-Fetch-Site": "same-origin"},
+])
+async def test_without_a_token_this_machines_names_are_served(headers) -> None:
+    recorder = Recorder()
+    api = Api(board_with(engine("x", "ready", ("m",))), node="n", controller=recorder,
+              allowed_hosts=["MyBox.lan"])
+    async with client(api) as c:
+        r = await c.post("/v1/engines/x/stop", headers=headers)
+    assert r.status_code == 202, r.text
+    assert recorder.commands == [("x", "stop")]
+
+
+async def test_with_a_token_host_and_origin_are_not_checked() -> None:
+    """A page cannot send the token cross-site (nvpair answers no CORS preflight) and does
+    not know it: the token alone decides, whatever the name the client used."""
+    recorder = Recorder()
+    api = Api(board_with(engine("x", "ready", ("m",))), node="n", controller=recorder,
+              token="s3cret")
+    foreign = {"Host": "gpu7.example:14322", "Origin": "https://ui.example"}
+    async with client(api) as c:
+        denied = await c.post("/v1/engines/x/stop", headers=foreign)
+        ok = await c.post("/v1/engines/x/stop",
+                          headers={**foreign, "Authorization": "Bearer s3cret"})
+    assert denied.status_code == 401
+    assert ok.status_code == 202 and recorder.commands == [("x", "stop")]
+
+
+@pytest.mark.parametrize(("value", "status"), [
+    ("Bearer s3cret", 200), ("bearer s3cret", 200), ("BEARER s3cret", 200),
+    ("Bearer  s3cret", 200),
+    ("Bearer S3CRET", 401), ("Basic s3cret", 401), ("Bearers3cret", 401), ("s3cret", 401),
+    ("Bearer s3cret ", 401), ("Bearer", 401),
+])
+async def test_the_bearer_scheme_is_matched_in_any_case_the_token_exactly(value,
+                                                                          status) -> None:
+    api = Api(board_with(engine("a", "ready", ("m",))), node="n", token="s3cret")
+    async with client(api) as c:
+        r = await c.get("/v1/models", headers={"Authorization": value})
+    assert r.status_code == status, r.text
+
+
+class Cluster:
+    version = 1
+
+    def models(self, now: float) -> list[dict[str, object]]:
+        return [{"id": "peer-model", "object": "model", "nvpair": {"node": "b"}}]
+
+
+@pytest.mark.parametrize(("query", "cluster"), [
+    ("scope=cluster", True), ("a=1&scope=cluster", True), ("scope=local", False),
+    ("notscope=cluster", False), ("x=scope%3Dcluster", False), ("scope=clusters", False),
+    ("", False),
+])
+async def test_scope_cluster_is_a_query_parameter(query, cluster) -> None:
+    api = Api(board_with(engine("a", "ready", ("m",))), node="n", cluster=Cluster())
+    async with client(api) as c:
+        ids = [m["id"] for m in (await c.get(f"/v1/models?{query}")).json()["data"]]
+    assert ids == (["m", "peer-model"] if cluster else ["m"])
+
+
+async def test_a_model_is_retrieved_by_id() -> None:
+    board = board_with(engine("a", "ready", ("org/model-7b",), aliases=("fast",)),
+                       engine("b", "down", ("gone",)))
+    async with client(Api(board, node="n")) as c:
+        listing = {m["id"]: m for m in (await c.get("/v1/models")).json()["data"]}
+        one = await c.get("/v1/models/org/model-7b")
+        alias = await c.get("/v1/models/fast")
+        missing = await c.get("/v1/models/nope")
+        down = await c.get("/v1/models/gone")
+        post = await c.post("/v1/models/fast")
+    def timeless(item: dict[str, Any]) -> dict[str, Any]:
+        return {**item, "nvpair": {**item["nvpair"], "checked_age_s": None}}
+
+    assert one.status_code == 200
+    assert timeless(one.json()) == timeless(listing["org/model-7b"])
+    assert alias.json()["nvpair"]["alias_of"] == "org/model-7b"
+    for r in (missing, down):
+        assert r.status_code == 404
+        assert r.json()["error"]["code"] == "model_not_found"
+        assert r.json()["error"]["type"] == "not_found_error"
+    assert post.status_code == 405
+
+
+async def test_the_openai_client_retrieves_a_model(nursery) -> None:
+    """``client.models.retrieve`` over a real socket (hypercorn) answers the listed item."""
+    import openai
+    from hypercorn.config import Config
+    from hypercorn.trio import serve
+
+    api = Api(board_with(engine("a", "ready", ("m1",))), node="n")
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = config.errorlog = None
+    with trio.fail_after(20):
+        binds = await nursery.start(lambda task_status: serve(api, config,  # type: ignore[arg-type]
+                                                              task_status=task_status))
+        client_ = openai.OpenAI(base_url=f"{binds[0]}/v1", api_key="unused", max_retries=0)
+        model = await trio.to_thread.run_sync(client_.models.retrieve, "m1")
+        with pytest.raises(openai.NotFoundError):
+            await trio.to_thread.run_sync(client_.models.retrieve, "m2")
+    assert model.id == "m1" and model.owned_by == "vllm"
+
+
+def scope_with(**headers: bytes) -> dict[str, object]:
+    return {"headers": [(k.replace("_", "-").encode(), v) for k, v in headers.items()]}
+
+
+@given(st.binary(max_size=80), st.binary(max_size=80))
+def test_any_host_or_origin_is_judged_without_an_error(host: bytes, origin: bytes) -> None:
+    refusal = browser_refusal(scope_with(host=host, origin=origin), frozenset())
+    if refusal is None:  # served: both name this machine
+        name = split_authority(host.decode("latin-1"))
+        assert name is not None and local_host(name, frozenset())
+        assert b"://" in origin
+    else:
+        code, message = refusal
+        assert code in ("forbidden_host", "forbidden_origin") and "\n" not in message
+
+
+@given(st.from_regex(r"[a-z][a-z0-9-]{0,20}(\.[a-z][a-z0-9-]{0,10}){1,3}", fullmatch=True),
+       st.one_of(st.none(), st.integers(0, 65535)))
+def test_a_dns_name_other_than_localhost_is_refused(name: str, port: int | None) -> None:
+    authority = name if port is None else f"{name}:{port}"
+    assert browser_refusal(scope_with(host=authority.encode()), frozenset()) is not None
+    origin = f"http://{authority}".encode()
+    assert browser_refusal(scope_with(origin=origin), frozenset()) is not None
+    assert browser_refusal(scope_with(host=authority.encode()), frozenset({name})) is None
+
+
+async def test_a_cross_site_stop_over_the_network_stops_nothing(nursery, tmp_path) -> None:
+    """The whole service on a real socket, tokenless (the default): a web page's POST (an
+    Origin of its own) or a rebound name (a Host of its own) leaves the engine listed; a
+    local program's is served."""
+    from tests.managed import wait_state
+    from tests.router.script_engine import ScriptEngine
+
+    from nvpair import service
+    from nvpair.config import load_settings
+
+    eng = ScriptEngine("m")
+    await nursery.start(eng.serve)
+    (tmp_path / "nvpair.toml").write_text(
+        "listen = '127.0.0.1:0'\n"
+        f"[[engines]]\nname = 'x'\nkind = 'openai'\nport = {eng.port}\n")
+    with trio.fail_after(20):
+        running = await nursery.start(service.run, load_settings(str(tmp_path / "nvpair.toml")))
+        await wait_state(running.board, "x", "ready")
+        port = running.url.rsplit(":", 1)[1]
+        async with httpx2.AsyncClient(base_url=running.url) as c:
+            for headers in ({"Origin": "https://evil.example"},
+                            {"Host": f"evil.example:{port}"},
+                            {"Origin": "null", "Content-Type": "text/plain"}):
+                r = await c.post("/v1/engines/x/stop", headers=headers)
+                assert r.status_code == 403, r.text
+                assert r.json()["error"]["type"] == "permission_error"
+            assert running.board.current.engine("x").state == "ready"
+            r = await c.post("/v1/engines/x/stop", headers={"Host": f"localhost:{port}"})
+            assert r.status_code == 202, r.text
+        await wait_state(running.board, "x", "stopped")

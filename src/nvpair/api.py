@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import ipaddress
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 from urllib.parse import parse_qs
 
@@ -19,6 +20,7 @@ from nvpair.asgi import (
     Receive,
     Scope,
     Send,
+    bearer,
     encoder,
     header,
     lifespan,
@@ -82,15 +84,19 @@ class Mount(msgspec.Struct, frozen=True):
 class Api:
     def __init__(self, board: Board, *, node: str, token: str | None = None,
                  controller: Controller | None = None, mounts: Sequence[Mount] = (),
-                 cluster: ClusterView | None = None, cluster_token: str | None = None) -> None:
+                 cluster: ClusterView | None = None, cluster_token: str | None = None,
+                 allowed_hosts: Iterable[str] = ()) -> None:
         self.board = board
         self.node = node
-        self.token = f"Bearer {token}".encode() if token else None
-        self.cluster_token = f"Bearer {cluster_token}".encode() if cluster_token else None
+        self.token = token.encode() if token else None
+        self.cluster_token = cluster_token.encode() if cluster_token else None
+        #: names besides loopback that mean this machine (``allowed_hosts``), lower-case
+        self.allowed_hosts = frozenset(h.lower() for h in allowed_hosts)
         self.controller = controller
         self.mounts = tuple(mounts)
         self.cluster = cluster
         self._cache: dict[str, tuple[tuple[int, int], int, bytes]] = {}
+        self._items: tuple[int, int, dict[str, dict[str, Any]]] | None = None
 
     def cached(self, key: str, build: Callable[[Snapshot, float], object]) -> bytes:
         snap = self.board.current
@@ -103,6 +109,16 @@ class Api:
         body = encoder.encode(build(snap, now))
         self._cache[key] = (version, bucket, body)
         return body
+
+    def _model_items(self) -> dict[str, dict[str, Any]]:
+        """This node's ``/v1/models`` items by id, made once per version and age bucket."""
+        snap = self.board.current
+        now = trio.current_time()
+        bucket = int(now / AGE_RESOLUTION_S)
+        if self._items is None or self._items[:2] != (snap.version, bucket):
+            doc = views.models_doc(snap, now, self.node)
+            self._items = (snap.version, bucket, {m["id"]: m for m in doc["data"]})
+        return self._items[2]
 
     def cluster_models(self, snap: Snapshot, now: float) -> dict[str, Any]:
         doc = views.models_doc(snap, now, self.node)
@@ -136,21 +152,33 @@ class Api:
         if mount is not None and mount.own_auth:
             await mount.handler(scope, receive, send)
             return
-        if self.token is not None and not self._authorized(scope, mount):
-            await send_error(send, 401, "missing or wrong bearer token", "invalid_api_key",
-                             [(b"www-authenticate", b"Bearer")])
-            return
+        if self.token is not None:
+            if not self._authorized(scope, mount):
+                await send_error(send, 401, "missing or wrong bearer token", "invalid_api_key",
+                                 [(b"www-authenticate", b"Bearer")])
+                return
+        elif not self._peer_forwarded(scope, mount):
+            # No token: anyone who can reach the port is trusted, so only this machine's own
+            # programs may: not a web page that rebinds a name to 127.0.0.1, nor one posting
+            # cross-site (docs/api.md, "Browsers and cross-site requests").
+            refusal = browser_refusal(scope, self.allowed_hosts)
+            if refusal is not None:
+                await send_error(send, 403, refusal[1], refusal[0])
+                return
         parts = path.rstrip("/").split("/")
         if path in ("/v1/models", "/v1/cluster/models"):
             if method != "GET":
                 await send_error(send, 405, f"use GET {path}")
                 return
-            query = scope.get("query_string", b"")
-            if path == "/v1/cluster/models" or b"scope=cluster" in query:
+            query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+            if path == "/v1/cluster/models" or "cluster" in query.get("scope", ()):
                 body = self.cached("cluster-models", self.cluster_models)
             else:
                 body = self.cached("models", lambda s, n: views.models_doc(s, n, self.node))
             await send_bytes(send, 200, body)
+            return
+        if len(parts) >= 4 and parts[:3] == ["", "v1", "models"] and path != "/v1/models/":
+            await self.model_route(scope, send, path.removeprefix("/v1/models/"))
             return
         if path.rstrip("/") == "/v1/engines":
             if method != "GET":
@@ -166,6 +194,19 @@ class Api:
             await mount.handler(scope, receive, send)
             return
         await send_error(send, 404, f"no route {method} {path}", "not_found")
+
+    async def model_route(self, scope: Scope, send: Send, model: str) -> None:
+        """OpenAI's retrieve-model: the item ``GET /v1/models`` lists for ``model`` (ids may
+        hold slashes: ``org/name``)."""
+        if scope["method"] != "GET":
+            await send_error(send, 405, f"use GET {scope['path']}")
+            return
+        item = self._model_items().get(model)
+        if item is None:
+            await send_error(send, 404, f"The model `{model}` does not exist.",
+                             "model_not_found")
+            return
+        await send_json(send, 200, item)
 
     async def engine_route(self, scope: Scope, receive: Receive, send: Send, name: str,
                            rest: list[str]) -> None:
@@ -222,14 +263,74 @@ class Api:
 
     def _authorized(self, scope: Scope, mount: Mount | None) -> bool:
         assert self.token is not None
-        given = header(scope, b"authorization")
+        given = bearer(scope)
         if given is None:
             return False
         if hmac.compare_digest(given, self.token):
             return True
-        return (mount is not None and mount.peer_auth and self.cluster_token is not None
-                and header(scope, FORWARDED_BY) is not None
+        return self._peer_forwarded(scope, mount)
+
+    def _peer_forwarded(self, scope: Scope, mount: Mount | None) -> bool:
+        """A request a peer passes on, with the cluster token, on a path peers route to."""
+        if mount is None or not mount.peer_auth or self.cluster_token is None:
+            return False
+        given = bearer(scope)
+        return (given is not None and header(scope, FORWARDED_BY) is not None
                 and hmac.compare_digest(given, self.cluster_token))
+
+
+def local_host(host: str, allowed: frozenset[str]) -> bool:
+    """``host`` (a Host header's or an Origin's, without the port) names this machine:
+    a loopback address, ``localhost`` or a name from ``allowed_hosts``."""
+    host = host.lower()
+    if host in ("localhost", "localhost.") or host in allowed:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def split_authority(authority: str) -> str | None:
+    """The host of ``host[:port]`` or ``[v6][:port]``; None when it is not that shape."""
+    if authority.startswith("["):
+        host, found, rest = authority[1:].partition("]")
+        if not found:
+            return None
+    else:
+        host, colon, port = authority.partition(":")
+        rest = colon + port
+    if rest and not (rest.startswith(":") and rest[1:].isdigit() and len(rest) <= 6):
+        return None
+    return host or None
+
+
+def browser_refusal(scope: Scope, allowed: frozenset[str]) -> tuple[str, str] | None:
+    """(code, message) when a request may come from a web page that is not this machine's:
+    a ``Host`` that is not a local name (DNS rebinding), an ``Origin`` that is not local
+    (``null`` included) or ``Sec-Fetch-Site: cross-site`` (a cross-site request). None
+    when it may be served. Programs other than browsers send none of these but ``Host``."""
+    raw_host = header(scope, b"host")
+    if raw_host is not None:
+        text = raw_host.decode("latin-1")
+        host = split_authority(text)
+        if host is None or not local_host(host, allowed):
+            return ("forbidden_host",
+                    f"Host {text[:100]!r} is not this machine (loopback, localhost or "
+                    "allowed_hosts): refused, as nvpair has no token_file")
+    origin = header(scope, b"origin")
+    if origin is not None:
+        text = origin.decode("latin-1")
+        scheme, sep, authority = text.partition("://")
+        host = split_authority(authority) if sep and scheme in ("http", "https") else None
+        if host is None or not local_host(host, allowed):
+            return ("forbidden_origin",
+                    f"Origin {text[:100]!r} is not a page of this machine: cross-site "
+                    "request refused, as nvpair has no token_file")
+    if header(scope, b"sec-fetch-site") == b"cross-site":
+        return ("forbidden_origin", "a cross-site request (Sec-Fetch-Site: cross-site): "
+                                    "refused, as nvpair has no token_file")
+    return None
 
 
 #: The longest a log read waits for a new line (``wait_s``).

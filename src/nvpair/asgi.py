@@ -31,6 +31,7 @@ ERROR_TYPES = {
     405: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     500: "server_error",
     502: "server_error",  # the engine failed
     503: "unavailable_error",
@@ -98,3 +99,15 @@ def header(scope: Scope, name: bytes) -> bytes | None:
         if key == name:
             return bytes(value)
     return None
+
+
+def bearer(scope: Scope) -> bytes | None:
+    """The credentials of ``Authorization: Bearer <token>``; the scheme's name is matched in
+    any case (RFC 9110, 11.1), the token as it is. None without such a header."""
+    given = header(scope, b"authorization")
+    if given is None:
+        return None
+    scheme, _, token = given.partition(b" ")
+    if scheme.lower() != b"bearer":
+        return None
+    return token.lstrip(b" ")
