@@ -29,7 +29,8 @@ class Outcome(msgspec.Struct, frozen=True):
 def record(stats: ProbeStats, outcome: Outcome, now: float) -> ProbeStats:
     """Counters after one more request (or one tick proved healthy by real traffic)."""
     if outcome.kind == "passive":
-        return msgspec.structs.replace(stats, ok=True, at=now, consecutive_failures=0,
+        # real traffic is no answer of the probe: its failures in a row still count
+        return msgspec.structs.replace(stats, ok=True, at=now,
                                        consecutive_successes=stats.consecutive_successes + 1,
                                        passive=stats.passive + 1, error=None)
     latency = outcome.latency_ms or 0.0

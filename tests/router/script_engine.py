@@ -14,6 +14,8 @@ import msgspec
 import trio
 
 Script = list[tuple[float, bytes]]
+#: what a client of the router sends (it refuses a POST whose body is not said to be JSON)
+JSON = {"content-type": "application/json"}
 
 SSE_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
             b"cache-control: no-cache\r\nconnection: close\r\n\r\n")
@@ -29,9 +31,9 @@ def sse_script(n: int, gap: float = 0.0, model: str = "m") -> Script:
     return events
 
 
-def json_script(doc: object, delay: float = 0.0) -> Script:
+def json_script(doc: object, delay: float = 0.0, status: bytes = b"200 OK") -> Script:
     body = msgspec.json.encode(doc)
-    head = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+    head = (b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\ncontent-length: "
             + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n")
     return [(delay, head + body)]
 
@@ -40,6 +42,8 @@ class ScriptEngine:
     def __init__(self, model: str = "m") -> None:
         self.model = model
         self.port = 0
+        #: the status GET /v1/models answers (its probes fail with another one)
+        self.models_status = b"200 OK"
         self.script: Callable[[str, bytes], Script] = lambda path, body: json_script({"ok": 1})
         self.requests: list[tuple[str, bytes, dict[str, str]]] = []
         self.closed_at: list[float] = []
@@ -91,7 +95,7 @@ class ScriptEngine:
             if method == "GET" and path.startswith("/v1/models"):
                 doc = {"object": "list", "data": [{"id": self.model, "object": "model",
                                                    "created": 1, "owned_by": "script"}]}
-                for _, data in json_script(doc):
+                for _, data in json_script(doc, status=self.models_status):
                     await stream.send_all(data)
                 return
             self.posts += 1

@@ -8,17 +8,20 @@ from pathlib import Path
 
 import httpx2
 import msgspec
+import pytest
 import trio
 import trio.testing
 from tests.managed import free_port, wait_state
 from tests.peers.cluster import Sock, sockets
-from tests.router.script_engine import ScriptEngine, json_script, sse_script
+from tests.router.script_engine import JSON, ScriptEngine, json_script, sse_script
 
 from nvpair import service
-from nvpair.config import load_settings
+from nvpair.config import RouterConfig, load_settings
 from nvpair.peers.advert import Advert, AdvertEngine, AdvertModel
-from nvpair.peers.table import PeerTable
+from nvpair.peers.table import PeerRoute, PeerRoutes, PeerTable
+from nvpair.router import Router, Traffic
 from nvpair.sim import SimOptions, serve_sim
+from nvpair.snapshot import Board
 
 CHAT = "/v1/chat/completions"
 def cluster_token(node: str) -> str:
@@ -80,7 +83,7 @@ async def test_a_peers_model_is_routed_to_the_peer_with_its_cluster_token(
     engine_b.script = lambda path, body: json_script({"answer": "from b"})
     user_a = {"authorization": "Bearer user-token-of-a"}
     with trio.fail_after(20):
-        async with httpx2.AsyncClient(base_url=a.url, headers=user_a) as client:
+        async with httpx2.AsyncClient(base_url=a.url, headers={**JSON, **user_a}) as client:
             r = await client.post(CHAT, content=chat("m-b"))
             assert r.status_code == 200, r.text
             assert r.json() == {"answer": "from b"}
@@ -108,7 +111,7 @@ async def test_a_peers_model_is_routed_to_the_peer_with_its_cluster_token(
             assert r.json()["error"]["code"] == "model_not_found"
 
         posts_a = engine_a.posts
-        async with httpx2.AsyncClient(base_url=b.url) as client:
+        async with httpx2.AsyncClient(headers=JSON, base_url=b.url) as client:
             cluster = {"authorization": f"Bearer {cluster_token('b')}"}
             # the cluster token alone is not a user token
             r = await client.post(CHAT, content=chat("m-b"), headers=cluster)
@@ -138,7 +141,7 @@ async def test_a_peers_model_whose_engine_is_down_is_503_naming_the_node(
     with trio.fail_after(20):  # b pushes the change at once
         while table.routes("m-b", trio.current_time()).ready:
             version = await table.wait_changed(version)
-        async with httpx2.AsyncClient(base_url=a.url, headers={
+        async with httpx2.AsyncClient(base_url=a.url, headers={**JSON,
                 "authorization": "Bearer user-token-of-a"}) as client:
             r = await client.post(CHAT, content=chat("m-b"))
     assert r.status_code == 503
@@ -156,7 +159,8 @@ async def test_a_peer_that_moves_leaves_no_connection_behind(nursery, tmp_path) 
         "listen = '127.0.0.1:0'\nnode = 'a'\n[cluster]\ntoken_file = 'cluster'\n")
     with trio.fail_after(30):
         running = await nursery.start(service.run, load_settings(str(tmp_path / "nvpair.toml")))
-        async with httpx2.AsyncClient(base_url=running.url, trust_env=False) as client:
+        async with httpx2.AsyncClient(headers=JSON, base_url=running.url,
+                                      trust_env=False) as client:
             for seq, sim in ((1, old), (2, new)):
                 advert = Advert(
                     node="b", boot_id="b1", seq=seq, ttl_s=15, url=f"http://127.0.0.1:{sim.port}",
@@ -179,3 +183,37 @@ def mine(socks: list[Sock], port: int) -> list[Sock]:
     """This process's open connections to ``port``."""
     return [s for s in socks if s.pid == os.getpid() and s.peer_port == port
             and s.state in ("ESTAB", "CLOSE-WAIT")]
+
+
+class Routes:
+    """Peer routes as the peer table would give them (the table's decode is not tested here:
+    a URL it let through must still never become a 500)."""
+
+    def __init__(self, *ready: PeerRoute) -> None:
+        self.ready = ready
+
+    def routes(self, model: str, now: float) -> PeerRoutes:
+        return PeerRoutes(ready=self.ready)
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "http://[::1", "http://127.0.0.1:8o",
+                                 "http://127.0.0.1:-1", "ftp://127.0.0.1:80", "http://"])
+async def test_a_peer_advertising_an_unusable_url_is_skipped(nursery, url) -> None:
+    good = await nursery.start(serve_sim, SimOptions(kind="vllm", model="m-b"))
+    bad = PeerRoute("bad", url, "t")
+    both = Routes(bad, PeerRoute("good", f"http://127.0.0.1:{good.port}", "t"))
+    with trio.fail_after(20):
+        for peers in (both, Routes(bad)):
+            router = Router(Board(()), (), RouterConfig(), Traffic(), node="a", peers=peers)
+            await nursery.start(router.run)
+            transport = httpx2.ASGITransport(app=router)  # type: ignore[arg-type]
+            async with httpx2.AsyncClient(transport=transport, base_url="http://127.0.0.1",
+                                          headers=JSON) as client:
+                answers = [await client.post(CHAT, content=chat("m-b")) for _ in range(4)]
+            if peers is both:
+                assert [r.status_code for r in answers] == [200] * 4, answers[0].text
+                assert {r.headers["x-nvpair-node"] for r in answers} == {"good"}
+            else:
+                for r in answers:
+                    assert r.status_code == 503, r.text
+                    assert "node bad advertises a URL that cannot be used" in r.text

@@ -10,7 +10,7 @@ import pytest
 import trio
 import trio.testing
 from tests.managed import wait_state
-from tests.router.script_engine import ScriptEngine, json_script, sse_script
+from tests.router.script_engine import JSON, ScriptEngine, json_script, sse_script
 
 from nvpair import service
 from nvpair.config import load_settings
@@ -46,7 +46,7 @@ async def test_stream_bytes_reach_the_client_unchanged(nursery, tmp_path) -> Non
     eng.script = lambda path, raw: script
     with trio.fail_after(30):
         running = await start(nursery, tmp_path, {"e": eng})
-        async with httpx2.AsyncClient(base_url=running.url) as client:
+        async with httpx2.AsyncClient(headers=JSON, base_url=running.url) as client:
             r = await client.post(CHAT, content=body(stream=True))
     assert r.status_code == 200
     assert r.headers["content-type"] == "text/event-stream"
@@ -61,7 +61,7 @@ async def test_non_stream_and_embeddings_pass_through(nursery, tmp_path) -> None
     eng.script = lambda path, raw: json_script({"path": path, **doc})
     with trio.fail_after(30):
         running = await start(nursery, tmp_path, {"e": eng})
-        async with httpx2.AsyncClient(base_url=running.url) as client:
+        async with httpx2.AsyncClient(headers=JSON, base_url=running.url) as client:
             chat = await client.post(CHAT, content=body())
             emb = await client.post("/v1/embeddings",
                                     content=msgspec.json.encode({"model": "m", "input": "x"}))
@@ -78,7 +78,7 @@ async def test_routes_by_alias_and_adds_the_engine_key_never_the_user_token(
         running = await start(nursery, tmp_path, {"e": eng},
                               extra="aliases = ['fast']\napi_key_file = 'key'",
                               top="token_file = 'token'")
-        async with httpx2.AsyncClient(base_url=running.url) as client:
+        async with httpx2.AsyncClient(headers=JSON, base_url=running.url) as client:
             denied = await client.post(CHAT, content=body("fast"))
             r = await client.post(CHAT, content=body("fast"),
                                   headers={"Authorization": "Bearer user-token"})
@@ -94,7 +94,7 @@ async def test_unknown_model_is_404_and_not_ready_is_503_without_connecting(
     eng = ScriptEngine("m")
     with trio.fail_after(30):
         running = await start(nursery, tmp_path, {"e": eng})
-        async with httpx2.AsyncClient(base_url=running.url) as client:
+        async with httpx2.AsyncClient(headers=JSON, base_url=running.url) as client:
             missing = await client.post(CHAT, content=body("nope"))
             await client.post("/v1/engines/e/stop")
             await wait_state(running.board, "e", "stopped")
@@ -117,15 +117,41 @@ async def test_bad_requests_are_4xx(nursery, tmp_path) -> None:
     with trio.fail_after(30):
         running = await start(nursery, tmp_path, {"e": eng},
                               top="[router]\nmax_body_bytes = 2048")
-        async with httpx2.AsyncClient(base_url=running.url) as client:
+        async with httpx2.AsyncClient(headers=JSON, base_url=running.url) as client:
             big = await client.post(CHAT, content=body(pad="x" * 4096))
             bad = await client.post(CHAT, content=b"{not json")
             nomodel = await client.post(CHAT, content=b"{}")
+            nested = await client.post(CHAT, content=b'{"messages": ' + b"[" * 1010
+                                       + b"]" * 1010 + b"}")
             get = await client.get(CHAT)
     assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
     assert bad.status_code == 400 and nomodel.status_code == 400
+    assert nested.status_code == 400, nested.text  # msgspec's RecursionError: not a 500
+    assert "nested too deeply" in nested.json()["error"]["message"]
     assert get.status_code == 405
     assert eng.posts == 0
+
+
+async def test_a_post_not_said_to_be_json_is_refused(nursery, tmp_path) -> None:
+    """A web page can post text/plain cross-site without a preflight; the router takes
+    only bodies sent as application/json."""
+    eng = ScriptEngine("m")
+    with trio.fail_after(30):
+        running = await start(nursery, tmp_path, {"e": eng})
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            refused = [await client.post(CHAT, content=body(), headers=h) for h in (
+                {"content-type": "text/plain"}, {"content-type": "text/plain;charset=UTF-8"},
+                {"content-type": "application/x-www-form-urlencoded"},
+                {"content-type": "multipart/form-data; boundary=x"},
+                {"content-type": "application/jsonx"}, {})]
+            ok = [await client.post(CHAT, content=body(), headers={"content-type": h})
+                  for h in ("application/json", "Application/JSON; charset=utf-8")]
+    for r in refused:
+        assert r.status_code == 415, r.text
+        assert r.json()["error"]["code"] == "unsupported_media_type"
+        assert "Content-Type: application/json" in r.json()["error"]["message"]
+    assert [r.status_code for r in ok] == [200, 200]
+    assert eng.posts == 2
 
 
 @pytest.mark.parametrize("when", ["mid-stream", "before-first-byte", "non-stream"])
@@ -139,7 +165,7 @@ async def test_client_disconnect_aborts_the_engine_request(nursery, tmp_path, wh
         eng.script = lambda path, raw: json_script({"late": True}, delay=30.0)
     with trio.fail_after(30):
         running = await start(nursery, tmp_path, {"e": eng})
-        async with httpx2.AsyncClient(base_url=running.url) as client:
+        async with httpx2.AsyncClient(headers=JSON, base_url=running.url) as client:
             # mid-stream: leave after the first chunk; otherwise leave after 0.3 s of waiting
             with trio.move_on_after(30 if when == "mid-stream" else 0.3):
                 async with client.stream("POST", CHAT,
@@ -167,7 +193,7 @@ async def sse_events(client: httpx2.AsyncClient, payload: bytes) -> list[bytes]:
 
 async def timed_stream(url: str) -> tuple[float, list[bytes]]:
     """One streaming request: how long it took, and its SSE events."""
-    async with httpx2.AsyncClient(base_url=url) as client:
+    async with httpx2.AsyncClient(headers=JSON, base_url=url) as client:
         t0 = trio.current_time()
         events = await sse_events(client, body(stream=True))
         return trio.current_time() - t0, events
@@ -197,7 +223,7 @@ async def test_a_prefill_longer_than_the_idle_gap_is_not_cut(nursery, tmp_path) 
     with trio.fail_after(30):
         running = await start(nursery, tmp_path, {"e": eng},
                               top="[router]\nidle_timeout_s = 0.5\nfirst_byte_timeout_s = 10")
-        async with httpx2.AsyncClient(base_url=running.url) as client:
+        async with httpx2.AsyncClient(headers=JSON, base_url=running.url) as client:
             r = await client.post(CHAT, content=body(stream=True))
     assert r.content == b"".join(d for _, d in script[1:])
 
@@ -224,7 +250,7 @@ async def test_a_cut_plain_body_reaches_the_client_cut_and_is_no_internal_error(
     eng.script = lambda path, raw: [(0.0, head), (0.0, b'{"partial":')]  # then the close
     with trio.fail_after(30):
         running = await start(nursery, tmp_path, {"e": eng})
-        async with httpx2.AsyncClient(base_url=running.url) as client:
+        async with httpx2.AsyncClient(headers=JSON, base_url=running.url) as client:
             with pytest.raises(httpx2.RemoteProtocolError):  # 11 of 100 bytes, then the end
                 await client.post(CHAT, content=body())
             ok = await client.post(CHAT, content=body("nope"))  # nvpair still answers
@@ -237,7 +263,7 @@ async def test_stream_null_is_a_valid_request(nursery, tmp_path) -> None:
     eng = ScriptEngine("m")
     with trio.fail_after(30):
         running = await start(nursery, tmp_path, {"e": eng})
-        async with httpx2.AsyncClient(base_url=running.url) as client:
+        async with httpx2.AsyncClient(headers=JSON, base_url=running.url) as client:
             r = await client.post(CHAT, content=body(stream=None))  # type: ignore[arg-type]
     assert r.status_code == 200, r.text
 
@@ -249,7 +275,7 @@ async def test_slow_but_steady_stream_is_not_cut(nursery, tmp_path) -> None:
     with trio.fail_after(30):
         running = await start(nursery, tmp_path, {"e": eng},
                               top="[router]\nidle_timeout_s = 0.5")
-        async with httpx2.AsyncClient(base_url=running.url) as client:
+        async with httpx2.AsyncClient(headers=JSON, base_url=running.url) as client:
             r = await client.post(CHAT, content=body(stream=True))
     assert r.content == b"".join(d for _, d in script[1:])  # 1.8 s in all, gaps under 0.5 s
 
@@ -265,7 +291,7 @@ async def test_engine_death_mid_stream_ends_with_an_error_event(nursery, tmp_pat
                                     (0.0, b"ff\r\npartial")]
     with trio.fail_after(30):
         running = await start(nursery, tmp_path, {"e": eng})
-        async with httpx2.AsyncClient(base_url=running.url) as client:
+        async with httpx2.AsyncClient(headers=JSON, base_url=running.url) as client:
             events = await sse_events(client, body(stream=True))
     assert events[0] == chunk.strip()
     assert b"the engine cut the answer" in events[-1]
@@ -281,7 +307,7 @@ async def test_long_stream_passes_intact(nursery, tmp_path) -> None:
     eng.script = lambda path, raw: script
     with trio.fail_after(60):
         running = await start(nursery, tmp_path, {"e": eng})
-        async with httpx2.AsyncClient(base_url=running.url) as client:
+        async with httpx2.AsyncClient(headers=JSON, base_url=running.url) as client:
             r = await client.post(CHAT, content=body(stream=True))
     assert r.content == b"".join(d for _, d in script[1:])
 
@@ -292,7 +318,7 @@ async def test_least_in_flight_spreads_and_refused_is_retried(nursery, tmp_path)
     slow.script = lambda path, raw: json_script({"by": "slow"}, delay=0.2)
     with trio.fail_after(60):
         running = await start(nursery, tmp_path, {"fast": fast, "slow": slow})
-        async with httpx2.AsyncClient(base_url=running.url,
+        async with httpx2.AsyncClient(headers=JSON, base_url=running.url,
                                       limits=httpx2.Limits(max_connections=16)) as client:
             served: list[str] = []
 
@@ -314,7 +340,61 @@ async def test_refused_connection_is_retried_on_another_engine(nursery, tmp_path
         running = await start(nursery, tmp_path, {"a": a, "b": b})
         # a's port now refuses, but its next health probe is seconds away: still "ready".
         await a.close_listener()
-        async with httpx2.AsyncClient(base_url=running.url) as client:
+        async with httpx2.AsyncClient(headers=JSON, base_url=running.url) as client:
             results = [(await client.post(CHAT, content=body())).json()["by"] for _ in range(6)]
     assert results == ["b"] * 6 and b.posts == 6
     assert running.traffic.of("a").requests >= 1  # a was tried, refused, and b took it
+
+
+async def test_idle_pools_are_reaped_so_no_engine_connection_sits_in_close_wait(
+        nursery, tmp_path) -> None:
+    """llama-server closes idle keep-alive connections after 5 s (the simulator here after
+    2 s); the pool would keep its end of each in CLOSE-WAIT until its next request. After a
+    burst, the router's connections to the engine are closed within 10 s, and a later
+    request opens a new one."""
+    import os
+
+    from tests.peers.cluster import sockets
+
+    from nvpair.sim import SimOptions, serve_sim
+
+    sim = await nursery.start(serve_sim, SimOptions(kind="llamacpp", model="gemma3-270m",
+                                                    max_tokens=4, idle_timeout_s=2.0,
+                                                    np=12))
+    await sim.wait_phase("ready")
+
+    async def towards_engine() -> dict[int, str]:
+        """This process's client sockets to the engine: local port -> state."""
+        return {s.local_port: s.state for s in await sockets()
+                if s.pid == os.getpid() and s.peer_port == sim.port}
+
+    (tmp_path / "nvpair.toml").write_text(
+        f"listen = '127.0.0.1:0'\n[[engines]]\nname = 'g'\nkind = 'llamacpp'\n"
+        f"port = {sim.port}\n")
+    chat = msgspec.json.encode({"model": "gemma3-270m", "max_tokens": 4,
+                                "messages": [{"role": "user", "content": "hi"}]})
+    with trio.fail_after(40):
+        running = await nursery.start(service.run, load_settings(str(tmp_path / "nvpair.toml")))
+        await wait_state(running.board, "g", "ready", where=lambda e: bool(e.models))
+        probes = set(await towards_engine())  # the prober's own client, not the router's
+        async with httpx2.AsyncClient(headers=JSON, base_url=running.url,
+                                      limits=httpx2.Limits(max_connections=16)) as client:
+            answers: list[int] = []
+
+            async def one() -> None:
+                answers.append((await client.post(CHAT, content=chat)).status_code)
+
+            async with trio.open_nursery() as burst:
+                for _ in range(12):
+                    burst.start_soon(one)
+            assert answers == [200] * 12
+            relayed = {p: s for p, s in (await towards_engine()).items() if p not in probes}
+            assert len(relayed) >= 4 and set(relayed.values()) == {"ESTAB"}, relayed
+            left = relayed
+            with trio.move_on_after(10):  # a wait-until with a ceiling, polled
+                while left:
+                    await trio.sleep(0.2)
+                    left = {p: s for p, s in (await towards_engine()).items() if p in relayed}
+            assert not left, f"still open 10 s after the burst: {left}"
+            again = await client.post(CHAT, content=chat)  # a new pool, made on demand
+            assert again.status_code == 200, again.text

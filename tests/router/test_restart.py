@@ -9,6 +9,7 @@ import httpx2
 import msgspec
 import trio
 from tests.managed import free_port, managed_config, sim_command, wait_state
+from tests.router.script_engine import JSON
 
 from nvpair import service
 
@@ -25,7 +26,7 @@ async def test_requests_succeed_again_as_soon_as_the_restarted_engine_is_ready(
         # (status, whether the restarted engine was already ready when the request was sent)
         statuses: list[tuple[int, bool]] = []
         wanted, reached = 10, trio.Event()
-        async with httpx2.AsyncClient(base_url=running.url) as client:
+        async with httpx2.AsyncClient(headers=JSON, base_url=running.url) as client:
 
             async def steady() -> None:
                 nonlocal reached

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import AsyncExitStack
@@ -36,6 +37,7 @@ from nvpair.asgi import (
     send_error,
 )
 from nvpair.config import EngineSpec, RouterConfig
+from nvpair.decoding import decode_json
 from nvpair.peers.table import PeerRoute, PeerRoutes
 from nvpair.router.select import Known, choose, order_peers
 from nvpair.router.traffic import Traffic, peer_key
@@ -61,6 +63,18 @@ class RequestHead(msgspec.Struct):
 
 
 _head = msgspec.json.Decoder(RequestHead)
+log = logging.getLogger("nvpair.router")
+#: how often idle pools are closed (engines close idle connections themselves, llama-server
+#: after 5 s; a pool keeps its end of each until it is next used, in CLOSE-WAIT)
+REAP_EVERY_S = 2.0
+
+
+def json_body(scope: Scope) -> bool:
+    """The request says its body is JSON (``application/json``, any parameters)."""
+    value = header(scope, b"content-type")
+    if value is None:
+        return False
+    return value.partition(b";")[0].strip().lower() == b"application/json"
 
 
 class Result:
@@ -89,6 +103,10 @@ class PeerRouter(Protocol):
     """The peers' models as the broker keeps them (``PeerTable``): read, never fetched."""
 
     def routes(self, model: str, now: float) -> PeerRoutes: ...
+
+
+class BadRequest(Exception):
+    """The request body is not what the router can route (one line, for the 400)."""
 
 
 class EngineGone(Exception):
@@ -122,21 +140,44 @@ class Router:
         """Own the engines' connection pools until cancelled (then close them)."""
         async with AsyncExitStack() as stack, trio.open_nursery() as nursery:
             self._stack, self._nursery = stack, nursery
+            stack.push_async_callback(self._close_all)
             task_status.started()
             try:
-                await trio.sleep_forever()
+                while True:
+                    await trio.sleep(REAP_EVERY_S)
+                    self.reap()
             finally:
                 self._stack = self._nursery = None
-                self._targets.clear()
+
+    async def _close_all(self) -> None:
+        targets, self._targets = list(self._targets.values()), {}
+        with trio.CancelScope(shield=True), trio.move_on_after(2.0):
+            for target in targets:
+                await target.upstream.aclose()
+
+    def reap(self) -> None:
+        """Close the pools no request has used for ``REAP_EVERY_S`` (they are made again on
+        the next request): those of idle engines, and of peers that left the peer table
+        (nothing routes to them). An engine closes its idle keep-alive connections on its
+        own (llama-server after 5 s); an unused pool would hold its end of each in
+        CLOSE-WAIT until the next request or until nvpair stops. A pool in use prunes its
+        own expired connections on each request."""
+        now = trio.current_time()
+        for key, target in list(self._targets.items()):
+            upstream = target.upstream
+            if upstream.users == 0 and now - upstream.used_at >= REAP_EVERY_S:
+                del self._targets[key]
+                upstream.retired = True
+                self._release(upstream)
 
     def _target(self, pool_key: str, make: Callable[[], Target]) -> Target:
-        """A target with its pool, made once (the pools close when ``run`` ends)."""
+        """A target with its pool, made on first use and again after the reaper closed it
+        (every pool closes when ``run`` ends)."""
         target = self._targets.get(pool_key)
         if target is None:
             if self._stack is None:
                 raise RuntimeError("the router is not running")
             target = self._targets[pool_key] = make()
-            self._stack.push_async_callback(target.upstream.aclose)
         return target
 
     def _engine(self, name: str) -> Target:
@@ -145,7 +186,9 @@ class Router:
             name, f"engine {name}", Upstream.engine(spec, self.config),
             (b"x-nvpair-engine", name.encode())))
 
-    def _peer(self, route: PeerRoute) -> Target:
+    def _peer(self, route: PeerRoute) -> Target | None:
+        """The target of a peer, or None when its advert's URL cannot be used (a bad port,
+        a broken IPv6 literal): the route is skipped, never a 500."""
         node = route.node
         token = route.token or self.cluster_token  # the peer's own, when one is configured
         key = f"peer {node}"
@@ -154,9 +197,13 @@ class Router:
             del self._targets[key]  # the peer moved (or its token changed)
             old.upstream.retired = True
             self._release(old.upstream)
-        return self._target(key, lambda: Target(
-            peer_key(node), f"node {node}", Upstream(route.url, self.config, token=token),
-            (b"x-nvpair-node", node.encode()), ((FORWARDED_BY, self.node.encode()),)))
+        try:
+            return self._target(key, lambda: Target(
+                peer_key(node), f"node {node}", Upstream(route.url, self.config, token=token),
+                (b"x-nvpair-node", node.encode()), ((FORWARDED_BY, self.node.encode()),)))
+        except ValueError as exc:
+            log.debug("node %s: its advertised URL %r cannot be used: %s", node, route.url, exc)
+            return None
 
     def _release(self, upstream: Upstream) -> None:
         """Close a replaced pool once no request uses it (its idle connections would
@@ -168,17 +215,21 @@ class Router:
         if scope["method"] != "POST":
             await send_error(send, 405, f"use POST {scope['path']}")
             return
+        if not json_body(scope):
+            await send_error(send, 415, f"POST {scope['path']} takes a JSON body: send "
+                                        "Content-Type: application/json", "unsupported_media_type")
+            return
         try:
             body = await read_body(receive, self.config.max_body_bytes)
         except BodyTooLarge:
             await send_error(send, 413, f"request body over {self.config.max_body_bytes} bytes",
                              "request_too_large")
             return
-        try:
-            head = _head.decode(body)
-        except msgspec.DecodeError as exc:
-            await send_error(send, 400, f"the body is not a valid OpenAI request: {exc}",
-                             "invalid_json")
+        try:  # any failure (nested past msgspec's depth too) is a one-line 400
+            head: RequestHead = decode_json(body, "the request body", decoder=_head,
+                                            error=BadRequest)
+        except BadRequest as exc:
+            await send_error(send, 400, str(exc), "invalid_json")
             return
         if not head.model:
             await send_error(send, 400, "the request names no model", "model_required")
@@ -189,13 +240,20 @@ class Router:
         reason, known = choice.reason, choice.known
         if not targets and self.peers is not None and header(scope, FORWARDED_BY) is None:
             routes = self.peers.routes(head.model, now)
-            targets = [self._peer(route) for route
-                       in order_peers(routes.ready, self.traffic, now, self.rng)[:2]]
-            if routes.others:
+            others = list(routes.others)
+            for route in order_peers(routes.ready, self.traffic, now, self.rng):
+                target = self._peer(route)
+                if target is None:
+                    others.append(f"node {route.node} advertises a URL that cannot be used")
+                    continue
+                targets.append(target)
+                if len(targets) == 2:
+                    break
+            if others and not targets:
                 known = True
                 reason = "; ".join(([reason] if choice.known and reason else [])
                                    + [f"no node serving {head.model!r} is ready: "
-                                      + ", ".join(routes.others)])
+                                      + ", ".join(others)])
         if not targets:
             if known:
                 await send_error(send, 503, reason or "no engine ready", "engine_not_ready",
@@ -213,25 +271,33 @@ class Router:
                        send: Send) -> None:
         headers = [(k, v) for k, v in scope.get("headers", ()) if k in FORWARD_REQUEST]
         last_error = "no engine"
-        for target in targets:  # the first, and one retry if it never got the request
-            self.traffic.started(target.key)
-            result = Result()
+        for target in targets:  # held from now (the reaper leaves a pool with users alone)
             target.upstream.users += 1
-            try:
-                await self._relay(target, scope, [*headers, *target.extra], body, send, result)
-            except Refused as exc:
-                result.outcome, result.error = "failed", f"{target.what}: cannot connect: {exc}"
-                last_error = result.error
-                continue  # nothing reached the engine: the next one may take it
-            except trio.Cancelled:
-                if not result.done:  # the client left before the answer was complete
-                    result.outcome = "client_gone"
-                raise
-            finally:
-                self.traffic.finished(target.key, result.outcome, result.error)
+        try:
+            for target in targets:  # the first, and one retry if it never got the request
+                self.traffic.started(target.key)
+                result = Result()
+                try:
+                    await self._relay(target, scope, [*headers, *target.extra], body, send,
+                                      result)
+                except Refused as exc:
+                    result.outcome = "failed"
+                    result.error = f"{target.what}: cannot connect: {exc}"
+                    last_error = result.error
+                    continue  # nothing reached the engine: the next one may take it
+                except trio.Cancelled:
+                    if not result.done:  # the client left before the answer was complete
+                        result.outcome = "client_gone"
+                    raise
+                finally:
+                    self.traffic.finished(target.key, result.outcome, result.error)
+                return
+        finally:
+            now = trio.current_time()
+            for target in targets:
                 target.upstream.users -= 1
+                target.upstream.used_at = now
                 self._release(target.upstream)
-            return
         await send_error(send, 503, f"no engine could take the request ({last_error})",
                          "engine_unreachable", [(b"retry-after", b"2")])
 
@@ -279,7 +345,7 @@ class Router:
             finally:
                 await chunks.aclose()
             if gone is None:
-                result.finish("failed" if response.status >= 500 else "ok", None)
+                result.finish(answer_outcome(response.status), None)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return
             result.finish("failed", f"{target.what}: {gone}")
@@ -336,6 +402,15 @@ class _Chunks:
     async def aclose(self) -> None:
         if not self._ended:  # read to the end: every generator below has finished already
             await close_early(self._raw)
+
+
+def answer_outcome(status: int) -> str:
+    """What a complete answer says of the engine: a 5xx counts against it; a 4xx (the
+    request refused: a bad request, a wrong key, 429 too busy) is no proof of health
+    either way; anything below 400 is."""
+    if status >= 500:
+        return "failed"
+    return "rejected" if status >= 400 else "ok"
 
 
 async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> None:

@@ -1,10 +1,11 @@
 """What real requests tell about engines: in-flight counts, outcomes and passive health.
 
 The rule (docs/router.md): a connection refused or a 5xx answer counts against an engine;
-a client that goes away never does. ``suspect_after`` failures in a row make the engine
-*suspect* for ``cooldown_s``: it gets no traffic while another engine can serve the model.
-A success clears it. While real requests succeed, the engine's health probe is skipped
-(recorded as passive), at most three intervals in a row: real traffic proves health.
+a client that goes away never does, nor does a 4xx answer (429 included), which proves
+nothing either way. ``suspect_after`` failures in a row make the engine *suspect* for
+``cooldown_s``: it gets no traffic while another engine can serve the model. A success
+(an answer below 400) clears it. While real requests succeed, the engine's health probe is
+skipped (recorded as passive), at most three intervals in a row: real traffic proves health.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class EngineTraffic(msgspec.Struct):
     failures: int = 0
     consecutive_failures: int = 0
     client_gone: int = 0
+    rejected: int = 0
     last_ok_at: float | None = None
     suspect_until: float | None = None
     last_error: str | None = None
@@ -56,7 +58,8 @@ class Traffic:
         entry.requests += 1
 
     def finished(self, name: str, outcome: str, error: str | None = None) -> None:
-        """``outcome``: ok, failed (counts against the engine) or client_gone (never)."""
+        """``outcome``: ok, failed (counts against the engine), rejected (a 4xx answer:
+        neither) or client_gone (never)."""
         entry = self.of(name)
         entry.in_flight -= 1
         now = trio.current_time()
@@ -70,6 +73,8 @@ class Traffic:
             entry.last_error = error
             if entry.consecutive_failures >= self.config.suspect_after:
                 entry.suspect_until = now + self.config.cooldown_s
+        elif outcome == "rejected":
+            entry.rejected += 1
         else:
             entry.client_gone += 1
 
@@ -87,6 +92,7 @@ class Traffic:
                 "failures": t.failures,
                 "consecutive_failures": t.consecutive_failures,
                 "client_gone": t.client_gone,
+                "rejected": t.rejected,
                 "last_ok_age_s": None if t.last_ok_at is None else round(now - t.last_ok_at, 3),
                 "suspect": t.suspect_until is not None and now < t.suspect_until,
                 "last_error": t.last_error,

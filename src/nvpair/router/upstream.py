@@ -15,6 +15,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpcore2
+import trio
 
 from nvpair.config import EngineSpec, RouterConfig
 from nvpair.tls import client_tls
@@ -55,6 +56,8 @@ class Upstream:
         #: the last of them is done)
         self.users = 0
         self.retired = False
+        #: when the last request using it ended (the router closes pools idle for long)
+        self.used_at = trio.current_time()
 
     @classmethod
     def engine(cls, spec: EngineSpec, config: RouterConfig, **kw: Any) -> Upstream:
