@@ -55,3 +55,16 @@ async def test_a_429_proves_nothing_and_a_failing_health_probe_still_counts(
             eng.models_status = b"503 Service Unavailable"
             await wait_state(running.board, "e", "unhealthy", within=10)
             traffic.cancel_scope.cancel()
+
+
+def test_a_passive_tick_keeps_the_probes_failures_in_a_row() -> None:
+    """Real traffic stands in for a probe tick; it is no answer of the probe's path, so it
+    must not wipe the failures that make an engine unhealthy."""
+    from nvpair.snapshot import ProbeStats
+    from nvpair.state import Outcome, record
+
+    failing = ProbeStats(path="/health", ok=False, consecutive_failures=2, requests=2,
+                         failures=2)
+    after = record(failing, Outcome(ok=True, kind="passive"), 10.0)
+    assert after.consecutive_failures == 2 and after.passive == 1
+    assert after.requests == 2  # a passive tick sends no request
