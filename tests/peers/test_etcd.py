@@ -16,8 +16,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import trio
+import trio.testing
 from tests.managed import free_port
 from tests.peers.cluster import (
     Cluster,
@@ -35,6 +37,13 @@ from tests.peers.cluster import (
     states,
 )
 from tests.peers.etcd_server import EtcdServer, open_etcd
+from tests.peers.etcd_standin import GARBAGE, FakeEtcd
+
+from nvpair.peers.advert import Advert, AdvertEngine, Advertiser, AdvertModel
+from nvpair.peers.etcd import EtcdBackend
+from nvpair.peers.settings import EtcdSettings
+from nvpair.peers.table import PeerTable
+from nvpair.snapshot import Board
 
 TTL = 3
 DEBOUNCE = TTL / 2  # the default min(5, TTL/2)
@@ -245,3 +254,81 @@ async def test_etcd_unreachable_from_the_start_serves_an_empty_table(tmp_path: P
             assert doc["peers"] == [] and "ConnectError" in doc["etcd"]["last_error"]
             r = await c.client.get(node.url + "/v1/models?scope=cluster")
             assert r.status_code == 200 and r.json()["data"] == []
+
+
+# -- the backend against a stand-in that answers garbage (unit: MockTransport, autojump) --
+
+PREFIX = "nvpair/t/nodes/"
+
+
+def peer_advert(node: str = "peer", url: str = "http://127.0.0.1:9") -> bytes:
+    return msgspec.json.encode(Advert(
+        node=node, boot_id="b1", seq=1, ttl_s=TTL, url=url,
+        engines=(AdvertEngine(name="e", kind="vllm", state="ready", models=("far",)),),
+        models=(AdvertModel(id="far", engine="e", engines=("e",), kind="vllm"),)))
+
+
+async def until(predicate: Any, within: float = 30.0) -> None:
+    """Poll ``predicate`` on the autojump clock (the backend's state has no event)."""
+    with trio.fail_after(within):
+        while not predicate():  # noqa: ASYNC110
+            await trio.sleep(0.01)
+
+
+@pytest.mark.parametrize("kind", GARBAGE)
+async def test_garbage_from_etcd_is_a_failed_backend_with_backoff_not_a_crash(
+        kind: str, autojump_clock: trio.testing.MockClock) -> None:
+    """Each kind of garbage: the backend says ``failed`` with the reason, retries with
+    backoff (a handful of requests per second at most), keeps the table (stale, then gone:
+    news only while the watch works), and is ok again once etcd answers properly. Before,
+    run() raised DecodeError/TypeError/binascii.Error into the service's nursery."""
+    etcd = FakeEtcd(ttl=TTL)
+    etcd.kv[(PREFIX + "peer").encode()] = peer_advert()
+    advertiser = Advertiser(Board(()), "me", ttl_s=TTL, url="http://127.0.0.1:1")
+    table = PeerTable("me", gone_factor=3.0, min_ttl=TTL)
+    settings = EtcdSettings(url="http://etcd", prefix=PREFIX, lease_ttl_s=TTL,
+                            debounce_s=DEBOUNCE)
+    backend = EtcdBackend(settings, advertiser, table, transport=etcd.transport())
+    now = trio.current_time
+    async with trio.open_nursery() as nursery:
+        await nursery.start(backend.run)
+        await until(lambda: backend.state == "ok" and table.states(now()) == {"peer": "fresh"})
+        etcd.set_garbage(kind)
+        before = len(etcd.requests)
+        await until(lambda: backend.state == "failed")
+        failed_at = now()
+        reason = backend.doc(now())["last_error"]
+        assert reason and "\n" not in reason and "internal error" not in reason, reason
+        await trio.sleep(TTL + 0.5)
+        assert table.states(now()) == {"peer": "stale"}  # still listed, flagged
+        await trio.sleep(30)
+        assert backend.state == "failed" and backend.counts["failures"] >= 3
+        spent = now() - failed_at
+        assert len(etcd.requests) - before < 6 * spent, (len(etcd.requests) - before, spent)
+        assert table.states(now()) == {"peer": "gone"}
+        etcd.set_garbage(None)
+        await until(lambda: backend.state == "ok" and table.states(now()) == {"peer": "fresh"})
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_value_with_a_bad_url_is_skipped_and_counted_not_listed(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """A node's key whose advert has an unusable URL is left out (one log line, counted in
+    ``rejected``); the other nodes are listed."""
+    etcd = FakeEtcd(ttl=TTL)
+    etcd.kv[(PREFIX + "good").encode()] = peer_advert("good")
+    etcd.kv[(PREFIX + "port").encode()] = peer_advert("port").replace(
+        b"http://127.0.0.1:9", b"http://peer:99999")
+    etcd.kv[(PREFIX + "v6").encode()] = peer_advert("v6").replace(
+        b"http://127.0.0.1:9", b"http://[::1")
+    advertiser = Advertiser(Board(()), "me", ttl_s=TTL, url="http://127.0.0.1:1")
+    table = PeerTable("me", gone_factor=3.0, min_ttl=TTL)
+    settings = EtcdSettings(url="http://etcd", prefix=PREFIX, lease_ttl_s=TTL,
+                            debounce_s=DEBOUNCE)
+    backend = EtcdBackend(settings, advertiser, table, transport=etcd.transport())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(backend.run)
+        await until(lambda: backend.state == "ok" and "good" in table.entries)
+        assert set(table.entries) == {"good"}
+        assert backend.doc(trio.current_time())["rejected"] == {"schema": 2}
+        nursery.cancel_scope.cancel()

@@ -162,3 +162,32 @@ async def test_leave_sends_one_leave_advert_and_ends(nursery, autojump_clock) ->
     await pusher.done.wait()
     assert [a.leaving for _, a in peer.pushes] == [False, True]
     assert peer.pushes[1][1].models == ()
+
+
+async def test_a_bug_in_the_loop_is_this_links_failure_retried_not_a_crash(
+        nursery, autojump_clock) -> None:
+    """Anything the loop raises (here: a snapshot nvpair's own code cannot describe) is a
+    failed push of this link with the reason (``fault``, state ``degraded``), retried after
+    a backoff; once it works again the link is ok. Before, the exception left the pusher
+    and took the broker and the API's nursery with it."""
+    board, peer = Board((engine("m"),)), Peer()
+    pusher, link = await start(nursery, board, peer)
+    await peer.wait_pushes(1)
+    broken = msgspec.structs.replace(engine("m"), models=None)  # not iterable: a TypeError
+    board.publish((broken,))
+    with trio.fail_after(3 * INTERVAL):
+        while link.fault is None:  # noqa: ASYNC110 (autojump clock; the link has no event)
+            await trio.sleep(0.1)
+    assert "TypeError" in link.fault and "internal error in nvpair" in link.fault
+    doc = link.doc(trio.current_time())
+    assert doc["state"] == "degraded" and doc["fault"] == link.fault
+    assert link.consecutive_failures >= 1 and link.last_error == link.fault
+    await trio.sleep(10 * INTERVAL)  # retried with backoff: a few tries, not a spin
+    assert 2 <= pusher.part.failures <= 10, pusher.part.failures
+    board.publish((engine("m", "n"),))
+    await peer.wait_pushes(2)
+    with trio.fail_after(5 * INTERVAL):
+        while link.fault is not None:  # noqa: ASYNC110
+            await trio.sleep(0.1)
+    assert link.doc(trio.current_time())["state"] == "ok"
+    assert [m.id for m in peer.pushes[-1][1].models] == ["m", "n"]

@@ -12,7 +12,11 @@ import trio
 
 from nvpair import service
 from nvpair.config import load_settings
-from nvpair.peers.advert import MAX_ADVERT_BYTES, Advert, AdvertEngine, AdvertModel
+from nvpair.peers.advert import MAX_ADVERT_BYTES, Advert, AdvertEngine, Advertiser, AdvertModel
+from nvpair.peers.push import Pusher
+from nvpair.peers.settings import PeerTarget
+from nvpair.peers.table import Link
+from nvpair.snapshot import Board, EngineState, Model
 
 CLUSTER = "cluster-secret"
 USER = "user-secret"
@@ -126,3 +130,30 @@ async def test_two_processes_with_one_name_are_told_not_hidden(node: str) -> Non
             doc = (await client.get("/v1/peers", headers=auth(USER))).json()
     assert doc["peers"][0]["boot_id"] == "b2" and doc["peers"][0]["state"] == "fresh"
 
+
+
+async def test_a_node_with_odd_models_is_heard_with_its_good_ones(node: str) -> None:
+    """An engine listing a 600-character id, ``created: true`` and a 600-character owner
+    next to good models: the peer (a real node, over HTTP) takes the advert, lists the good
+    models and shows how many were left out. Before, it refused the whole advert (400)."""
+    odd = (Model(id="x" * 600), Model(id="bool-created", created=True),  # type: ignore[arg-type]
+           Model(id="long-owner", owned_by="o" * 600))
+    board = Board((EngineState(name="e", kind="vllm", url="http://127.0.0.1:1", managed=False,
+                               state="ready", checked_at=trio.current_time(),
+                               models=(Model(id="good-1"), *odd, Model(id="good-2"))),))
+    advertiser = Advertiser(board, "sender", ttl_s=15, url="http://127.0.0.1:9")
+    link = Link(node)
+    pusher = Pusher(PeerTarget(url=node, token=CLUSTER), advertiser, link, interval=60,
+                    timeout=5)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(pusher.run)
+            assert await pusher.push(advertiser.body), link.last_error
+            nursery.cancel_scope.cancel()
+        async with httpx2.AsyncClient(base_url=node, trust_env=False) as client:
+            r = await client.get("/v1/models?scope=cluster", headers=auth(USER))
+            doc = (await client.get("/v1/peers", headers=auth(USER))).json()
+    assert {m["id"] for m in r.json()["data"]} == {"good-1", "good-2"}
+    (peer,) = doc["peers"]
+    assert peer["node"] == "sender" and peer["models_left_out"] == 3
+    assert doc["received"]["rejected"] == {}

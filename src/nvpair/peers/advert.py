@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import logging
 import secrets
-from typing import Annotated
+from typing import Annotated, Any, NamedTuple
 
 import msgspec
 import trio
 
 from nvpair import views
-from nvpair.peers.settings import NODE_PATTERN, URL_PATTERN
+from nvpair.boundary import Part
+from nvpair.decoding import decode_json
+from nvpair.errors import NvpairError
+from nvpair.peers.settings import NODE_PATTERN, url_problem
 from nvpair.snapshot import Board
 from nvpair.state import effective_state
 
@@ -25,11 +28,15 @@ MAX_ADVERT_BYTES = 64 * 1024
 
 log = logging.getLogger("nvpair.peers")
 
-Text = Annotated[str, msgspec.Meta(max_length=512)]
-Name = Annotated[str, msgspec.Meta(max_length=128)]
+#: the longest model id, owner or alias receivers take (and names: engines, kinds, states).
+TEXT_MAX = 512
+NAME_MAX = 128
+Text = Annotated[str, msgspec.Meta(max_length=TEXT_MAX)]
+Name = Annotated[str, msgspec.Meta(max_length=NAME_MAX)]
 NodeName = Annotated[str, msgspec.Meta(pattern=NODE_PATTERN)]
-#: where a node says it can be reached: requests for its models are sent there.
-Url = Annotated[str, msgspec.Meta(pattern=URL_PATTERN, max_length=512)]
+#: where a node says it can be reached: requests for its models are sent there (checked
+#: further by ``Advert.__post_init__``: scheme, host, port, IPv6 literal).
+Url = Annotated[str, msgspec.Meta(max_length=512)]
 
 
 class AdvertModel(msgspec.Struct, frozen=True):
@@ -72,6 +79,12 @@ class Advert(msgspec.Struct, frozen=True):
     #: models this node serves but left out so the advert fits MAX_ADVERT_BYTES.
     left_out: Annotated[int, msgspec.Meta(ge=0)] = 0
 
+    def __post_init__(self) -> None:
+        # checked at decode (msgspec turns this into a ValidationError): a URL nothing
+        # could use (port 99999, "http://[::1") never reaches the table or the router.
+        if self.url is not None and (problem := url_problem(self.url)) is not None:
+            raise ValueError(f"url: {problem}, got {self.url[:100]!r}")
+
     def content(self) -> tuple[object, ...]:
         """What a receiver stores; equal contents need no new listing."""
         return (self.url, self.engines, self.models)
@@ -79,28 +92,105 @@ class Advert(msgspec.Struct, frozen=True):
 
 decoder = msgspec.json.Decoder(Advert)
 encoder = msgspec.json.Encoder()
+_model_decoder = msgspec.json.Decoder(AdvertModel)
+_engine_decoder = msgspec.json.Decoder(AdvertEngine)
 
 
-def describe(board: Board, node: str, now: float) -> tuple[tuple[AdvertEngine, ...],
-                                                           tuple[AdvertModel, ...]]:
+class AdvertRejected(NvpairError):
+    """A body that is not an advert (bad JSON, nested too deeply, a schema or URL this node
+    refuses): the message says what, in one line."""
+
+
+def decode(body: bytes) -> Advert:
+    """An advert from a peer's body or an etcd value; any failure at all (``RecursionError``
+    included) is ``AdvertRejected`` with one line: ``the advert does not fit: url: ...``."""
+    advert: Advert = decode_json(body, "the advert", decoder=decoder,
+                                 error=AdvertRejected)
+    return advert
+
+
+#: the models' refusals seen last (an unchanged listing is not checked again), by model and
+#: the types that == cannot tell apart (created 1, 1.0 and True are equal and hash alike)
+_refusals: dict[object, str | None] = {}
+_REFUSALS_MAX = 50_000
+
+
+def refusal(item: msgspec.Struct, check: msgspec.json.Decoder[Any]) -> str | None:
+    """Why a receiver's decoder would refuse ``item`` (None: it takes it): the sender's
+    check, made with the receivers' own types and limits."""
+    if not isinstance(item, AdvertModel):
+        return _refusal(item, check)
+    key = (item, type(item.created), type(item.stale))
+    try:
+        return _refusals[key]
+    except (KeyError, TypeError):  # not seen yet, or not hashable (then a refusal anyway)
+        pass
+    problem = _refusal(item, check)
+    try:
+        if len(_refusals) >= _REFUSALS_MAX:
+            _refusals.clear()
+        _refusals[key] = problem
+    except TypeError:
+        pass
+    return problem
+
+
+def _refusal(item: msgspec.Struct, check: msgspec.json.Decoder[Any]) -> str | None:
+    try:
+        check.decode(encoder.encode(item))
+    except Exception as exc:  # a refusal, or a value that cannot even be encoded
+        return " ".join(str(exc).split())[:200] or type(exc).__name__
+    return None
+
+
+class Described(NamedTuple):
+    engines: tuple[AdvertEngine, ...]
+    models: tuple[AdvertModel, ...]
+    #: models peers would refuse (too long an id or owner, a created that is not an
+    #: integer...), left out so that they cannot make peers refuse the whole advert
+    unfit: int = 0
+    #: why the first of them does not fit, in words
+    why: str = ""
+
+
+def describe(board: Board, node: str, now: float) -> Described:
     """The engines and models part of this node's advert, from the board's current snapshot.
 
     Only what peers list goes in: states, model ids and flags, never probe counters or ages,
-    so the content changes only when the listing would.
+    so the content changes only when the listing would. Every item is checked against the
+    receivers' own limits; a model that does not fit is left out (and counted), an engine's
+    model ids that do not fit are left out of its list.
     """
     snap = board.current
-    engines = tuple(
-        AdvertEngine(name=e.name, kind=e.kind, state=effective_state(e, now, e.overdue_after_s),
-                     models=tuple(m.id for m in e.models))
-        for e in snap.engines if views.visible(e))
     models = []
+    refused: set[object] = set()
+    unfit = 0
+    why = ""
     for item in views.models_doc(snap, now, node)["data"]:
         nv = item["nvpair"]
-        models.append(AdvertModel(
+        model = AdvertModel(
             id=item["id"], engine=nv["engine"], engines=tuple(nv["engines"]), kind=nv["kind"],
             state=nv["state"], stale=nv["stale"], created=item["created"],
-            owned_by=item["owned_by"], alias_of=nv["alias_of"]))
-    return engines, tuple(models)
+            owned_by=item["owned_by"], alias_of=nv["alias_of"])
+        if (problem := refusal(model, _model_decoder)) is None:
+            models.append(model)
+        else:
+            refused.add(item["id"] if isinstance(item["id"], str) else None)
+            unfit += 1
+            why = why or f"engine {nv['engine']!r}: model {str(item['id'])[:60]!r}: {problem}"
+    engines = []
+    for e in snap.engines:
+        if not views.visible(e):
+            continue
+        ids = tuple(m.id for m in e.models if m.id not in refused
+                    and isinstance(m.id, str) and len(m.id) <= TEXT_MAX)
+        engine = AdvertEngine(name=e.name, kind=e.kind, models=ids,
+                              state=effective_state(e, now, e.overdue_after_s))
+        if (problem := refusal(engine, _engine_decoder)) is None:
+            engines.append(engine)
+        else:  # cannot happen with a valid config; never let it cost the whole advert
+            why = why or f"engine {e.name[:NAME_MAX]!r}: {problem}"
+    return Described(tuple(engines), tuple(models), unfit, why)
 
 
 def _stable(models: tuple[AdvertModel, ...]) -> tuple[AdvertModel, ...]:
@@ -124,9 +214,18 @@ class Advertiser:
         self._changed = trio.Event()
         self._advert = Advert(node=node, boot_id=self.boot_id, seq=0, ttl_s=ttl_s, url=url)
         self._content: tuple[object, ...] | None = None  # the last content built from
+        self._unfit = 0  # models left out because peers would refuse them (logged on change)
         self.body = encoder.encode(self._advert)
         self.changed_at = trio.current_time()
-        self.refresh(trio.current_time())
+        #: the advertiser's fault boundary (its failure: ``fault``, shown in /v1/peers).
+        self.part = Part("peers: advertiser", self._publish)
+        self.fault: str | None = None
+        self._refused = False  # the last content built would be refused: a fault until it moves
+        with self.part.guard():
+            self.refresh(trio.current_time())
+
+    def _publish(self, reason: str | None) -> None:
+        self.fault = reason
 
     @property
     def advert(self) -> Advert:
@@ -142,14 +241,17 @@ class Advertiser:
 
     def refresh(self, now: float) -> bool:
         """Rebuild the advert if its content changed; True if it did (seq grew)."""
-        engines, models = describe(self.board, self.node, now)
+        engines, models, unfit, why = describe(self.board, self.node, now)
         content = (self.url, engines, _stable(models))
         if self._advert.seq and content == self._content:
             return False
         self._content = content
+        if unfit != self._unfit and unfit:
+            log.warning("advert: %d models left out: peers would refuse them (%s)", unfit, why)
+        self._unfit = unfit
         seq = max(self.board.current.version, self._advert.seq + 1)
         advert = Advert(node=self.node, boot_id=self.boot_id, seq=seq, ttl_s=self.ttl_s,
-                        url=self.url, engines=engines, models=models)
+                        url=self.url, engines=engines, models=models, left_out=unfit)
         body = encoder.encode(advert)
         if len(body) > MAX_ADVERT_BYTES:
             advert, body = _fitted(advert)
@@ -158,7 +260,14 @@ class Advertiser:
                           len(engines), MAX_ADVERT_BYTES)
                 return False
             log.warning("advert: %d of %d models left out: the advert must fit %d bytes",
-                        advert.left_out, len(models), MAX_ADVERT_BYTES)
+                        advert.left_out - unfit, len(models), MAX_ADVERT_BYTES)
+        try:  # the receivers' own decoder, on the whole advert, before anyone gets it
+            decode(body)
+        except AdvertRejected as exc:  # a bug of nvpair's: peers keep the last advert
+            self._refused = True
+            self.part.failed(RuntimeError(f"this node's advert would be refused: {exc}"))
+            return False
+        self._refused = False
         self._advert, self.body, self.changed_at = advert, body, now
         self._changed.set()
         self._changed = trio.Event()
@@ -177,12 +286,17 @@ class Advertiser:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Refresh on every board change, until cancelled."""
-        version = self.board.current.version
         task_status.started()
+        await self.part.supervise(self._loop)
+
+    async def _loop(self) -> None:
+        version = self.board.current.version
         while True:
+            self.refresh(trio.current_time())  # (first: again after a failure)
+            if not self._refused:
+                self.part.ok()
             snap = await self.board.wait_changed(version)
             version = snap.version
-            self.refresh(trio.current_time())
 
 
 def _fitted(advert: Advert) -> tuple[Advert, bytes]:
@@ -195,7 +309,7 @@ def _fitted(advert: Advert) -> tuple[Advert, bytes]:
         engines = tuple(msgspec.structs.replace(e, models=tuple(m for m in e.models if m in ids))
                         for e in advert.engines)
         smaller = msgspec.structs.replace(advert, models=kept, engines=engines,
-                                          left_out=len(advert.models) - n)
+                                          left_out=advert.left_out + len(advert.models) - n)
         return smaller, encoder.encode(smaller)
 
     low, high = 0, len(advert.models)  # cut(low) fits (none fit: the engines alone)

@@ -4,12 +4,14 @@ etcd backend) from the settings, gives the API its mounts and cluster view, and 
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import trio
 
 from nvpair.api import Mount
+from nvpair.boundary import Part
 from nvpair.peers.advert import Advertiser
 from nvpair.peers.etcd import EtcdBackend
 from nvpair.peers.push import LEAVE_BUDGET_S, Pusher
@@ -50,6 +52,9 @@ class Broker:
                    interval=cluster.interval_s, timeout=cluster.push_timeout_s)
             for t in cluster.peers]
         self.etcd = None if etcd is None else EtcdBackend(etcd, self.advertiser, self.table)
+        #: the broker's own fault boundary: it runs in the API's nursery, so nothing in it
+        #: may end that nursery (a failure is ``broker.state: failed`` in /v1/peers).
+        self.part = Part("peers: broker", initial_s=1.0, max_s=30.0)
 
     @property
     def mounts(self) -> list[Mount]:
@@ -69,17 +74,46 @@ class Broker:
             "interval_s": self.cluster.interval_s,
             "received": None if self.receiver is None else {
                 "accepted": self.receiver.accepted, "rejected": dict(self.receiver.rejected)},
-            "etcd": None if self.etcd is None else self.etcd.doc(now)}
+            "etcd": None if self.etcd is None else self.etcd.doc(now),
+            "broker": self.health()}
         doc.update(self.table.doc(now))
         return doc
+
+    def health(self) -> dict[str, Any]:
+        """``ok``, or ``failed`` with the reason (the broker's or the advertiser's)."""
+        reason = self.part.failure or self.advertiser.fault
+        return {"state": "ok" if reason is None else "failed", "reason": reason,
+                "failures": self.part.failures + self.advertiser.part.failures}
 
     async def run(self, bound_url: str, shutdown: trio.Event, *,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Advertise and listen until ``shutdown`` is set, then leave (within about 1 s).
 
         ``bound_url``: where the API listens (the advertised URL unless one is configured).
-        Started value: None, once every sender has its client.
+        Started value: None, once every sender has its client (or once the broker failed:
+        the API starts without peers then). Any failure is the broker's, published and
+        retried with backoff; none leaves this method.
         """
+        reported = False
+
+        def started() -> None:  # at most once: a retried run starts again
+            nonlocal reported
+            if not reported:
+                reported = True
+                task_status.started()
+
+        while not shutdown.is_set():
+            try:
+                await self._run(bound_url, shutdown, started)
+                return
+            except Exception as exc:  # the broker's failure, never the API's
+                self.part.failed(exc)
+            started()
+            with trio.move_on_after(self.part.backoff.next()):
+                await shutdown.wait()
+
+    async def _run(self, bound_url: str, shutdown: trio.Event,
+                   started: Callable[[], None]) -> None:
         if self.cluster.advertise_url is None:
             self.advertiser.set_url(default_url(bound_url))
         async with trio.open_nursery() as nursery:
@@ -88,7 +122,8 @@ class Broker:
                 await nursery.start(pusher.run)
             if self.etcd is not None:
                 await nursery.start(self.etcd.run)
-            task_status.started()
+            started()
+            self.part.ok()
             await shutdown.wait()
             await self.leave()
             nursery.cancel_scope.cancel(reason="nvpair is shutting down")
@@ -102,3 +137,4 @@ class Broker:
                 await self.etcd.leave()
             for pusher in self.pushers:
                 await pusher.done.wait()
+

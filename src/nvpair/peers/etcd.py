@@ -16,6 +16,11 @@ takes its client with it, so nothing a cancelled request leaves in a pool can we
 
 When etcd cannot be reached the table keeps its entries: no contact for a TTL makes them
 stale, for 3 x TTL gone. Nothing here ever blocks a read.
+
+Each loop is a fault boundary (``nvpair.boundary.Part``): a failed call is ``unreachable``
+(no answer), anything else at all (an answer that is not the gateway's, etcd's own error, a
+bug here) is ``failed`` with the reason; both are retried with backoff and jitter (doubling
+from 0.2 s to TTL/3) and never leave the backend.
 """
 
 from __future__ import annotations
@@ -27,10 +32,11 @@ import ssl
 from typing import Any
 
 import httpx2
-import msgspec
 import trio
 
-from nvpair.peers.advert import Advertiser, decoder
+from nvpair.boundary import Part
+from nvpair.errors import NvpairError
+from nvpair.peers.advert import Advertiser, AdvertRejected, decode
 from nvpair.peers.gateway import KV, EtcdError, Gateway, LeaseNotFound, WatchResult
 from nvpair.peers.settings import EtcdSettings
 from nvpair.peers.table import PeerTable
@@ -43,6 +49,12 @@ log = logging.getLogger("nvpair.peers")
 RERANGE_S = 60.0
 #: the first retry after a failure comes after about this long; then it doubles to TTL/3.
 FIRST_RETRY_S = 0.2
+#: failures that mean etcd did not answer (``unreachable``); any other is ``failed``.
+NO_ANSWER = (httpx2.TransportError, OSError, trio.TooSlowError)
+
+
+class Unreachable(NvpairError):
+    """etcd did not answer (refused, reset, timed out)."""
 
 
 class EtcdBackend:
@@ -66,6 +78,12 @@ class EtcdBackend:
         self.last_error_at: float | None = None
         self.counts = dict.fromkeys(("grants", "puts", "keepalives", "lost_leases", "ranges",
                                      "watches", "events", "failures"), 0)
+        #: values under the prefix that are not adverts this node can use, by reason.
+        self.rejected: dict[str, int] = {}
+        self._rejected_logged: dict[str, str] = {}  # key -> the reason last logged
+        backoff = {"initial_s": FIRST_RETRY_S, "max_s": max(FIRST_RETRY_S, self.ttl / 3)}
+        self.own_part = Part("etcd: lease owner", **backoff)  # type: ignore[arg-type]
+        self.watch_part = Part("etcd: watch", **backoff)  # type: ignore[arg-type]
         self._own_scope = trio.CancelScope()
         self._wake: trio.CancelScope | None = None
         self._own_missing = False  # our key was deleted while our lease lives: put it again
@@ -112,8 +130,9 @@ class EtcdBackend:
         """Keep this node's key and watch everyone's until cancelled. Started value: None."""
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._own)
-                nursery.start_soon(self._watch)
+                # the loops catch their own failures; supervise is the net for the rest
+                nursery.start_soon(self.own_part.supervise, self._own)
+                nursery.start_soon(self.watch_part.supervise, self._watch)
                 task_status.started()
         finally:
             with trio.move_on_after(1, shield=True):
@@ -130,35 +149,43 @@ class EtcdBackend:
         try:
             await self._owner.put(self.key, self.advertiser.leave_body(), ignore_lease=True)
             await self._owner.revoke(self.lease)
-        except (EtcdError, httpx2.HTTPError) as exc:
-            log.warning("etcd: leaving: %s", exc)
+        except Exception as exc:  # best effort: the lease expires by itself
+            log.warning("etcd: leaving: %s: %s", type(exc).__name__, exc)
 
     # -- bookkeeping --------------------------------------------------------------------
 
-    def _ok(self) -> None:
+    def _ok(self, part: Part) -> None:
+        """``part`` got an answer it could use: etcd is ok once both loops are."""
         now = trio.current_time()
         self.last_ok_at = now
-        self.table.touch(now)
+        part.ok()
+        if self.watch_part.failure is None:  # news of the keys only while the watch works
+            self.table.touch(now)
+        if self.own_part.failure is not None or self.watch_part.failure is not None:
+            return
         if self.state != "ok":
-            if self.state == "unreachable":
-                log.info("etcd: reachable again")
+            if self.state in ("unreachable", "failed"):
+                log.info("etcd: works again (was %s)", self.state)
                 self.recovered_at = now
-                self._rewatch()
+                if part is self.own_part:  # the watch may have hung meanwhile: range again
+                    self._rewatch()
             self.state, self.state_at = "ok", now
 
-    def _failed(self, what: str, exc: BaseException) -> None:
+    def _failed(self, part: Part, what: str, exc: Exception) -> float:
+        """A failure of one loop: recorded, published, logged once per change; the delay
+        before its retry (backoff with jitter)."""
         now = trio.current_time()
-        message = f"{what}: {type(exc).__name__}: {exc}" if str(exc) else \
-            f"{what}: {type(exc).__name__}"
+        state = "unreachable" if isinstance(exc, NO_ANSWER) else "failed"
+        if isinstance(exc, NO_ANSWER):
+            words = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            exc = Unreachable(f"{what}: {words}")
+        elif isinstance(exc, NvpairError):  # etcd's error or an answer that is not etcd's
+            exc = EtcdError(f"{what}: {exc}")
         self.counts["failures"] += 1
-        self.last_error, self.last_error_at = message, now
-        if self.state != "unreachable":
-            log.warning("etcd: unreachable: %s", message)
-            self.state, self.state_at = "unreachable", now
-
-    def _backoff(self, failures: int) -> float:
-        delay = min(self.ttl / 3, FIRST_RETRY_S * 2.0 ** (failures - 1))
-        return delay * self.rng.uniform(0.5, 1.0)
+        self.last_error, self.last_error_at = part.failed(exc), now
+        if self.state != state:
+            self.state, self.state_at = state, now
+        return part.backoff.next()
 
     def _rewatch(self) -> None:
         if self._watch_scope is not None:
@@ -190,7 +217,7 @@ class EtcdBackend:
                     self.counts["grants"] += 1
                     due = trio.current_time() + granted / 3
                     put_seq = -1
-                    self._ok()
+                    self._ok(self.own_part)
                 self.advertiser.refresh(trio.current_time())
                 if self._own_missing:  # deleted behind our back (the lease may live on)
                     self._own_missing, put_seq = False, -1
@@ -201,7 +228,7 @@ class EtcdBackend:
                     self.counts["puts"] += 1
                     put_seq = seq
                     failures = 0
-                    self._ok()
+                    self._ok(self.own_part)
                 with trio.move_on_at(due) as self._wake:
                     await self.advertiser.wait_changed(put_seq)
                 if not self._wake.cancelled_caught or self._own_missing:
@@ -214,18 +241,18 @@ class EtcdBackend:
                     continue
                 due = trio.current_time() + min(self.ttl / 3, remaining / 2)
                 failures = 0
-                self._ok()
+                self._ok(self.own_part)
             except LeaseNotFound:
                 self._lost("etcd has no such lease")
                 failures += 1
                 if failures > 1:  # lost again at once: do not spin
-                    await trio.sleep(self._backoff(failures))
-            except (EtcdError, httpx2.HTTPError, OSError, trio.TooSlowError) as exc:
+                    await trio.sleep(self.own_part.backoff.next())
+            except Exception as exc:  # any failure is this loop's, retried with backoff
                 failures += 1
-                self._failed("renewing the lease", exc)
+                delay = self._failed(self.own_part, "renewing the lease", exc)
                 if isinstance(exc, trio.TooSlowError | httpx2.PoolTimeout):
                     await self._renew(gw, streaming=False)
-                await trio.sleep(self._backoff(failures))
+                await trio.sleep(delay)
 
     def _lost(self, why: str) -> None:
         log.warning("etcd: lease %s lost (%s); taking a new one", self.lease, why)
@@ -244,7 +271,6 @@ class EtcdBackend:
 
     async def _watch(self) -> None:
         gw = self._watcher
-        failures = 0
         prefix = self.settings.prefix
         while True:
             try:
@@ -252,20 +278,17 @@ class EtcdBackend:
                     revision, kvs = await gw.range(prefix)
                 self.counts["ranges"] += 1
                 self._apply_range(kvs)
-                self._ok()
-                failures = 0
-                self.counts["watches"] += 1
+                self.last_ok_at = trio.current_time()
+                self.counts["watches"] += 1  # (the watch works once its first answer came)
                 with trio.CancelScope() as self._watch_scope, trio.move_on_after(RERANGE_S):
                     await gw.watch(prefix, revision + 1, self._on_result)
                     raise EtcdError("the watch stream ended (etcd going away?)")
                 # cancelled: a lost lease, etcd back after an outage, or the periodic check
                 await self._renew(gw, streaming=True)
-            except (EtcdError, httpx2.HTTPError, OSError, trio.TooSlowError,
-                    msgspec.DecodeError) as exc:
-                failures += 1
-                self._failed("watching", exc)
+            except Exception as exc:  # any failure is this loop's, retried with backoff
+                delay = self._failed(self.watch_part, "watching", exc)
                 await self._renew(gw, streaming=True)
-                await trio.sleep(self._backoff(failures))
+                await trio.sleep(delay)
 
     def _node_of(self, kv: KV) -> str:
         return kv.key_text[len(self.settings.prefix):]
@@ -285,7 +308,7 @@ class EtcdBackend:
 
     def _on_result(self, result: WatchResult) -> None:
         now = trio.current_time()
-        self.last_ok_at = now
+        self._ok(self.watch_part)
         for event in result.events:
             self.counts["events"] += 1
             node = self._node_of(event.kv)
@@ -300,9 +323,9 @@ class EtcdBackend:
     def _put(self, node: str, kv: KV, now: float) -> None:
         value = kv.value_bytes
         try:
-            advert = decoder.decode(value)
-        except msgspec.DecodeError as exc:
-            log.warning("etcd: ignoring %s: not an advert: %s", kv.key_text, exc)
+            advert = decode(value)
+        except AdvertRejected as exc:  # one node's value: skip it, never the watch
+            self._reject(kv.key_text, "schema", str(exc))
             return
         if node == self.node:
             if advert.boot_id != self.advertiser.boot_id and not advert.leaving \
@@ -312,9 +335,19 @@ class EtcdBackend:
                           "be unique", node, advert.boot_id)
             return
         if advert.node != node:
-            log.warning("etcd: ignoring %s: it names node %r", kv.key_text, advert.node)
+            self._reject(kv.key_text, "node", f"it names node {advert.node!r}")
             return
+        self._rejected_logged.pop(kv.key_text, None)
         self.table.receive(advert, len(value), now)
+
+    def _reject(self, key: str, why: str, message: str) -> None:
+        """Count a value that is not a usable advert; log it once per key and reason."""
+        self.rejected[why] = self.rejected.get(why, 0) + 1
+        if self._rejected_logged.get(key) != message:
+            if len(self._rejected_logged) >= 1000:
+                self._rejected_logged.clear()
+            self._rejected_logged[key] = message
+            log.warning("etcd: ignoring %s: %s", key[:200], message)
 
     def doc(self, now: float) -> dict[str, Any]:
         """The etcd part of ``GET /v1/peers``."""
@@ -324,5 +357,6 @@ class EtcdBackend:
                 "lease_ttl_s": self.ttl, "last_ok_age_s": age(now, self.last_ok_at),
                 "last_error": self.last_error, "last_error_age_s": age(now, self.last_error_at),
                 "bytes_sent": sum(g.bytes_sent for g in gws),
-                "bytes_received": sum(g.bytes_received for g in gws), **self.counts}
+                "bytes_received": sum(g.bytes_received for g in gws), **self.counts,
+                "rejected": dict(self.rejected)}
 

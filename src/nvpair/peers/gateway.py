@@ -11,22 +11,34 @@ The gateway's gotchas (measured on etcd 3.4, see the reference):
   revision answers ``created`` then ``canceled`` with ``compact_revision``.
 
 Deadlines belong to the caller. Errors: ``EtcdError`` (and ``LeaseNotFound``,
-``WatchCanceled``) for etcd's answers; httpx2's own errors pass through.
+``WatchCanceled``) for etcd's answers, ``BadAnswer`` for anything that is not what the
+gateway sends (HTML from a proxy, truncated or deeply nested JSON, wrong types, missing
+fields, bad base64), each one line; httpx2's own errors pass through.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import httpx2
 import msgspec
 
+from nvpair.decoding import decode_json
+from nvpair.errors import NvpairError
 
-class EtcdError(Exception):
+T = TypeVar("T")
+
+
+class EtcdError(NvpairError):
     """etcd answered with an error."""
+
+
+class BadAnswer(EtcdError):
+    """An answer that is not what etcd's v3 gateway sends (a proxy's page, a wrong port...)."""
 
 
 class LeaseNotFound(EtcdError):
@@ -41,6 +53,14 @@ class Header(msgspec.Struct):
     revision: int = 0
 
 
+def unb64(text: str, what: str) -> bytes:
+    """etcd's base64; anything else is ``BadAnswer``."""
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise BadAnswer(f"etcd sent a {what} that is not base64 ({exc})") from None
+
+
 class KV(msgspec.Struct):
     key: str
     value: str = ""
@@ -49,11 +69,16 @@ class KV(msgspec.Struct):
 
     @property
     def key_text(self) -> str:
-        return base64.b64decode(self.key).decode("utf-8", "replace")
+        return unb64(self.key, "key").decode("utf-8", "replace")
 
     @property
     def value_bytes(self) -> bytes:
-        return base64.b64decode(self.value)
+        return unb64(self.value, "value")
+
+    def check(self) -> None:
+        """Raise ``BadAnswer`` now, not where the key is used, if it is not base64."""
+        unb64(self.key, "key")
+        unb64(self.value, "value")
 
 
 class Event(msgspec.Struct):
@@ -77,7 +102,7 @@ class _WatchLine(msgspec.Struct):
 
 
 class _Range(msgspec.Struct):
-    header: Header = msgspec.field(default_factory=Header)
+    header: Header  # always sent: its revision is where the watch starts
     kvs: list[KV] = msgspec.field(default_factory=list)
 
 
@@ -98,7 +123,7 @@ class _Keepalive(msgspec.Struct):
 
 
 class _Put(msgspec.Struct):
-    header: Header = msgspec.field(default_factory=Header)
+    header: Header
 
 
 class _Auth(msgspec.Struct):
@@ -121,14 +146,31 @@ def prefix_end(prefix: str) -> str:
     return b64(bytes(raw))
 
 
+_DECODERS: dict[type, msgspec.json.Decoder[Any]] = {}
+
+
+def parse(raw: bytes, type_: type[T], what: str) -> T:
+    """``raw`` as the gateway's ``type_`` (int64s as strings); anything else, any decode
+    failure at all, is ``BadAnswer``: ``etcd's answer to POST /v3/kv/range is not JSON:
+    <html>...``."""
+    decoder = _DECODERS.get(type_)
+    if decoder is None:
+        decoder = _DECODERS[type_] = msgspec.json.Decoder(type_, strict=False)
+    value: T = decode_json(raw, f"etcd's answer to {what}", decoder=decoder,
+                           error=BadAnswer)
+    return value
+
+
 def _error(body: bytes, status: int) -> EtcdError:
     try:
         doc = msgspec.json.decode(body)
-    except msgspec.DecodeError:
-        return EtcdError(f"HTTP {status}: {body[:200]!r}")
+    except (msgspec.DecodeError, RecursionError):
+        text = body[:200].decode("utf-8", "replace")
+        return EtcdError(f"HTTP {status}: {' '.join(text.split())!r}")
     err = doc.get("error") if isinstance(doc, dict) else None
     message = (err.get("message") if isinstance(err, dict) else None) or \
-        (doc.get("message") if isinstance(doc, dict) else None) or str(err or doc)
+        (doc.get("message") if isinstance(doc, dict) else None) or err or doc
+    message = " ".join(str(message).split())[:300]  # whatever it is, one line of text
     if "lease not found" in message:
         return LeaseNotFound(message)
     return EtcdError(f"HTTP {status}: {message}")
@@ -169,12 +211,12 @@ class Gateway:
             {"name": self.username, "password": self.password}))
         if r.status_code != 200:
             raise _error(r.content, r.status_code)
-        self._token = msgspec.json.decode(r.content, type=_Auth, strict=False).token
+        self._token = parse(r.content, _Auth, "POST /v3/auth/authenticate").token
 
     async def grant(self, ttl: int) -> tuple[int, int]:
         """A new lease: (ID, granted TTL; etcd rounds up to its minimum)."""
-        answer = msgspec.json.decode(await self._post("/v3/lease/grant", {"TTL": ttl}),
-                                     type=_Grant, strict=False)
+        answer = parse(await self._post("/v3/lease/grant", {"TTL": ttl}), _Grant,
+                       "POST /v3/lease/grant")
         if answer.error or not answer.ID:
             raise EtcdError(f"lease grant failed: {answer.error or 'no ID'}")
         return answer.ID, answer.TTL
@@ -183,7 +225,7 @@ class Gateway:
         """Renew ``lease``; its remaining TTL, 0 when etcd no longer has it."""
         raw = await self._post("/v3/lease/keepalive", {"ID": str(lease)})
         line = raw.split(b"\n", 1)[0]
-        answer = msgspec.json.decode(line, type=_Keepalive, strict=False)
+        answer = parse(line, _Keepalive, "POST /v3/lease/keepalive")
         if answer.error is not None:
             raise _error(line, 200)
         return answer.result.TTL if answer.result is not None else 0
@@ -196,8 +238,7 @@ class Gateway:
             doc["lease"] = str(lease)
         if ignore_lease:
             doc["ignore_lease"] = True
-        answer = msgspec.json.decode(await self._post("/v3/kv/put", doc), type=_Put,
-                                     strict=False)
+        answer = parse(await self._post("/v3/kv/put", doc), _Put, "POST /v3/kv/put")
         return answer.header.revision
 
     async def revoke(self, lease: int) -> None:
@@ -207,7 +248,9 @@ class Gateway:
         """Every key under ``prefix``: (the store's revision, the keys)."""
         doc = {"key": b64(prefix), "range_end": prefix_end(prefix)}
         raw = await self._post("/v3/kv/range", doc)
-        answer = msgspec.json.decode(raw, type=_Range, strict=False)
+        answer = parse(raw, _Range, "POST /v3/kv/range")
+        for kv in answer.kvs:
+            kv.check()
         return answer.header.revision, answer.kvs
 
     async def watch(self, prefix: str, start_revision: int,
@@ -236,7 +279,7 @@ class Gateway:
                         on_result(self._watch_result(line))
 
     def _watch_result(self, line: str) -> WatchResult:
-        msg = msgspec.json.decode(line, type=_WatchLine, strict=False)
+        msg = parse(line.encode(), _WatchLine, "POST /v3/watch")
         if msg.error is not None or msg.result is None:
             if self.username is not None:
                 self._token = None  # perhaps an expired token: a new one next time
@@ -246,4 +289,6 @@ class Gateway:
             if msg.result.compact_revision:
                 reason = f"compacted at revision {msg.result.compact_revision}"
             raise WatchCanceled(f"etcd ended the watch: {reason}")
+        for event in msg.result.events:
+            event.kv.check()
         return msg.result

@@ -11,7 +11,9 @@ total deadline per push. The client keeps an idle connection ``2 x interval`` an
 receiving nvpair ``3 x interval`` (see ``keep_alive_for``), so steady pushes reuse their
 connection and the client, not the server, closes an idle one (no CLOSE-WAIT piles up here).
 Failures are recorded in the ``Link`` and logged (the 1st, 2nd, 4th, 8th... in a row), never
-raised.
+raised. The loop is a fault boundary (``nvpair.boundary.Part``): anything else that goes
+wrong in it (a bug of nvpair's) is a failed push of this link with the reason (``fault`` in
+``/v1/peers``), retried after a backoff; it never reaches the other links or the node.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 import httpx2
 import trio
 
+from nvpair.boundary import Part
 from nvpair.peers.advert import Advertiser
 from nvpair.peers.receiver import ADVERTS_PATH
 from nvpair.peers.settings import PeerTarget
@@ -57,6 +60,13 @@ class Pusher:
         self._leaving = False
         self._http: httpx2.AsyncClient | None = None
         self._in_flight = False
+        self.part = Part(f"peer {target.url}", self._publish, initial_s=interval,
+                         max_s=4 * interval, rng=self.rng)
+
+    def _publish(self, reason: str | None) -> None:
+        if reason is not None:
+            self.link.failed(trio.current_time(), reason)
+        self.link.fault = reason
 
     def client(self) -> httpx2.AsyncClient:
         limits = httpx2.Limits(max_connections=1, max_keepalive_connections=1,
@@ -79,14 +89,14 @@ class Pusher:
         try:
             task_status.started()
             with self._loop_scope:
-                await self._loop()
+                await self.part.supervise(self._loop)
             if self._leaving:
-                with trio.move_on_after(LEAVE_BUDGET_S):
+                with trio.move_on_after(LEAVE_BUDGET_S), self.part.guard():
                     if self._in_flight:  # the leave cut a push short
                         await self._renew()
                     await self.push(self.advertiser.leave_body())
         finally:
-            with trio.move_on_after(1, shield=True):
+            with trio.move_on_after(1, shield=True), self.part.guard():
                 await self._http.aclose()
             self.done.set()
 
@@ -161,6 +171,7 @@ class Pusher:
         if node:
             self.link.learn(node)
         self.link.ok(trio.current_time(), nbytes)
+        self.part.ok()
 
     async def _trace(self, name: str, info: dict[str, Any]) -> None:
         if name == "connection.connect_tcp.complete":

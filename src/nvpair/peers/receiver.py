@@ -11,11 +11,10 @@ from __future__ import annotations
 import hmac
 import logging
 
-import msgspec
 import trio
 
 from nvpair.asgi import BodyTooLarge, Receive, Scope, Send, header, read_body, send_error
-from nvpair.peers.advert import MAX_ADVERT_BYTES, decoder
+from nvpair.peers.advert import MAX_ADVERT_BYTES, AdvertRejected, decode
 from nvpair.peers.table import PeerTable
 
 log = logging.getLogger("nvpair.peers")
@@ -66,10 +65,10 @@ class Receiver:
             await send_error(send, 408, f"the advert did not arrive within {READ_BUDGET_S:g} s")
             return
         try:
-            advert = decoder.decode(body)
-        except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+            advert = decode(body)
+        except AdvertRejected as exc:  # any decode failure, RecursionError and bad URLs too
             self._reject("schema")
-            await send_error(send, 400, f"not an advert: {exc}", "invalid_advert")
+            await send_error(send, 400, str(exc), "invalid_advert")
             return
         if advert.node == self.table.node:
             self._reject("self")

@@ -7,12 +7,15 @@ peers present it on every advert, and it must differ from the API's ``token_file
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import ssl
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Literal, Protocol
+from urllib.parse import urlsplit
 
+import httpx2
 import msgspec
 
 from nvpair.errors import ConfigError
@@ -25,6 +28,37 @@ LeaseTTL = Annotated[int, msgspec.Meta(ge=2, le=MAX_TTL_S)]
 NODE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 URL_PATTERN = r"^https?://[^/\s]+"
 _URL = re.compile(URL_PATTERN)
+
+
+def url_problem(url: str) -> str | None:
+    """What is wrong with a peer's, this node's or etcd's URL, in words (None: nothing).
+
+    Checked where a URL comes in (the config, every advert), so that nothing later (a
+    pusher, a routed request) meets a URL it cannot use: scheme http or https, a host, a
+    port in 1-65535, a valid IPv6 literal in brackets.
+    """
+    if not _URL.match(url):
+        return "expected http(s)://HOST:PORT"
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:  # a port out of range or not a number, a broken [IPv6]
+        return f"not a valid URL ({exc})"
+    host = parts.hostname
+    if not host:
+        return "no host in it"
+    if port is not None and not 1 <= port <= 65535:
+        return f"port {port} is not in 1-65535"
+    if "[" in parts.netloc:
+        try:
+            ipaddress.IPv6Address(host.split("%", 1)[0])
+        except ValueError:
+            return f"{host!r} is not an IPv6 address"
+    try:
+        httpx2.URL(url)
+    except (httpx2.InvalidURL, ValueError) as exc:  # what the clients would refuse
+        return f"not a valid URL ({exc})"
+    return None
 
 
 class ClusterConfig(Base, frozen=True):
@@ -104,9 +138,8 @@ def resolve_cluster(c: ClusterConfig, peers: Sequence[_Peer], *, source: str, ba
     where = f"{source}: cluster"
     peer_tokens: list[str | None] = []
     for i, peer in enumerate(peers):
-        if not _URL.match(peer.url):
-            raise ConfigError(
-                f"{source}: peers[{i}].url: expected http(s)://HOST:PORT, got {peer.url!r}")
+        if (problem := url_problem(peer.url)) is not None:
+            raise ConfigError(f"{source}: peers[{i}].url: {problem}, got {peer.url!r}")
         peer_tokens.append(None if not peer.token_file else read_secret(
             peer.token_file, source, f"peers[{i}].token_file", base))
     if c.backend == "push" and not peers and c.token_file is None:
@@ -126,9 +159,8 @@ def resolve_cluster(c: ClusterConfig, peers: Sequence[_Peer], *, source: str, ba
     elif c.backend == "push":
         raise ConfigError(f"{where}.token_file: required when [[peers]] are configured (a "
                           "shared secret that adverts between nodes carry)")
-    if c.advertise_url is not None and not _URL.match(c.advertise_url):
-        raise ConfigError(
-            f"{where}.advertise_url: expected http(s)://HOST:PORT, got {c.advertise_url!r}")
+    if c.advertise_url is not None and (problem := url_problem(c.advertise_url)) is not None:
+        raise ConfigError(f"{where}.advertise_url: {problem}, got {c.advertise_url!r}")
     interval, ttl = c.interval_s, c.ttl_s or min(3 * c.interval_s, MAX_TTL_S)
     if ttl < 2 * interval:
         raise ConfigError(f"{where}.ttl_s: must be at least 2 x interval_s ({2 * interval:g} s) "
@@ -154,8 +186,8 @@ def _resolve_etcd(c: ClusterConfig, where: str, source: str, base: Path,
                   read_secret: SecretReader) -> EtcdSettings:
     if c.etcd_url is None:
         raise ConfigError(f"{where}.etcd_url: required when backend = 'etcd'")
-    if not _URL.match(c.etcd_url):
-        raise ConfigError(f"{where}.etcd_url: expected http(s)://HOST:PORT, got {c.etcd_url!r}")
+    if (problem := url_problem(c.etcd_url)) is not None:
+        raise ConfigError(f"{where}.etcd_url: {problem}, got {c.etcd_url!r}")
     if not c.etcd_prefix.endswith("/"):
         raise ConfigError(f"{where}.etcd_prefix: must end with '/', got {c.etcd_prefix!r}")
     if (c.etcd_username is None) != (c.etcd_password_file is None):

@@ -56,6 +56,8 @@ class Link:
         self.first_failed_at: float | None = None  # the first failure, before any success
         self.last_error: str | None = None
         self.last_error_at: float | None = None
+        #: the sender's own failure (a bug of nvpair's caught at its boundary), else None.
+        self.fault: str | None = None
         #: called when the link starts or stops failing (the table's version changes).
         self.on_change: Callable[[], None] = lambda: None
 
@@ -99,7 +101,9 @@ class Link:
                 "failures": self.failures, "consecutive_failures": self.consecutive_failures,
                 "bytes_sent": self.bytes_sent, "connects": self.connects,
                 "last_ok_age_s": age(now, self.last_ok_at), "last_error": self.last_error,
-                "last_error_age_s": age(now, self.last_error_at)}
+                "last_error_age_s": age(now, self.last_error_at),
+                "state": "degraded" if self.fault or self.consecutive_failures else "ok",
+                "fault": self.fault}
 
 
 class Entry:
