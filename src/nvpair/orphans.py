@@ -218,12 +218,14 @@ async def reclaim(procs: EngineProcs, engines: Iterable[EngineSpec] = ()) -> lis
     """Stop the engine processes a dead nvpair left running (in parallel, each with its
     engine's stop signal and grace period); remove the state files of processes that have
     ended. Returns the records of the orphans it stopped."""
-    if procs.dir is None or not procs.dir.is_dir():
-        return []
     stops = {e.name: Stop(e.manifest.stop.signal, e.stop_grace_s) for e in engines}
     part = Part("orphans")
+    paths: list[Path] = []
+    with part.guard():  # an unreadable directory is logged; nvpair starts regardless
+        if procs.dir is not None and procs.dir.is_dir():
+            paths = sorted(procs.dir.glob("*.json"))
     found: list[tuple[Path, Record]] = []
-    for path in sorted(procs.dir.glob("*.json")):
+    for path in paths:
         with part.guard():
             record = _read(path, procs)
             if record is not None:
