@@ -155,6 +155,23 @@ def _processes() -> Iterable[tuple[int, Stat]]:
                 yield int(entry.name), s
 
 
+def _children() -> Iterable[tuple[int, Stat]]:
+    """This process's children: from /proc/self/task/*/children (cheap), else a scan."""
+    me = os.getpid()
+    pids: set[int] = set()
+    try:
+        for task in os.listdir(f"/proc/{me}/task"):
+            pids.update(int(p) for p in Path(f"/proc/{me}/task/{task}/children").read_text()
+                        .split())
+    except (OSError, ValueError):  # a kernel without CONFIG_PROC_CHILDREN
+        yield from ((pid, s) for pid, s in _processes() if s.ppid == me)
+        return
+    for pid in sorted(pids):
+        s = stat(pid)
+        if s is not None and s.ppid == me:
+            yield pid, s
+
+
 # -- the records ---------------------------------------------------------------------------
 
 
@@ -367,11 +384,10 @@ def strays(procs: EngineProcs) -> list[tuple[int, Stat]]:
 
     Trio's own children are left to Trio: the engines (on record) and anything started in
     nvpair's own session."""
-    me = os.getpid()
-    own = stat(me)
+    own = stat(os.getpid())
     session = None if own is None else own.session
-    return [(pid, s) for pid, s in _processes()
-            if s.ppid == me and s.session != session and pid not in procs.live]
+    return [(pid, s) for pid, s in _children()
+            if s.session != session and pid not in procs.live]
 
 
 def reap_once(procs: EngineProcs) -> list[int]:
