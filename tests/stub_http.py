@@ -1,11 +1,16 @@
-"""A minimal HTTP/1.1 stub engine on a real socket: /fast, /slow, /hang, /close (keep-alive)."""
+"""A minimal HTTP/1.1 stub engine on a real socket: /fast, /slow, /hang, /close (keep-alive).
+
+``serve_stub(body=...)`` answers every other path with that body as JSON (a hostile engine).
+"""
 
 from __future__ import annotations
+
+from functools import partial
 
 import trio
 
 
-async def _handle(stream: trio.SocketStream) -> None:
+async def _handle(stream: trio.SocketStream, body: bytes | None = None) -> None:
     buffer = b""
     try:
         while True:
@@ -24,6 +29,10 @@ async def _handle(stream: trio.SocketStream) -> None:
                 await trio.sleep(1.0)
             if path == "/close":
                 return
+            if body is not None and path not in ("/fast", "/slow"):
+                await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                                      b"content-length: %d\r\n\r\n%s" % (len(body), body))
+                continue
             await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         return
@@ -31,12 +40,13 @@ async def _handle(stream: trio.SocketStream) -> None:
         await stream.aclose()
 
 
-async def serve_stub(*, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+async def serve_stub(*, body: bytes | None = None,
+                     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve until cancelled. Started value: the port."""
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     port = listeners[0].socket.getsockname()[1]
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(trio.serve_listeners, _handle, listeners)
+        nursery.start_soon(trio.serve_listeners, partial(_handle, body=body), listeners)
         task_status.started(port)
 
 
