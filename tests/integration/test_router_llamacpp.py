@@ -40,7 +40,8 @@ async def test_chat_through_nvpair_and_disconnect_frees_the_slot(
     with trio.fail_after(90):
         running = await nursery.start(service.run, load_settings(str(path)))
         await wait_state(running.board, "g", "ready", where=lambda e: bool(e.models), within=30)
-        async with httpx2.AsyncClient(base_url=running.url, timeout=60) as client:
+        async with httpx2.AsyncClient(base_url=running.url, timeout=60,
+                                      headers={"content-type": "application/json"}) as client:
             whole = await client.post("/v1/chat/completions", content=_chat(False, 8))
             assert whole.status_code == 200, whole.text
             assert whole.json()["object"] == "chat.completion"
