@@ -55,9 +55,16 @@ DEFAULT_GRACE_S = 10.0
 #: (when pidfd_open is unavailable).
 POLL_S = 0.05
 PR_SET_CHILD_SUBREAPER = 36
+#: how long a process is waited for after SIGKILL: one stuck in the kernel (D state)
+#: ignores even that, and nvpair goes on (saying so) rather than wait without end.
+KILL_WAIT_S = 5.0
 
 class StateFileError(NvpairError):
     """A state file is not one nvpair wrote (one line: which file, what is wrong)."""
+
+
+class OrphanStuck(NvpairError):
+    """An orphan outlived SIGKILL (it is stuck in the kernel)."""
 
 
 class Record(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -326,7 +333,12 @@ async def _stop_orphan(record: Record, stop: Stop) -> None:
             log.warning("engine %s: process %d did not stop within %g s; SIGKILL",
                         record.engine, pid, stop.grace_s)
             _killpg(pid, signal.SIGKILL)
-            await _ended(pid, record.start_time, pidfd)
+            with trio.move_on_after(KILL_WAIT_S):
+                await _ended(pid, record.start_time, pidfd)
+            if running(pid, record.start_time):
+                raise OrphanStuck(f"engine {record.engine}: process {pid} did not exit within "
+                                  f"{KILL_WAIT_S:g} s of SIGKILL (stuck in the kernel, D "
+                                  "state?); its state file is kept")
     # What is left of its process group (ranks, helpers): the pgid cannot have been reused
     # while any of them lives.
     _killpg(pid, signal.SIGKILL)
@@ -440,7 +452,8 @@ async def end_strays(procs: EngineProcs, grace_s: float = 5.0) -> None:
                 await _ended(pid, s.start_time, pidfd)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            await _ended(pid, s.start_time, pidfd)
+            with trio.move_on_after(KILL_WAIT_S):  # stuck in the kernel: nvpair exits anyway
+                await _ended(pid, s.start_time, pidfd)
 
     async with trio.open_nursery() as nursery:
         for pid in left:
