@@ -342,3 +342,25 @@ async def test_what_an_engine_double_forks_comes_back_to_nvpair_and_is_reaped(
         for pid in daemons:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+# -- where the state files go ---------------------------------------------------------------
+
+
+def test_the_state_dir_is_systemd_s_then_xdg_s_then_the_config_s(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from nvpair.config import load_settings
+
+    config = tmp_path / "nvpair.toml"
+    config.write_text("listen = '127.0.0.1:0'\n")
+    monkeypatch.delenv("STATE_DIRECTORY", raising=False)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
+    s = load_settings(str(config))
+    assert (s.state_dir, s.log_dir) == (tmp_path / "xdg" / "nvpair",
+                                        tmp_path / "xdg" / "nvpair" / "logs")
+    monkeypatch.setenv("STATE_DIRECTORY", "/var/lib/nvpair")  # StateDirectory=nvpair
+    s = load_settings(str(config))
+    assert (s.state_dir, s.log_dir) == (Path("/var/lib/nvpair"), Path("/var/lib/nvpair/logs"))
+    config.write_text("listen = '127.0.0.1:0'\nstate_dir = 'st'\nlog_dir = '/l'\n")
+    s = load_settings(str(config))
+    assert (s.state_dir, s.log_dir) == (tmp_path / "st", Path("/l"))
