@@ -1,4 +1,4 @@
-"""nox sessions: tests, lint, bench, integration."""
+"""nox sessions: tests, lint, bench, integration, chaos."""
 
 from __future__ import annotations
 
@@ -58,6 +58,13 @@ def bench(session: nox.Session) -> None:
     session.run("python", "-m", "benchmarks.router", *quick, *litellm)
     if not quick:  # the same against the vLLM simulator (an engine-like, costly upstream)
         session.run("python", "-m", "benchmarks.router", "--upstream", "sim", *litellm)
+
+
+@nox.session
+def chaos(session: nox.Session) -> None:
+    """Containment: hostile engines, peers, etcd and clients, SIGKILL and restart (minutes)."""
+    session.install("-e", ".[test]")
+    session.run("python", "-m", "benchmarks.chaos", *session.posargs)
 
 
 @nox.session
