@@ -16,6 +16,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+import httpx2
 import msgspec
 import pytest
 import trio
@@ -39,6 +40,8 @@ from tests.peers.cluster import (
 from tests.peers.etcd_server import EtcdServer, open_etcd
 from tests.peers.etcd_standin import GARBAGE, FakeEtcd
 
+from nvpair import service
+from nvpair.config import load_settings
 from nvpair.peers.advert import Advert, AdvertEngine, Advertiser, AdvertModel
 from nvpair.peers.etcd import EtcdBackend
 from nvpair.peers.settings import EtcdSettings
@@ -332,3 +335,44 @@ async def test_a_value_with_a_bad_url_is_skipped_and_counted_not_listed(
         assert set(table.entries) == {"good"}
         assert backend.doc(trio.current_time())["rejected"] == {"schema": 2}
         nursery.cancel_scope.cancel()
+
+
+async def test_a_node_whose_etcd_answers_garbage_keeps_serving(nursery, tmp_path: Path) -> None:
+    """Real sockets: nvpair (in-process) against an etcd stand-in that answers a 200 HTML
+    page, then bad base64 in the watch. ``/v1/peers`` says ``failed`` with the reason while
+    ``/v1/models`` and ``/healthz`` answer and the peer goes stale; once etcd answers
+    properly the backend is ok and the peer fresh again. Before, the first HTML answer
+    raised DecodeError through the broker into the API's nursery: the node went down."""
+    etcd = FakeEtcd(ttl=2)
+    etcd.kv[(PREFIX + "peer").encode()] = peer_advert()
+    url = await nursery.start(etcd.serve)
+    (tmp_path / "nvpair.toml").write_text(
+        f"listen = '127.0.0.1:0'\nnode = 'me'\n[cluster]\nbackend = 'etcd'\n"
+        f"etcd_url = '{url}'\netcd_lease_ttl_s = 2\netcd_prefix = '{PREFIX}'\n")
+    running = await nursery.start(service.run, load_settings(str(tmp_path / "nvpair.toml")))
+    with trio.fail_after(30):
+        async with httpx2.AsyncClient(base_url=str(running.url), trust_env=False,
+                                      timeout=2) as client:
+            async def peers_until(predicate: Any) -> dict[str, Any]:
+                while True:  # polling the API, as a user would
+                    doc: dict[str, Any] = (await client.get("/v1/peers")).json()
+                    if predicate(doc):
+                        return doc
+                    await trio.sleep(0.05)
+
+            await peers_until(lambda d: d["etcd"]["state"] == "ok" and states(d) == {
+                "peer": "fresh"})
+            for kind, words in (("html", "is not JSON: <html>"), ("base64", "not base64")):
+                etcd.set_garbage(kind)
+                doc = await peers_until(lambda d, w=words: d["etcd"]["state"] == "failed"
+                                        and w in d["etcd"]["last_error"])
+                doc = await peers_until(lambda d: states(d) == {"peer": "stale"})
+                assert doc["etcd"]["state"] == "failed"  # still: the table kept, stale
+                for path in ("/v1/models", "/healthz", "/v1/models?scope=cluster"):
+                    r = await client.get(path)
+                    assert r.status_code == 200, (path, r.text)
+                cluster = (await client.get("/v1/models?scope=cluster")).json()["data"]
+                assert [m["nvpair"]["peer"] for m in cluster] == ["stale"]
+                etcd.set_garbage(None)
+                await peers_until(lambda d: d["etcd"]["state"] == "ok" and states(d) == {
+                    "peer": "fresh"})

@@ -85,6 +85,7 @@ class EtcdBackend:
         self.own_part = Part("etcd: lease owner", **backoff)  # type: ignore[arg-type]
         self.watch_part = Part("etcd: watch", **backoff)  # type: ignore[arg-type]
         self._own_scope = trio.CancelScope()
+        self._leaving = False
         self._wake: trio.CancelScope | None = None
         self._own_missing = False  # our key was deleted while our lease lives: put it again
         self._watch_scope: trio.CancelScope | None = None
@@ -142,6 +143,7 @@ class EtcdBackend:
     async def leave(self) -> None:
         """Stop renewing; mark the key as leaving (watchers drop it without a debounce) and
         revoke the lease (etcd deletes the key). Best effort; the caller bounds the time."""
+        self._leaving = True
         self._own_scope.cancel(reason="nvpair is leaving the cluster")
         if self.lease is None:
             return
@@ -175,8 +177,10 @@ class EtcdBackend:
         """A failure of one loop: recorded, published, logged once per change; the delay
         before its retry (backoff with jitter)."""
         now = trio.current_time()
-        state = "unreachable" if isinstance(exc, NO_ANSWER) else "failed"
-        if isinstance(exc, NO_ANSWER):
+        state = "unreachable" if isinstance(exc, (*NO_ANSWER, Unreachable)) else "failed"
+        if isinstance(exc, Unreachable):
+            exc = Unreachable(f"{what}: {exc}")
+        elif isinstance(exc, NO_ANSWER):
             words = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             exc = Unreachable(f"{what}: {words}")
         elif isinstance(exc, NvpairError):  # etcd's error or an answer that is not etcd's
@@ -201,7 +205,9 @@ class EtcdBackend:
     # -- this node's key ----------------------------------------------------------------
 
     async def _own(self) -> None:
-        with self._own_scope:
+        if self._leaving:
+            return
+        with trio.CancelScope() as self._own_scope:  # a new one each (supervised) run
             await self._own_loop()
 
     async def _own_loop(self) -> None:
@@ -282,7 +288,7 @@ class EtcdBackend:
                 self.counts["watches"] += 1  # (the watch works once its first answer came)
                 with trio.CancelScope() as self._watch_scope, trio.move_on_after(RERANGE_S):
                     await gw.watch(prefix, revision + 1, self._on_result)
-                    raise EtcdError("the watch stream ended (etcd going away?)")
+                    raise Unreachable("the watch stream ended (etcd going away?)")
                 # cancelled: a lost lease, etcd back after an outage, or the periodic check
                 await self._renew(gw, streaming=True)
             except Exception as exc:  # any failure is this loop's, retried with backoff
