@@ -2,6 +2,8 @@
 
 import itertools
 
+import httpx2
+import pytest
 import trio
 from tests.fakes import FakeEngine, engine_spec, vllm_routes
 
@@ -193,7 +195,10 @@ async def test_not_listed_until_its_identity_answers(nursery, autojump_clock) ->
     assert "ready" not in states and e.state == "starting"
     assert e.error is not None and "who answers is not confirmed yet" in e.error
     fake.hang.clear()
-    await watch_states(board, 10)
+    # identity retries back off up to its interval (60 s): listed within one of them
+    ident = spec.probes.identity
+    assert ident is not None
+    await watch_states(board, ident.interval_s * 1.05 + ident.timeout_s + 5)
     assert board.current.engines[0].state == "ready"
 
 
@@ -263,3 +268,109 @@ async def test_a_server_with_neither_identity_path_gets_one_request_a_tick(
     assert e.state == "unhealthy" and "does not look like sglang" in (e.error or "")
     asked = fake.counts["/model_info"] + fake.counts["/get_model_info"]
     assert asked <= 600 / 60 + 3, fake.counts  # the identity interval, plus the first pair
+
+
+# -- the engine-side budget: requests per hour in each state, per kind ---------------------
+
+#: each kind's good answers (what the fake engine says on its probe paths)
+KIND_ROUTES: dict[str, dict[str, tuple[int, object]]] = {
+    "sglang": {
+        "/ready": (200, ""), "/ping": (200, ""),
+        "/model_info": (200, {"model_path": "m", "is_generation": True}),
+        "/v1/models": (200, {"object": "list", "data": [{"id": "m"}]}),
+    },
+    "vllm": vllm_routes(),
+    "llamacpp": {
+        "/health": (200, {"status": "ok"}),
+        "/props": (200, {"build_info": "b6000", "total_slots": 4, "model_path": "m"}),
+        "/v1/models": (200, {"object": "list", "data": [{"id": "m"}]}),
+    },
+    "ollama": {
+        "/api/version": (200, {"version": "0.12.0"}),
+        "/api/tags": (200, {"models": [{"name": "m"}]}),
+    },
+    "tgi": {
+        "/info": (200, {"model_id": "m", "router": "text-generation-router", "version": "3"}),
+        "/health": (200, ""),
+        "/v1/models": (200, {"object": "list", "data": [{"id": "m"}]}),
+    },
+    "openai": {"/v1/models": (200, {"object": "list", "data": [{"id": "m"}]})},
+}
+
+#: the requests per hour docs/states.md promises, per kind and state
+SCHEDULE = {
+    #         ready  identity unconfirmed  unhealthy  flapping
+    "sglang": (840, 786, 840, 840),
+    "vllm": (900, 786, 900, 900),
+    "llamacpp": (900, 786, 900, 900),
+    "ollama": (900, 3600, 900, 900),
+    "tgi": (360, 1800, 360, 360),
+    "openai": (480, 1800, 480, 480),
+}
+STATES = ("ready", "unconfirmed", "unhealthy", "flapping")
+
+
+FLAP_S = 20.0
+
+
+class StatefulEngine(FakeEngine):
+    """A fake engine whose ``bad`` answers start after ``good_first`` good ones on their
+    path, or (``flap``) alternate with good ones every FLAP_S."""
+
+    def __init__(self, routes: dict[str, tuple[int, object]]) -> None:
+        super().__init__(routes)
+        self.good = dict(routes)
+        self.bad: dict[str, tuple[int, object]] = {}
+        self.good_first = 0
+        self.flap = False
+
+    async def handle(self, request: httpx2.Request) -> httpx2.Response:
+        path = request.url.path
+        if path in self.bad:
+            n = self.counts[path]  # answered so far on this path
+            bad = (int(trio.current_time() // FLAP_S) % 2 == 1 if self.flap
+                   else n >= self.good_first)
+            self.routes[path] = self.bad[path] if bad else self.good[path]
+        return await super().handle(request)
+
+
+def hostile_routes(kind: str, state: str) -> tuple[FakeEngine, str]:
+    """The fake engine of ``kind`` in ``state``, and the state nvpair must see."""
+    spec = engine_spec(kind)
+    fake = StatefulEngine(dict(KIND_ROUTES[kind]))
+    ident, health = spec.probes.identity, spec.probes.health
+    if state == "unconfirmed":
+        if ident is None:  # openai: nothing to confirm; a server still loading
+            fake.routes[spec.probes.ready.path] = (503, "loading")
+        elif kind == "llamacpp":  # /props wants an API key nvpair does not have
+            fake.routes[ident.path] = (401, {"error": {"message": "Invalid API Key"}})
+        elif ident.path == spec.probes.ready.path:  # Ollama, TGI: no separate identity
+            fake.routes[ident.path] = (503, "loading")
+        else:
+            fake.routes[ident.path] = (503, "busy")
+        return fake, "starting"
+    if state == "unhealthy":  # ready once, then its health fails
+        fake.bad[health.path] = (503, "unhealthy")
+        fake.good_first = 2
+        return fake, "unhealthy"
+    if state == "flapping":
+        fake.bad[health.path] = (503, "unhealthy")
+        fake.flap = True
+        return fake, ""
+    return fake, "ready"
+
+
+@pytest.mark.parametrize("state", STATES)
+@pytest.mark.parametrize("kind", sorted(KIND_ROUTES))
+async def test_requests_per_hour_stay_within_the_schedule(
+        kind: str, state: str, nursery, autojump_clock) -> None:
+    fake, want = hostile_routes(kind, state)
+    spec = engine_spec(kind)
+    board = await start_with_sweep(nursery, spec, fake)
+    await trio.sleep(3600)
+    sent = sum(fake.counts.values())
+    limit = SCHEDULE[kind][STATES.index(state)]
+    assert sent <= limit, (sent, dict(fake.counts))
+    assert sent >= 0.85 * limit, (sent, dict(fake.counts))  # the table is the real schedule
+    if want:
+        assert board.current.engines[0].state == want, board.current.engines[0].error

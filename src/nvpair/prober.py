@@ -15,6 +15,7 @@ import msgspec
 import trio
 
 from nvpair import probes
+from nvpair.boundary import Backoff
 from nvpair.config import EngineSpec
 from nvpair.errors import ProbeError
 from nvpair.manifest import GENERATING_MIN_INTERVAL_S, PROBE_NAMES, ProbeSpec
@@ -72,6 +73,17 @@ class Prober:
         self._rng = random.Random()
         #: when this engine last got a generating probe request, and how it went
         self._generated: tuple[float, Outcome] | None = None
+        #: while identity is unconfirmed, good ready probes ask it again only after this
+        #: backoff (up to the identity interval), never at each one
+        self._identity_backoff = self._new_identity_backoff()
+        self._identity_retry_at = float("-inf")
+
+    def _new_identity_backoff(self) -> Backoff | None:
+        ident, ready = self.spec.probes.identity, self.spec.probes.ready
+        if ident is None:
+            return None
+        first = min(ready.interval_s if ready else ident.interval_s, ident.interval_s)
+        return Backoff(first, ident.interval_s, jitter=JITTER, rng=self._rng)
 
     def _specs(self) -> dict[str, ProbeSpec]:
         return dict(self.spec.probes.named())
@@ -125,9 +137,7 @@ class Prober:
 
     @staticmethod
     def _generates(spec: ProbeSpec, path: str) -> bool:
-        if path == spec.path:
-            return spec.cost == "generating"
-        return path == spec.fallback_path and spec.fallback_cost == "generating"
+        return probes.generates(spec, path)
 
     async def _request(self, spec: ProbeSpec, path: str) -> tuple[Outcome, probes.Answer | None]:
         """``_attempt``, but an engine gets at most one generating request per
@@ -197,7 +207,20 @@ class Prober:
                 e = msgspec.structs.replace(e, mismatch=None, mismatch_by=None)
             return e  # a cleared mismatch lets the next good health probe make it ready
 
-        self.board.update(self.spec.name, change)
+        after = self.board.update(self.spec.name, change)
+        self._identity_tried(after)
+
+    def _identity_tried(self, engine: EngineState) -> None:
+        """Schedule the next identity retry of a good ready probe: backed off while who
+        answers is unconfirmed (a timeout, a 5xx, a 401), at once again once it is known."""
+        backoff = self._identity_backoff
+        if backoff is None:
+            return
+        if engine.identity is None and engine.mismatch_by != "identity":
+            self._identity_retry_at = trio.current_time() + backoff.next()
+        else:
+            backoff.reset()
+            self._identity_retry_at = float("-inf")
 
     def _record_mismatch(self, outcome: Outcome, now: float, message: str) -> None:
         spec = self.spec.probes.identity
@@ -210,7 +233,7 @@ class Prober:
                                         identity=None)
             return enter(e, "unhealthy", now, error=message)
 
-        self.board.update(self.spec.name, change)
+        self._identity_tried(self.board.update(self.spec.name, change))
 
     @property
     def where(self) -> str:
@@ -227,7 +250,8 @@ class Prober:
             outcome = self._passive(probe, current.state)
             if outcome is None:
                 outcome, _ = await self.probe(probe)
-            if outcome.ok and probe == "ready":
+            if (outcome.ok and probe == "ready"
+                    and trio.current_time() >= self._identity_retry_at):
                 # Confirm who answers before listing it: a wrong engine is never listed.
                 await self.check_identity()
             spec = self._specs()[probe]
@@ -238,12 +262,24 @@ class Prober:
             # The next tick follows the interval of the probe that runs next.
             following = "ready" if after.state in ("starting", "down") else "health"
             interval = self.interval(following)
+            if following == "ready" and self._awaits_identity(after, probe, outcome):
+                # It answers ready; only who answers is unknown: no need to ask it more
+                # often than a ready engine's health.
+                interval = max(interval, self.interval("health"))
             next_tick = self._next(next_tick, interval)
             wake = next_tick + self._jitter(interval)
             if self._generated is not None and self._generates(self._specs()[following],
                                                                self._paths[following]):
                 wake = max(wake, self._generated[0] + GENERATING_MIN_INTERVAL_S)
             await trio.sleep_until(wake)
+
+    def _awaits_identity(self, engine: EngineState, probe: str, outcome: Outcome) -> bool:
+        ready = self.spec.probes.ready
+        stats = engine.probe("ready")
+        return (probe == "ready" and outcome.ok and engine.state == "starting"
+                and self.spec.probes.identity is not None and engine.identity is None
+                and ready is not None and stats is not None
+                and stats.consecutive_successes >= ready.success_threshold)
 
     def _passive(self, probe: str, state: str) -> Outcome | None:
         """A health tick that real traffic makes unnecessary: at most 3 in a row."""

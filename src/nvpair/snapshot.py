@@ -59,6 +59,10 @@ class EngineState(msgspec.Struct, frozen=True):
     models: tuple[Model, ...] = ()
     models_at: float | None = None  # trio time of the last successful listing
     models_stale: bool = False
+    #: models the engine listed that are not listed here (odd entries, beyond the cap), and
+    #: why, in one line (see probes.parse_listing)
+    models_left_out: int = 0
+    models_left_out_why: str | None = None
     identity: Identity | None = None
     mismatch: str | None = None  # identity mismatch, reported as an error
     #: who found it, and only they clear it: "identity" (who answers) or "models" (the

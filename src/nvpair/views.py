@@ -27,6 +27,8 @@ def engine_status(e: EngineState, snap: Snapshot, now: float, node: str) -> dict
         "models": [m.id for m in e.models],
         "models_stale": e.models_stale,
         "models_age_s": age(now, e.models_at),
+        "models_left_out": e.models_left_out,
+        "models_left_out_why": e.models_left_out_why,
         "aliases": list(e.aliases),
         "identity": None if e.identity is None else {
             "model": e.identity.model, "version": e.identity.version},
