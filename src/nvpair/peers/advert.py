@@ -218,7 +218,7 @@ class Advertiser:
         self.body = encoder.encode(self._advert)
         self.changed_at = trio.current_time()
         #: the advertiser's fault boundary (its failure: ``fault``, shown in /v1/peers).
-        self.part = Part("peers: advertiser", self._publish)
+        self.part = Part("peers: advertiser", self._publish, max_s=30.0)
         self.fault: str | None = None
         self._refused = False  # the last content built would be refused: a fault until it moves
         with self.part.guard():
