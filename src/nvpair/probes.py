@@ -59,11 +59,13 @@ async def request(
             # request never reached the engine, so one immediate retry is safe for a probe.
             if attempt < len(attempts):
                 continue
-            raise ProbeError("error", f"protocol error: {_reason(exc)}") from None
+            raise ProbeError("error", f"{spec.method} {path}: protocol error: {_reason(exc)}"
+                             ) from None
         except httpx2.TimeoutException:
             raise ProbeError("timeout", "no answer within the client's timeout") from None
         except httpx2.HTTPError as exc:
-            raise ProbeError("error", f"{type(exc).__name__}: {_reason(exc)}") from None
+            raise ProbeError("error", f"{spec.method} {path}: {type(exc).__name__}: "
+                                      f"{_reason(exc)}") from None
         break
     latency_ms = (trio.current_time() - started) * 1000
     if response.status_code not in spec.expect_status:

@@ -93,9 +93,11 @@ class Sweep:
         outcome, answer = await prober.probe("models")
         now = trio.current_time()
         models: tuple[Model, ...] | None = None
+        listing = None
         if answer is not None:
             try:
-                models = probes.parse_models(answer.body, spec.format, prober._paths["models"])
+                listing = probes.parse_listing(answer.body, spec.format, prober._paths["models"])
+                models = listing.models
             except ProbeError as exc:
                 outcome = Outcome(ok=False, kind=exc.kind, http_status=answer.status,
                                   latency_ms=answer.latency_ms, error=str(exc),
@@ -114,6 +116,9 @@ class Sweep:
             if models is None:
                 return msgspec.structs.replace(e, models_stale=bool(e.models))
             e = msgspec.structs.replace(e, models=models, models_at=now, models_stale=False)
+            if listing is not None:
+                e = msgspec.structs.replace(e, models_left_out=listing.left_out,
+                                            models_left_out_why=listing.why)
             if mismatch:
                 e = msgspec.structs.replace(e, mismatch=mismatch, mismatch_by="models")
                 return enter(e, "unhealthy", now, error=mismatch)
