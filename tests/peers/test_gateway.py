@@ -7,15 +7,26 @@ from pathlib import Path
 import httpx2
 import pytest
 import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tests.peers.etcd_server import open_etcd
 from tests.peers.etcd_standin import GARBAGE, LEASE, FakeEtcd
 
 from nvpair.peers.gateway import (
+    BadAnswer,
     EtcdError,
     Gateway,
     LeaseNotFound,
     WatchCanceled,
     WatchResult,
+    _Auth,
+    _error,
+    _Grant,
+    _Keepalive,
+    _Put,
+    _Range,
+    _WatchLine,
+    parse,
     prefix_end,
 )
 
@@ -142,3 +153,15 @@ async def test_good_answers_of_the_standin_decode() -> None:
             revision, kvs = await gw.range("p/")
             assert revision == 2 and [(kv.key_text, kv.value_bytes) for kv in kvs] == [
                 ("p/a", b"A")]
+
+
+@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=200) | st.sampled_from([b"[" * 5000, b'{"header":{"revision":"x"}}',
+                                                   b'{"kvs":[{"key":"!!"}]}']),
+       st.sampled_from([_Range, _Grant, _Keepalive, _Put, _Auth, _WatchLine]))
+def test_any_answer_parses_or_is_a_bad_answer(body: bytes, type_: type) -> None:
+    try:
+        parse(body, type_, "POST /v3/x")
+    except BadAnswer as exc:
+        assert "\n" not in str(exc) and str(exc).startswith("etcd's answer to POST /v3/x ")
+    assert isinstance(_error(body, 500), EtcdError)  # never raises itself

@@ -95,6 +95,14 @@ def test_etcd_defaults(load) -> None:
      r"peers\[0\].url: expected http\(s\)://HOST:PORT, got 'file:///etc/passwd'"),
     ("[cluster]\ntoken_file = 'cluster'\n[[peers]]\nurl = 'http://b:1'\ntoken_file = 'nope'\n",
      r"peers\[0\].token_file: cannot read"),
+    # URLs nothing could use are config errors (they were accepted, then failed at use)
+    ("[[peers]]\nurl = 'http://b:99999'\n",
+     r"peers\[0\].url: not a valid URL \(Port out of range 0-65535\), got 'http://b:99999'"),
+    ("[[peers]]\nurl = 'http://[::1'\n", r"peers\[0\].url: not a valid URL \(Invalid IPv6"),
+    (PEER + "[cluster]\ntoken_file = 'cluster'\nadvertise_url = 'http://me:0'\n",
+     r"cluster.advertise_url: port 0 is not in 1-65535"),
+    ("[cluster]\nbackend = 'etcd'\netcd_url = 'http://[zz]:2379'\n",
+     r"cluster.etcd_url: .*zz"),
 ])
 def test_errors_are_one_line_and_name_the_key(load, text: str, expected: str) -> None:
     message = error(load, text)
