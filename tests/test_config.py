@@ -109,6 +109,22 @@ def test_env_var_names_the_config(write, monkeypatch) -> None:
         ("[[engines]]\nname = 'a'\nkind = 'vllm'\n[engines.probes.health]\ninterval_s = 'x'\n",
          r"engines\[0\].probes.health.interval_s: expected float, got str$"),
         ("[[peers]]\nurl = 'ftp://x'\n", r"peers\[0\].url: expected http\(s\)://HOST:PORT"),
+        # what the OS cannot take as an environment or argv (the spawn raised ValueError)
+        ("[[engines]]\nname = 'a'\nkind = 'vllm'\n[engines.env]\n'A=B' = 'x'\n",
+         r"nvpair.toml: engines\[0\].env: the name 'A=B' contains =; environment variable"),
+        ("[[engines]]\nname = 'a'\nkind = 'vllm'\n[engines.env]\n\"A\\u0000\" = 'x'\n",
+         r"nvpair.toml: engines\[0\].env: the name 'A\\x00' contains a NUL byte"),
+        ("[[engines]]\nname = 'a'\nkind = 'vllm'\n[engines.env]\n'' = 'x'\n",
+         r"nvpair.toml: engines\[0\].env: an environment variable name is empty$"),
+        ("[[engines]]\nname = 'a'\nkind = 'vllm'\n[engines.env]\nA = \"x\\u0000\"\n",
+         r"nvpair.toml: engines\[0\].env.A: the value contains a NUL byte$"),
+        ("[[engines]]\nname = 'a'\nkind = 'vllm'\nmodel = \"m\\u0000\"\n",
+         r"nvpair.toml: engines\[0\].model: contains a NUL byte"),
+        ("[[engines]]\nname = 'a'\nkind = 'openai'\nmanaged = true\n"
+         "command = ['srv', \"--x=\\u0000\"]\n",
+         r"nvpair.toml: engines\[0\].command\[1\]: contains a NUL byte"),
+        ("[[engines]]\nname = 'a'\nkind = 'vllm'\n[engines.args]\ntp = \"4\\u0000\"\n",
+         r"nvpair.toml: engines\[0\].args.tp: contains a NUL byte"),
     ],
 )
 def test_bad_config_gives_one_line(write, text: str, expected: str) -> None:
@@ -153,3 +169,13 @@ def test_two_engines_on_one_port_are_warned_of(write, caplog) -> None:
         f"{write('x', '').parent / 'nvpair.toml'}: engines[1]: 127.0.0.1:8000 is engine 'a' "
         "already: one engine, probed twice"]
 
+
+
+def test_a_nul_from_the_api_key_file_in_the_command_is_one_line(write) -> None:
+    write("key", "se\0cret\n")
+    message = error_for(write, "[[engines]]\nname = 'a'\nkind = 'llamacpp'\nmanaged = true\n"
+                               "model = '/m.gguf'\napi_key_file = 'key'\n")
+    assert "\n" not in message
+    assert message.endswith("nvpair.toml: engines[0]: the command built for this engine "
+                            "contains a NUL byte (from the manifest's start template or "
+                            "api_key_file)"), message

@@ -6,8 +6,10 @@ import itertools
 import os
 import signal
 import sys
+from functools import partial
 
 import httpx2
+import msgspec
 import trio
 from tests.managed import (
     alive,
@@ -20,7 +22,7 @@ from tests.managed import (
     wait_state,
 )
 
-from nvpair import service
+from nvpair import probes, service
 
 # A read that waited on the lifecycle would take as long as a start (load 1 s here) or a
 # stop; reads from the snapshot take a few ms. The bound leaves room for a busy machine.
@@ -208,3 +210,180 @@ async def test_what_an_engine_says_while_nvpair_shuts_down_is_logged(tmp_path) -
     lines = (settings.log_dir / "e.log").read_text().splitlines()
     assert [x.rstrip() for x in lines[-3:-1]] == ["serving", "got SIGTERM, saving state"]
     assert " ended: " in lines[-1]
+
+
+# -- fault boundaries of the runner (issue 13) ----------------------------------------------
+
+
+def _with_engine(settings, **changes):  # type: ignore[no-untyped-def]
+    """The settings with the engine changed past what the config's checks would allow (to
+    reach the runtime boundary the checks now stand in front of)."""
+    spec = msgspec.structs.replace(settings.engines[0], **changes)
+    return msgspec.structs.replace(settings, engines=(spec,))
+
+
+async def test_a_spawn_that_raises_is_a_failed_start_with_backoff(nursery, tmp_path) -> None:
+    """open_process raises ValueError for an environment name with '='; that is a start
+    that failed (down, the reason in words, tried again later), not a dead node."""
+    settings = _with_engine(managed_config(tmp_path, "e", free_port(),
+                                           sim_command("vllm", "--load-s", "0")),
+                            env={"A=B": "x"})
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, settings)
+        down = await wait_state(running.board, "e", "down", where=lambda e: bool(e.error))
+        assert down.error is not None and "\n" not in down.error
+        assert "cannot start" in down.error and "ValueError" in down.error, down.error
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            await log_until(client, "e", "[nvpair] " + down.error)
+            await log_until(client, "e", "[nvpair] " + down.error)  # tried again (0.2 s)
+            assert (await client.get("/healthz")).status_code == 200
+        assert running.runners["e"].starts == 0
+
+
+async def test_a_bug_in_the_runner_is_the_engines_failure(nursery, tmp_path, caplog) -> None:
+    """Anything the runner raises (here: a command template with a placeholder that has no
+    value, which the config check would have refused) makes the engine down with the
+    reason, logged once with its traceback, and the runner tries again after a backoff."""
+    settings = _with_engine(managed_config(tmp_path, "e", free_port(),
+                                           sim_command("vllm", "--load-s", "0")),
+                            command=("srv", "{no_such_value}"))
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, settings)
+        down = await wait_state(running.board, "e", "down", where=lambda e: bool(e.error))
+        assert "internal error in nvpair (CommandError" in (down.error or ""), down.error
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            assert (await client.get("/healthz")).status_code == 200
+            r = await client.post("/v1/engines/e/stop")  # a request ends the backoff
+            assert r.status_code == 202
+            await wait_state(running.board, "e", "stopped")
+    bugs = [r for r in caplog.records if "unexpected error" in r.getMessage()]
+    assert len(bugs) == 1 and bugs[0].exc_info is not None
+
+
+async def test_a_squatter_that_breaks_the_port_check_is_still_a_taken_port(
+        nursery, tmp_path, monkeypatch) -> None:
+    """Whatever identifying the process on the port raises, the port is taken: reported,
+    never spawned into (with the decode of before its RecursionError fix)."""
+    from tests.stub_http import serve_stub
+
+    monkeypatch.setattr(probes, "decode_json",  # as before: RecursionError passes
+                        lambda body, what, error=None: msgspec.json.decode(body))
+    port = await nursery.start(partial(serve_stub, body=b"[" * 5000 + b"]" * 5000))
+    settings = managed_config(tmp_path, "e", port, sim_command("vllm", "--load-s", "0"))
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, settings)
+        down = await wait_state(running.board, "e", "down", where=lambda e: bool(e.error))
+    assert down.error is not None and down.error.startswith(
+        f"port {port} is taken by a server nvpair could not identify (internal error in "
+        "nvpair (RecursionError"), down.error
+    assert running.runners["e"].starts == 0
+
+
+async def test_engines_do_not_inherit_nvpairs_token(nursery, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("NVPAIR_TOKEN", "the-users-secret")
+    show = "import os; print('token:', os.environ.get('NVPAIR_TOKEN'), flush=True)"
+    settings = managed_config(tmp_path, "e", free_port(), [sys.executable, "-c", show])
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, settings)
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            lines, _ = await log_until(client, "e", "token: None")
+    assert not any("the-users-secret" in line for line in lines)
+
+
+class _Unkillable:
+    """A process the kernel holds (D state): signals are taken, it never exits."""
+
+    pid = 2**30  # beyond pid_max: killpg finds no such group (ESRCH), as for a zombie
+    returncode = None
+
+    async def wait(self) -> int:
+        await trio.sleep_forever()
+        raise AssertionError
+
+
+async def test_terminate_does_not_wait_forever_for_a_process_in_d_state(
+        nursery, autojump_clock, tmp_path) -> None:
+    from nvpair.lifecycle import KILL_WAIT_S, EngineRunner
+    from nvpair.snapshot import Board
+    from nvpair.supervisor import initial_state
+
+    settings = managed_config(tmp_path, "e", free_port(), ["srv"])
+    spec = settings.engines[0]
+    runner = EngineRunner(spec, Board((initial_state(spec),)), {}, None)
+    runner.desired = "stopped"
+    await nursery.start(runner.run)
+    started = trio.current_time()
+    with trio.fail_after(spec.stop_grace_s + 60):
+        await runner._terminate(_Unkillable())  # type: ignore[arg-type]
+    assert trio.current_time() - started <= spec.stop_grace_s + KILL_WAIT_S + 0.1
+    assert runner._stuck is not None and "did not exit within" in runner._stuck
+    assert "SIGKILL" in runner._stuck
+
+
+async def test_the_generating_budget_outlives_restarts(nursery, autojump_clock) -> None:
+    """An adopted old SGLang (no /ready or /ping; /health generates) with the opt-in,
+    restarted every 3 s: still at most one generating request per 30 s (each restart
+    made a new prober that had forgotten the last one)."""
+    from tests.fakes import FakeEngine, engine_spec
+
+    from nvpair.lifecycle import EngineRunner
+    from nvpair.snapshot import Board
+    from nvpair.supervisor import initial_state
+
+    spec = engine_spec("sglang", allow_generating_probes=True)
+    fake = FakeEngine({"/health": (200, ""), "/model_info": (200, {
+        "model_path": "m", "is_generation": True})})
+    board = Board((initial_state(spec),))
+    runner = EngineRunner(spec, board, {}, None, transport=fake.transport())
+    await nursery.start(runner.run)
+    for _ in range(100):
+        await trio.sleep(3)
+        assert runner.request("restart")[0] == 202
+    times = fake.times["/health"]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert len(times) >= 300 / 31 - 1 and min(gaps) >= 30 - 1e-9, gaps
+
+
+TICKER = """
+import itertools, time
+for i in itertools.count():
+    print("tick %d" % i, flush=True)
+    time.sleep(0.05)
+"""
+
+
+async def test_a_failing_output_pump_leaves_the_engine_running(nursery, tmp_path,
+                                                              monkeypatch) -> None:
+    """Copying the output fails (a bug): the engine is not stopped, the output is drained
+    meanwhile, the engine says so in its notice, and its output is logged again later."""
+    from nvpair.logs import EngineLog
+
+    real = EngineLog.pump
+    calls = 0
+
+    async def pump(self, stream):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("pump bug")
+        await real(self, stream)
+
+    monkeypatch.setattr(EngineLog, "pump", pump)
+    settings = managed_config(tmp_path, "e", free_port(), [sys.executable, "-c", TICKER],
+                              extra="startup_budget_s = 60")
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, settings)
+        noticed = await wait_state(running.board, "e", "starting",
+                                   where=lambda e: bool(e.notice))
+        assert "engine output is not logged: internal error in nvpair (RuntimeError: pump bug" \
+            in (noticed.notice or "")
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            lines, doc = await log_until(client, "e", "[nvpair] starting: " + " ".join(
+                settings.engines[0].command or ()))
+            while not any(line.startswith("tick ") for line in lines):  # logged again
+                r = await client.get(f"/v1/engines/e/logs?after={doc['next']}&wait_s=10")
+                doc = r.json()
+                lines = doc["lines"]
+        e = running.board.current.engine("e")
+        assert e is not None and e.pid == noticed.pid and alive(e.pid)
+        assert e.state == "starting" and running.runners["e"].starts == 1

@@ -208,6 +208,121 @@ async def test_idle_keep_alive_connections_are_closed(nursery, tmp_path) -> None
     assert closed_after < 0.5 + 1.0
 
 
+def poll(url: str, gaps: list[float]) -> list[tuple[int, str]]:
+    """GET /healthz on one http.client connection (no retry), waiting ``gaps`` in between:
+    each answer's local port, or the error."""
+    import http.client
+    import time
+
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=5)
+    seen: list[tuple[int, str]] = []
+    try:
+        for gap in [0.0, *gaps]:
+            time.sleep(gap)  # the poller's interval (a thread, not the event loop)
+            try:
+                conn.request("GET", "/healthz")
+                response = conn.getresponse()
+                response.read()
+                seen.append((conn.sock.getsockname()[1], str(response.status)))
+            except (OSError, http.client.HTTPException) as exc:
+                seen.append((0, type(exc).__name__))
+                conn.close()
+    finally:
+        conn.close()
+    return seen
+
+
+async def test_a_poller_keeps_its_connection_while_it_polls_within_keep_alive(
+        nursery, tmp_path) -> None:
+    # The mechanism on a small scale: keep-alive 1 s; a poller every 0.7 s keeps one
+    # connection and never sees an error; a gap longer than keep-alive meets a closed
+    # connection (the error every second request got with the old 5 s and a 10 s poller).
+    settings = load_settings(str(config(tmp_path, "", keep_alive_s=1.0)))
+    with trio.fail_after(20):
+        running = await nursery.start(service.run, settings)
+        seen = await trio.to_thread.run_sync(poll, running.url, [0.7, 0.7, 0.7, 1.6])
+    steady, after_gap = seen[:4], seen[4]
+    assert all(status == "200" for _, status in steady), seen
+    assert len({port for port, _ in steady}) == 1, seen
+    assert after_gap[1] != "200", seen
+
+
+def test_the_default_keep_alive_outlasts_a_minute_poller(tmp_path) -> None:
+    settings = load_settings(str(config(tmp_path, "")))
+    limits = service.limits(settings)
+    assert limits.keep_alive_s == 75.0
+    assert limits.keep_alive_paths == {}  # without peers: one keep-alive for everyone
+    assert service.hypercorn_config(settings).keep_alive_timeout == 75.0
+    assert (limits.max_connections, limits.header_timeout_s, limits.body_timeout_s) == (
+        1024, 10.0, 60.0)
+
+
+async def test_connections_closed_by_clients_leave_no_close_wait(nursery, tmp_path) -> None:
+    settings = load_settings(str(config(tmp_path, "")))
+    with trio.fail_after(20):
+        running = await nursery.start(service.run, settings)
+        port = int(running.url.rsplit(":", 1)[1])
+        streams = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(100)]
+        for stream in streams:
+            await stream.send_all(b"GET /healthz HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
+            received = b""
+            while b'"ok"' not in received:
+                received += await stream.receive_some(4096)
+        for stream in streams:
+            await stream.aclose()
+    assert running.connections is not None and running.connections.high_water >= 100
+    with trio.fail_after(1.0):
+        # /proc has no event to wait for: poll it, within the ceiling above
+        while close_wait(port) or len(running.connections):  # noqa: ASYNC110
+            await trio.sleep(0.02)
+
+
+async def test_3000_idle_connections_leave_healthz_answering(nursery, tmp_path) -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = 3000 + 1024 + 512
+    if soft < need:
+        if hard != resource.RLIM_INFINITY and hard < need:
+            pytest.skip(f"needs {need} file descriptors, the hard limit is {hard}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    settings = load_settings(str(config(tmp_path, "")))
+    healthz = b"GET /healthz HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n"
+    with trio.fail_after(60):
+        running = await nursery.start(service.run, settings)
+        port = int(running.url.rsplit(":", 1)[1])
+        held = []
+        for i in range(3000):
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            if i % 2:  # half of them idle after a request, half before their first
+                await stream.send_all(healthz)
+                received = b""
+                while b'"ok"' not in received:
+                    received += await stream.receive_some(4096)
+            held.append(stream)
+    async with httpx2.AsyncClient(base_url=running.url) as client:
+        with trio.fail_after(1.0):
+            r = await client.get("/healthz")
+    assert r.status_code == 200
+    assert running.connections is not None
+    assert running.connections.cap == 1024
+    assert 1000 <= running.connections.high_water <= 1024
+    for stream in held:
+        await stream.aclose()
+
+
+def close_wait(port: int) -> int:
+    """Sockets in CLOSE-WAIT whose local port is ``port`` (/proc/net/tcp)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            count += sum(1 for line in list(f)[1:]
+                         if line.split()[3] == "08"
+                         and int(line.split()[1].rsplit(":", 1)[1], 16) == port)
+    return count
+
+
 async def test_openai_client_lists_models(nursery, tmp_path) -> None:
     sim = await nursery.start(serve_sim, SimOptions(kind="llamacpp", model="gemma3-270m"))
     await sim.wait_phase("ready")

@@ -1,10 +1,19 @@
 """The model-list sweep: one shared deadline, quick engines listed even when others hang."""
 
+from functools import partial
+
+import httpx2
 import msgspec
+import pytest
 import trio
 from tests.fakes import FakeEngine, engine_spec, vllm_routes
+from tests.managed import wait_state
+from tests.stub_http import serve_stub
 
+from nvpair import probes, service
+from nvpair.config import load_settings
 from nvpair.prober import Prober
+from nvpair.sim import SimOptions, serve_sim
 from nvpair.snapshot import Board
 from nvpair.supervisor import initial_state, run_probes
 from nvpair.sweep import Sweep
@@ -83,3 +92,81 @@ async def test_an_engine_without_a_models_probe_is_never_due(nursery, autojump_c
     sweep = Sweep(board, registry, 5.0)
     assert sweep.due(trio.current_time()) == []
     assert sweep.next_wake() == float("inf")
+
+
+# An engine whose every answer is JSON nested 5,000 levels deep (2 KB), next to a healthy one.
+NESTED = b"[" * 5000 + b"]" * 5000
+
+
+def _old_json(body: bytes, what: str, error=None):  # the decode before RecursionError was caught
+    return msgspec.json.decode(body)
+
+
+@pytest.mark.parametrize("decoder", ["current", "without_its_fix"])
+async def test_a_hostile_engine_answer_stays_that_engines_failure(
+        nursery, tmp_path, monkeypatch, decoder: str) -> None:
+    """The node keeps serving and listing the healthy engine. With today's decoder the
+    answer is a one-line body error; with the old one (RecursionError out of the listing)
+    the sweep's boundary alone keeps the node up and makes the engine unhealthy."""
+    if decoder == "without_its_fix":
+        monkeypatch.setattr(probes, "decode_json", _old_json)
+    bad = await nursery.start(partial(serve_stub, body=NESTED))
+    good = await nursery.start(serve_sim, SimOptions(kind="llamacpp", model="good-model"))
+    await good.wait_phase("ready")
+    path = tmp_path / "nvpair.toml"
+    path.write_text(
+        "listen = '127.0.0.1:0'\nsweep_deadline_s = 2\n"
+        f"[[engines]]\nname = 'bad'\nkind = 'openai'\nport = {bad}\n"
+        "[engines.probes.ready]\ninterval_s = 0.2\ntimeout_s = 0.2\n"
+        f"[[engines]]\nname = 'good'\nkind = 'llamacpp'\nport = {good.port}\n")
+    with trio.fail_after(20):
+        running = await nursery.start(service.run, load_settings(str(path)))
+        if decoder == "current":
+            e = await wait_state(running.board, "bad", "ready", where=lambda e: bool(
+                e.probe("models") and e.probe("models").error))
+            assert "nested too deeply" in e.probe("models").error
+        else:
+            e = await wait_state(running.board, "bad", "unhealthy")
+            assert e.error is not None and "\n" not in e.error
+            assert "internal error in nvpair (RecursionError" in e.error, e.error
+            assert "internal error" in (e.probe("models").error or "")
+        assert e.models == ()
+        await wait_state(running.board, "good", "ready", where=lambda e: bool(e.models))
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            for _ in range(3):  # and on: past the next sweeps of the bad engine
+                assert (await client.get("/healthz")).status_code == 200
+                ids = [m["id"] for m in (await client.get("/v1/models")).json()["data"]]
+                assert ids == ["good-model"]
+                await trio.sleep(0.5)
+
+
+async def test_a_failing_listing_keeps_the_batch_and_the_sweep(nursery, autojump_clock,
+                                                               monkeypatch) -> None:
+    """One engine whose listing raises (a TypeError, a bug) fails alone: the others of its
+    batch are listed, its bookkeeping runs (it is listed again when due), and it recovers."""
+    real = probes.parse_listing
+    broken = {"m-bad"}
+
+    def parse(body: bytes, fmt, path):  # a parser bug that only one engine's answer hits
+        listing = real(body, fmt, path)
+        if any(m.id in broken for m in listing.models):
+            raise TypeError("unhashable type: 'dict'")
+        return listing
+
+    monkeypatch.setattr(probes, "parse_listing", parse)
+    fakes = {"good": FakeEngine(vllm_routes("m-good")), "bad": FakeEngine(vllm_routes("m-bad"))}
+    board, _ = await start_all(nursery, fakes)
+    failed = await wait_state(board, "bad", "unhealthy")
+    assert "internal error in nvpair (TypeError: unhashable type" in (failed.error or "")
+    await trio.sleep(2)
+    good, bad = board.current.engine("good"), board.current.engine("bad")
+    assert [m.id for m in good.models] == ["m-good"]
+    # the failure stays on its model list until a listing works (a good health probe
+    # moves the state on by the usual rules)
+    assert "TypeError" in (bad.probe("models").error or "") and bad.models == ()
+    assert fakes["bad"].counts["/v1/models"] == 1
+    broken.clear()  # the bug is gone (or the engine answers otherwise): due again, listed
+    await trio.sleep(31)
+    bad = board.current.engine("bad")
+    assert fakes["bad"].counts["/v1/models"] == 2
+    assert bad.state == "ready" and [m.id for m in bad.models] == ["m-bad"]

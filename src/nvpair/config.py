@@ -87,14 +87,26 @@ class Config(Base, frozen=True):
     listen: str = DEFAULT_LISTEN
     node: str | None = None
     token_file: str | None = None
+    #: without token_file: host names besides loopback and localhost that clients may use
+    #: to reach the API (the Host header; docs/api.md, browsers and cross-site requests).
+    allowed_hosts: tuple[str, ...] = ()
     engines: tuple[EngineConfig, ...] = ()
     peers: tuple[PeerConfig, ...] = ()
     #: the one deadline that a model-list sweep over all engines shares.
     sweep_deadline_s: Seconds = 5.0
-    #: idle keep-alive connections to nvpair's API are closed after this long.
-    keep_alive_s: Seconds = 5.0
+    #: idle keep-alive connections to nvpair's API are closed after this long (docs/api.md).
+    keep_alive_s: Seconds = 75.0
+    #: at most this many client connections to the API at once (at the cap, the one idle
+    #: the longest is closed to admit a new one).
+    max_connections: Annotated[int, msgspec.Meta(ge=8, le=1_000_000)] = 1024
+    #: a request's head must arrive within this long of its first byte.
+    header_timeout_s: Seconds = 10.0
+    #: a request's body must arrive within this long of its head.
+    body_timeout_s: Seconds = 60.0
     #: where managed engines' log files go (default: a per-user state directory).
     log_dir: str | None = None
+    #: where nvpair keeps a state file per managed engine process (docs/deploy.md).
+    state_dir: str | None = None
     router: RouterConfig = RouterConfig()
     #: the peers broker: cluster token, advertised URL, backend (push or etcd); docs/peers.md.
     cluster: ClusterConfig = ClusterConfig()
@@ -153,6 +165,12 @@ class Settings(msgspec.Struct, frozen=True):
     router: RouterConfig = RouterConfig()
     #: None: peers are not enabled.
     cluster: ClusterSettings | None = None
+    allowed_hosts: tuple[str, ...] = ()
+    #: state files of managed engine processes (None: none kept); nvpair.orphans.
+    state_dir: Path | None = None
+    max_connections: int = 1024
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
 
 
 def parse_listen(value: str, source: str) -> tuple[str, int]:
@@ -239,6 +257,10 @@ def resolve(config: Config, source: str, base: Path, *, listen: str | None = Non
             f"{where}: {host} is not a loopback address; set token_file in the config so "
             "that the API requires a bearer token"
         )
+    for i, name in enumerate(config.allowed_hosts):
+        if not re.fullmatch(r"[A-Za-z0-9_]([A-Za-z0-9._-]*[A-Za-z0-9_])?", name):
+            raise ConfigError(f"{source}: allowed_hosts[{i}]: expected a host name (no "
+                              f"scheme, port or path), got {name!r}")
     names: set[str] = set()
     engines: list[EngineSpec] = []
     for i, eng in enumerate(config.engines):
@@ -255,7 +277,10 @@ def resolve(config: Config, source: str, base: Path, *, listen: str | None = Non
     cluster = resolve_cluster(config.cluster, config.peers, source=source, base=base,
                               node=config.node or socket.gethostname(), api_token=token,
                               read_secret=read_secret)
-    log_dir = Path(config.log_dir).expanduser() if config.log_dir else _default_log_dir()
+    state_dir = Path(config.state_dir).expanduser() if config.state_dir else default_state_dir()
+    if not state_dir.is_absolute():
+        state_dir = base / state_dir
+    log_dir = Path(config.log_dir).expanduser() if config.log_dir else state_dir / "logs"
     if not log_dir.is_absolute():
         log_dir = base / log_dir
     return Settings(
@@ -271,15 +296,47 @@ def resolve(config: Config, source: str, base: Path, *, listen: str | None = Non
         log_dir=log_dir,
         router=config.router,
         cluster=cluster,
+        allowed_hosts=tuple(h.lower() for h in config.allowed_hosts),
+        state_dir=state_dir,
+        max_connections=config.max_connections,
+        header_timeout_s=config.header_timeout_s,
+        body_timeout_s=config.body_timeout_s,
     )
 
 
-def _default_log_dir() -> Path:
+def default_state_dir() -> Path:
+    """systemd's StateDirectory= ($STATE_DIRECTORY), else $XDG_STATE_HOME/nvpair, else
+    ~/.local/state/nvpair."""
+    if systemd := os.environ.get("STATE_DIRECTORY"):
+        return Path(systemd.split(":")[0])
     state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(state) / "nvpair" / "logs"
+    return Path(state) / "nvpair"
+
+
+def _check_process_text(eng: EngineConfig, where: str) -> None:
+    """What becomes a managed engine's argv or environment must be something the OS can
+    take: environment names that are not empty and hold no ``=`` or NUL, and no NUL in any
+    value or argument (the spawn would fail at start, with no line in ``nvpair check``)."""
+    for key in eng.env:
+        if not key:
+            raise ConfigError(f"{where}.env: an environment variable name is empty")
+        bad = "=" if "=" in key else "a NUL byte" if "\0" in key else None
+        if bad:
+            raise ConfigError(f"{where}.env: the name {key!r} contains {bad}; environment "
+                              "variable names cannot")
+        if "\0" in eng.env[key]:
+            raise ConfigError(f"{where}.env.{key}: the value contains a NUL byte")
+    fields: list[tuple[str, object]] = [("model", eng.model)]
+    fields += [(f"command[{i}]", part) for i, part in enumerate(eng.command or ())]
+    fields += [(f"args.{k}", v) for k, v in eng.args.items()]
+    for name, value in fields:
+        if isinstance(value, str) and "\0" in value:
+            raise ConfigError(f"{where}.{name}: contains a NUL byte, which no program "
+                              "argument can hold")
 
 
 def _resolve_engine(eng: EngineConfig, where: str, base: Path) -> EngineSpec:
+    _check_process_text(eng, where)
     if not _HOST.fullmatch(eng.host):
         raise ConfigError(f"{where}.host: expected an IP address or a host name, "
                           f"got {eng.host!r}")
@@ -324,9 +381,13 @@ def _resolve_engine(eng: EngineConfig, where: str, base: Path) -> EngineSpec:
         from nvpair.command import CommandError, build_command
 
         try:
-            build_command(manifest, spec.command, placeholder_values(spec))
+            argv, env = build_command(manifest, spec.command, placeholder_values(spec))
         except CommandError as exc:
             raise ConfigError(f"{where}: {exc}") from None
+        # what the manifest or a secret (an api_key placeholder) put there
+        if any("\0" in part for part in (*argv, *env.values())):
+            raise ConfigError(f"{where}: the command built for this engine contains a NUL "
+                              "byte (from the manifest's start template or api_key_file)")
     return spec
 
 

@@ -6,6 +6,11 @@ Reads never do: they keep serving the snapshot while an engine starts, stops or 
 One operation runs at a time per engine. A repeat of the operation in progress is accepted
 (202, idempotent); a conflicting one gets 409, except ``stop``, which always wins (it
 aborts a start that is still loading).
+
+Fault boundaries (``nvpair.boundary.Part``): the port check, the spawn, the output pump and
+the runner as a whole each turn any exception into this engine's state (``down`` with the
+reason, or ``unhealthy`` for an adopted engine), logged once and retried after the
+backoff; nothing a runner raises reaches the service.
 """
 
 from __future__ import annotations
@@ -20,15 +25,19 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
+import httpx2
+import msgspec
 import trio
 
 from nvpair import probes
 from nvpair.asgi import error_doc
-from nvpair.command import build_command
+from nvpair.boundary import Part
+from nvpair.command import build_command, engine_env
 from nvpair.config import EngineSpec, placeholder_values
-from nvpair.errors import ProbeError
+from nvpair.errors import NvpairError, ProbeError
 from nvpair.logs import EngineLog
-from nvpair.prober import Prober, open_client
+from nvpair.orphans import EngineProcs
+from nvpair.prober import ProbeMemory, Prober, open_client
 from nvpair.router.traffic import Traffic
 from nvpair.snapshot import Board, EngineState
 from nvpair.state import enter
@@ -40,6 +49,14 @@ log = logging.getLogger("nvpair.lifecycle")
 #: How long the engine's output is still read once it has ended (a child it left behind
 #: may hold the pipe open).
 OUTPUT_DRAIN_S = 2.0
+#: How long a process is waited for after SIGKILL. One in uninterruptible sleep (D state:
+#: stuck in the kernel, on a dead NFS mount or a GPU driver) ignores even SIGKILL until
+#: the kernel lets go; nvpair says so and goes on instead of waiting without end.
+KILL_WAIT_S = 5.0
+
+
+class StartError(NvpairError):
+    """A managed engine could not be started (an expected failure: one line, no traceback)."""
 
 Action = Literal["start", "stop", "restart"]
 
@@ -48,8 +65,24 @@ class EngineRunner:
     """Owns one engine: its probes and, for a managed engine, its process group."""
 
     def __init__(self, spec: EngineSpec, board: Board, registry: MutableMapping[str, Prober],
-                 log_dir: Path | None, traffic: Traffic | None = None) -> None:
+                 log_dir: Path | None, traffic: Traffic | None = None,
+                 procs: EngineProcs | None = None, *,
+                 transport: httpx2.AsyncBaseTransport | None = None) -> None:
         self.spec = spec
+        self.transport = transport  # the probes' (tests use a mock engine)
+        #: what the probes remember across probe and engine restarts (the generating budget)
+        self.memory = ProbeMemory()
+        where = f"engine {spec.name}"
+        down = self._publish_down
+        self._runner_part = Part(f"{where}: runner", down if spec.managed else self._unhealthy,
+                                 logger=log)
+        self._port_part = Part(f"{where}: port check", down, logger=log)
+        self._spawn_part = Part(f"{where}: start", logger=log)  # publishes with its argv
+        self._output_part = Part(f"{where}: output", self._publish_notice, logger=log)
+        #: a process that outlived SIGKILL (D state), while it does: what to say about it
+        self._stuck: str | None = None
+        self._reaper: trio.Nursery | None = None
+        self.procs = procs if procs is not None else EngineProcs(None)  # state files
         self.traffic = traffic
         self.board = board
         self.registry = registry
@@ -107,42 +140,79 @@ class EngineRunner:
 
         self.board.update(self.spec.name, change)
 
+    def _publish_down(self, reason: str | None) -> None:
+        if reason is not None:
+            self._set(state="down", pid=None, error=reason)
+
+    def _unhealthy(self, reason: str | None) -> None:
+        if reason is not None:
+            self._set(state="unhealthy", error=reason)
+
+    def _publish_notice(self, reason: str | None) -> None:
+        notice = None if reason is None else f"engine output is not logged: {reason}"
+        self.board.update(self.spec.name,
+                          lambda e: msgspec.structs.replace(e, notice=notice))
+
     # -- the task ------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Run the engine until cancelled; cancellation stops a managed engine gracefully."""
-        task_status.started()
+        """Run the engine until cancelled; cancellation stops a managed engine gracefully.
+
+        Whatever a step raises is this engine's failure (its state, its log line), never
+        the service's: the step is tried again after a backoff (a request ends it early)."""
         try:
-            while True:
-                if self.desired == "stopped":
-                    # The last model list stays (unlisted while stopped): a request for it
-                    # gets "not ready" (503), not "no such model" (404).
-                    self._set(state="stopped", pid=None, error=None)
-                    self.operation = None
-                    await self._until(lambda: self.desired == "running")
-                    continue
-                self._restart = False
-                if self.spec.managed:
-                    await self._run_process()
-                else:
-                    await self._adopt()
+            async with trio.open_nursery() as reaper:
+                self._reaper = reaper
+                task_status.started()
+                while True:
+                    try:
+                        await self._step()
+                    except Exception as exc:
+                        self._runner_part.failed(exc)
+                        self.operation = None
+                        with trio.move_on_after(self._runner_part.backoff.next()):
+                            await self._wake.wait()  # any request ends the wait
+                    else:
+                        self._runner_part.ok()
         finally:
             if self.log is not None:
                 self.log.close()
+
+    async def _step(self) -> None:
+        if self.desired == "stopped":
+            # The last model list stays (unlisted while stopped): a request for it
+            # gets "not ready" (503), not "no such model" (404).
+            self._set(state="stopped", pid=None, error=self._stuck)
+            self.operation = None
+            await self._until(lambda: self.desired == "running")
+            return
+        self._restart = False
+        if self.spec.managed:
+            await self._run_process()
+        else:
+            await self._adopt()
+
+    def _probes(self) -> partial[Any]:
+        return partial(run_probes, self.spec, self.board, self.registry, traffic=self.traffic,
+                       transport=self.transport, memory=self.memory)
 
     async def _adopt(self) -> None:
         """Probe an engine nvpair does not own; never signal it."""
         self._set(state="starting", error=None)
         self.operation = None
         async with trio.open_nursery() as nursery:
-            await nursery.start(partial(run_probes, self.spec, self.board, self.registry,
-                                        traffic=self.traffic))
+            await nursery.start(self._probes())
             await self._until(lambda: self.desired != "running" or self._restart)
             nursery.cancel_scope.cancel(reason="stop requested")
 
     async def _run_process(self) -> None:
         spec = self.spec
-        taken = await self._port_taken()
+        try:
+            taken = await self._port_taken()
+        except Exception as exc:  # the check itself failed: no start, the reason shown
+            taken = self._port_part.failed(exc)
+        else:
+            self._port_part.ok()
         if taken:
             self._set(state="down", pid=None, error=taken)
             self.operation = None
@@ -151,20 +221,27 @@ class EngineRunner:
         if self.desired != "running" or self._restart:  # asked while the port was checked
             return
         argv, extra_env = build_command(spec.manifest, spec.command, placeholder_values(spec))
-        env = {**os.environ, **extra_env, **spec.env}
+        env = engine_env(os.environ, extra_env, spec.env)  # never nvpair's own secrets
         assert self.log is not None
         self.log.write(f"[nvpair] starting: {_shown(argv, spec.api_key)}")
         try:
             proc = await trio.lowlevel.open_process(
                 argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT, start_new_session=True)
-        except OSError as exc:
-            message = f"cannot start {argv[0]}: {exc.strerror or exc}"
-            self.log.write(f"[nvpair] {message}")
-            self._set(state="down", pid=None, error=message)
+        except Exception as exc:  # OSError, but also ValueError (a NUL, an `=` in a name)
+            failure = exc
+            if isinstance(exc, OSError):
+                failure = StartError(f"cannot start {argv[0]}: {exc.strerror or exc}")
+            reason = self._spawn_part.failed(failure)
+            if not isinstance(exc, OSError):
+                reason = f"cannot start {argv[0]}: {type(exc).__name__}: {exc}"
+            self.log.write(f"[nvpair] {reason}")
+            self._set(state="down", pid=None, error=reason)
             self.operation = None
             await self._back_off()
             return
+        self._spawn_part.ok()
+        self.procs.record(spec.name, proc.pid, argv)  # until reaped: docs/deploy.md
         self.starts += 1
         self._ready_at = None
         self._set(state="starting", pid=proc.pid, error=None, exit_code=None, exited_at=None,
@@ -184,15 +261,14 @@ class EngineRunner:
                 async def pump(stream: trio.abc.ReceiveStream) -> None:
                     try:
                         with reading:
-                            await self.log.pump(stream)  # type: ignore[union-attr]
+                            await self._pump(stream)
                     finally:
                         pumped.set()
 
                 output.start_soon(pump, proc.stdout)
                 try:
                     async with trio.open_nursery() as nursery:
-                        await nursery.start(partial(run_probes, spec, self.board, self.registry,
-                                                    traffic=self.traffic))
+                        await nursery.start(self._probes())
 
                         async def watch_budget() -> None:
                             nonlocal why
@@ -220,14 +296,37 @@ class EngineRunner:
                             await pumped.wait()
                     reading.cancel(reason="engine process ended")
         finally:
-            self.log.write(f"[nvpair] process {proc.pid} ended: {_describe(proc.returncode)}")
+            self.log.write(f"[nvpair] process {proc.pid} ended: {_describe(proc.returncode)}"
+                           if self._stuck is None else f"[nvpair] {self._stuck}")
+            if proc.returncode is not None:  # reaped
+                self.procs.forget(spec.name, proc.pid)
         await self._after_exit(proc.returncode, why)
+
+    async def _pump(self, stream: trio.abc.ReceiveStream) -> None:
+        """The engine's output into its log, inside a boundary: if copying fails, the output
+        is read and dropped for the backoff (so the engine never blocks on a full pipe),
+        then copied again. Ends at EOF."""
+        assert self.log is not None
+        part = self._output_part
+        while True:
+            try:
+                await self.log.pump(stream)
+                return
+            except Exception as exc:
+                part.failed(exc)
+            with trio.move_on_after(part.backoff.next()):
+                try:
+                    while await stream.receive_some(65536):
+                        pass
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+                return  # the end of the output came while dropping it
 
     async def _after_exit(self, code: int | None, why: str) -> None:
         spec = self.spec
         if why in ("stop", "restart"):
             self._set(state="stopped" if why == "stop" else "starting", pid=None,
-                      exit_code=code, exited_at=_wall())
+                      exit_code=code, exited_at=_wall(), error=self._stuck)
             return
         if why == "budget":
             last = self.board.current.engine(spec.name)
@@ -235,6 +334,8 @@ class EngineRunner:
             error = f"not ready within its startup budget of {spec.startup_budget_s:g} s{detail}"
         else:
             error = f"engine process {_describe(code)}"
+        if self._stuck is not None:
+            error = f"{error}; {self._stuck}"
         if self._ready_for() >= spec.manifest.restart.reset_after_s:
             self.backoff = spec.manifest.restart.initial_s
         self._set(state="down", pid=None, exit_code=code, exited_at=_wall(),
@@ -271,9 +372,24 @@ class EngineRunner:
                 await proc.wait()
             if proc.returncode is None:
                 _killpg(proc.pid, signal.SIGKILL)
-                await proc.wait()
+                with trio.move_on_after(KILL_WAIT_S):
+                    await proc.wait()
+            if proc.returncode is None:
+                self._stuck = (f"process {proc.pid} did not exit within {KILL_WAIT_S:g} s of "
+                               "SIGKILL (stuck in the kernel, D state?); nvpair no longer "
+                               "waits for it")
+                log.warning("%s: %s", self.spec.name, self._stuck)
+                if self._reaper is not None:  # reaped whenever the kernel lets it go
+                    self._reaper.start_soon(self._reap, proc)
         # The leader is gone; ranks or helpers left in its group are orphans: end them.
         _killpg(proc.pid, signal.SIGKILL)
+
+    async def _reap(self, proc: trio.Process) -> None:
+        await proc.wait()
+        self._stuck = None
+        self.procs.forget(self.spec.name, proc.pid)
+        log.info("%s: process %d has exited at last (%s)", self.spec.name, proc.pid,
+                 _describe(proc.returncode))
 
     async def _port_taken(self) -> str | None:
         """What already answers on the engine's port, if anything (so we never spawn a twin)."""
@@ -287,7 +403,10 @@ class EngineRunner:
                 return None
             await stream.aclose()
         where = f"port {spec.port}"
-        answer = await _identify(spec)
+        try:
+            answer = await _identify(spec)
+        except Exception as exc:  # whatever answers there, it is taken: say what we know
+            answer = f"a server nvpair could not identify ({self._port_part.failed(exc)})"
         return f"{where} is taken by {answer}; nvpair will not start a second engine there"
 
 

@@ -56,11 +56,31 @@ def overdue_after(interval_s: float, timeout_s: float) -> float:
     return interval_s + timeout_s + 1.0
 
 
+class ProbeMemory:
+    """What one engine's probes remember across probe and engine restarts: when it last got
+    a generating request, and how it went (at most one per GENERATING_MIN_INTERVAL_S);
+    per probe, the paths that answered 404 when last asked."""
+
+    def __init__(self) -> None:
+        self.generated: tuple[float, Outcome] | None = None
+        self.missing: dict[str, set[str]] = {n: set() for n in PROBE_NAMES}
+
+
 class Prober:
     """Runs the probes of one engine against ``client`` and writes outcomes to ``board``."""
 
+    @property
+    def _generated(self) -> tuple[float, Outcome] | None:
+        return self.memory.generated
+
+    @_generated.setter
+    def _generated(self, value: tuple[float, Outcome] | None) -> None:
+        self.memory.generated = value
+
     def __init__(self, spec: EngineSpec, board: Board, client: httpx2.AsyncClient,
-                 traffic: Traffic | None = None) -> None:
+                 traffic: Traffic | None = None, memory: ProbeMemory | None = None) -> None:
+        #: what outlives this prober (kept by the engine's runner across restarts)
+        self.memory = memory or ProbeMemory()
         self.spec = spec
         self.traffic = traffic
         self._passive_in_a_row = 0
@@ -69,10 +89,8 @@ class Prober:
         self._paths = {n: p.path for n, p in self._specs().items()}
         self._locks: dict[str, trio.Lock] = {n: trio.Lock() for n in PROBE_NAMES}
         #: per probe, the paths that answered 404 when last asked
-        self._missing: dict[str, set[str]] = {n: set() for n in PROBE_NAMES}
+        self._missing: dict[str, set[str]] = self.memory.missing
         self._rng = random.Random()
-        #: when this engine last got a generating probe request, and how it went
-        self._generated: tuple[float, Outcome] | None = None
         #: while identity is unconfirmed, good ready probes ask it again only after this
         #: backoff (up to the identity interval), never at each one
         self._identity_backoff = self._new_identity_backoff()

@@ -9,16 +9,19 @@ from collections.abc import Awaitable, Callable
 import msgspec
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
 
+from nvpair import orphans
 from nvpair.api import Api, Mount
 from nvpair.config import Settings, url_host
 from nvpair.lifecycle import EngineRunner, Lifecycles
 from nvpair.peers.broker import Broker
 from nvpair.peers.push import keep_alive_for
+from nvpair.peers.receiver import ADVERTS_PATH
 from nvpair.prober import Prober
 from nvpair.router import ROUTED_PATHS, Router, Traffic
 from nvpair.router.view import TrafficView
+from nvpair.server import Connections, Limits, connection_cap
+from nvpair.server import serve as serve_http
 from nvpair.snapshot import Board
 from nvpair.supervisor import initial_state
 from nvpair.sweep import Sweep
@@ -36,15 +39,26 @@ class Running(msgspec.Struct, frozen=False):
     traffic: Traffic
     stop: Callable[[], None]
     peers: Broker | None = None
+    procs: orphans.EngineProcs | None = None
+    #: the API's open client connections (nvpair.server).
+    connections: Connections | None = None
+
+
+def limits(settings: Settings) -> Limits:
+    """How long the API's client connections live, and how many there may be."""
+    paths = {}
+    if settings.cluster is not None:  # steady peer pushes keep their connection (only they)
+        paths[ADVERTS_PATH] = max(settings.keep_alive_s,
+                                  keep_alive_for(settings.cluster.interval_s))
+    return Limits(keep_alive_s=settings.keep_alive_s, max_connections=settings.max_connections,
+                  header_timeout_s=settings.header_timeout_s,
+                  body_timeout_s=settings.body_timeout_s, keep_alive_paths=paths)
 
 
 def hypercorn_config(settings: Settings) -> HypercornConfig:
     cfg = HypercornConfig()
     cfg.bind = [f"{url_host(settings.listen_host)}:{settings.listen_port}"]
     cfg.keep_alive_timeout = settings.keep_alive_s
-    if settings.cluster is not None:  # so that steady peer pushes keep their connection
-        cfg.keep_alive_timeout = max(cfg.keep_alive_timeout,
-                                     keep_alive_for(settings.cluster.interval_s))
     cfg.graceful_timeout = 5.0
     cfg.accesslog = None
     cfg.errorlog = logging.getLogger("hypercorn.error")
@@ -59,7 +73,8 @@ async def run(settings: Settings, *,
     registry: dict[str, Prober] = {}
     sweep = Sweep(board, registry, settings.sweep_deadline_s)
     traffic = Traffic(settings.router)
-    runners = {spec.name: EngineRunner(spec, board, registry, settings.log_dir, traffic)
+    procs = orphans.EngineProcs(settings.state_dir)
+    runners = {spec.name: EngineRunner(spec, board, registry, settings.log_dir, traffic, procs)
                for spec in settings.engines}
     peers = None if settings.cluster is None else Broker(settings.cluster, board, settings.node)
     cluster_token = None if settings.cluster is None else settings.cluster.token
@@ -72,8 +87,10 @@ async def run(settings: Settings, *,
         mounts.extend(peers.mounts)
     api = Api(board, node=settings.node, token=settings.token,
               controller=Lifecycles(runners, board, settings.node), mounts=mounts,
-              cluster=None if peers is None else peers.table, cluster_token=cluster_token)
+              cluster=None if peers is None else peers.table, cluster_token=cluster_token,
+              allowed_hosts=settings.allowed_hosts)
     shutdown = trio.Event()
+    await orphans.reclaim(procs, settings.engines)  # what a killed nvpair left running
     # Lifetimes, outermost last to end: the router's engine clients, the engines, the API.
     # On shutdown the API drains first, then engines stop, then the clients close.
     async with trio.open_nursery() as outer:
@@ -83,17 +100,20 @@ async def run(settings: Settings, *,
                 await engines.start(runner.run)
             await engines.start(sweep.run)
             async with trio.open_nursery() as http:
-                serve: Callable[..., Awaitable[None]] = hypercorn_serve
+                connections = Connections(connection_cap(settings.max_connections))
                 binds = await http.start(
-                    lambda task_status: serve(api, hypercorn_config(settings),
-                                              shutdown_trigger=shutdown.wait,
-                                              task_status=task_status)
+                    lambda task_status: serve_http(api, hypercorn_config(settings),
+                                                   limits(settings),
+                                                   shutdown_trigger=shutdown.wait,
+                                                   connections=connections,
+                                                   task_status=task_status)
                 )
                 if peers is not None:  # until shutdown, then a graceful leave (<= 1.5 s)
                     await http.start(peers.run, binds[0], shutdown)
                 task_status.started(Running(url=binds[0], board=board, sweep=sweep,
                                             runners=runners, traffic=traffic,
-                                            stop=shutdown.set, peers=peers))
+                                            stop=shutdown.set, peers=peers, procs=procs,
+                                            connections=connections))
             # hypercorn has stopped accepting and drained in-flight requests; engines stop
             # with their grace periods (each SIGTERM, wait, SIGKILL, in parallel).
             engines.cancel_scope.cancel(reason="nvpair is shutting down")
@@ -112,14 +132,19 @@ async def main(settings: Settings, *, announce: Callable[[str], None] = print,
         with watching:
             await watch(board)
 
+    orphans.become_subreaper()  # what engines double-fork comes back to us, not to init
     async with trio.open_nursery() as nursery:
         running: Running = await nursery.start(run, settings)
         announce(running.url)
         if watch is not None:
             nursery.start_soon(watch_board, running.board)
+        assert running.procs is not None
+        reaping: trio.CancelScope = await nursery.start(orphans.reap_strays, running.procs)
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for signum in signals:
                 log.info("got %s, shutting down", signal.Signals(signum).name)
                 running.stop()
                 watching.cancel(reason="shutting down")
+                reaping.cancel(reason="shutting down")
                 break
+    await orphans.end_strays(running.procs)

@@ -2,16 +2,25 @@
 
 An engine that misses the deadline keeps its previous list, marked stale. Reads never wait
 for a sweep: they serve whatever the last sweep published.
+
+Each engine's listing runs inside its own fault boundary (``nvpair.boundary.Part``): an
+exception while listing one engine (a bug of nvpair's, or an answer no parser expected)
+makes that engine ``unhealthy`` with the reason and its list stale; the other engines of
+the batch are listed as if nothing happened, and the engine is listed again when due. The
+sweep's own loop is supervised too: a bug there is logged and the loop restarted.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
+from functools import partial
 
 import msgspec
 import trio
 
 from nvpair import probes
+from nvpair.boundary import Part
 from nvpair.errors import ProbeError
 from nvpair.prober import Prober
 from nvpair.snapshot import LISTED_STATES, Board, EngineState, Model
@@ -19,6 +28,8 @@ from nvpair.state import Outcome, count, enter, with_auth_notice
 
 #: States in which an engine is listed (and so re-listed when due).
 LISTABLE = LISTED_STATES | {"unhealthy"}
+
+log = logging.getLogger("nvpair.sweep")
 
 
 class Sweep:
@@ -31,6 +42,36 @@ class Sweep:
         self._next_due: dict[str, float] = {}
         self._in_flight: set[str] = set()
         self._was_listable: dict[str, bool] = {}
+        #: one boundary per engine's listing, and one for the sweep's own loop
+        self._parts: dict[str, Part] = {}
+        self.part = Part("model-list sweep", logger=log)
+
+    def _part(self, name: str) -> Part:
+        part = self._parts.get(name)
+        if part is None:
+            part = self._parts[name] = Part(f"engine {name}: model list",
+                                            partial(self._publish_failure, name), logger=log)
+        return part
+
+    def _publish_failure(self, name: str, reason: str | None) -> None:
+        """A listing that raised: the engine is unhealthy with the reason, its list stale;
+        a later good listing (and the next good health probe) recovers it."""
+        if reason is None:
+            return
+        prober = self.probers.get(name)
+        spec = None if prober is None else prober.spec.probes.models
+        now = trio.current_time()
+        outcome = Outcome(ok=False, kind="error", error=reason)
+
+        def change(e: EngineState) -> EngineState:
+            if spec is not None:
+                e = count(e, "models", spec.path, outcome, now)
+            e = msgspec.structs.replace(e, models_stale=bool(e.models))
+            if e.state == "stopped":
+                return e
+            return enter(e, "unhealthy", now, error=reason)
+
+        self.board.update(name, change)
 
     def due(self, now: float) -> list[str]:
         names = []
@@ -55,16 +96,20 @@ class Sweep:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             task_status.started()
-            version = -1
-            while True:
-                now = trio.current_time()
-                names = self.due(now)
-                if names:
-                    self._in_flight.update(names)
-                    nursery.start_soon(self._batch, {n: self.probers[n] for n in names})
-                version = self.board.current.version
-                with trio.move_on_at(self.next_wake()):
-                    await self.board.wait_changed(version)
+            await self.part.supervise(partial(self._loop, nursery))
+
+    async def _loop(self, nursery: trio.Nursery) -> None:
+        version = -1
+        while True:
+            now = trio.current_time()
+            names = self.due(now)
+            if names:
+                self._in_flight.update(names)
+                nursery.start_soon(self._batch, {n: self.probers[n] for n in names})
+            self.part.ok()
+            version = self.board.current.version
+            with trio.move_on_at(self.next_wake()):
+                await self.board.wait_changed(version)
 
     async def _batch(self, probers: dict[str, Prober]) -> None:
         """List ``names`` concurrently; whatever has not answered by the deadline is stale."""
@@ -78,15 +123,25 @@ class Sweep:
                         nursery.start_soon(self._list_one, prober, done)
         finally:
             now = trio.current_time()
-            for name in names:
+            for name in names:  # each engine's bookkeeping in its boundary: all of it runs
                 self._in_flight.discard(name)
-                spec = probers[name].spec.probes.models
-                assert spec is not None  # due() picks only engines with a models probe
-                self._next_due[name] = started + spec.interval_s
-                if name not in done:
-                    self._mark_missed(probers[name], now)
+                with self._part(name).guard():
+                    spec = probers[name].spec.probes.models
+                    assert spec is not None  # due() picks only engines with a models probe
+                    self._next_due[name] = started + spec.interval_s
+                    if name not in done:
+                        self._mark_missed(probers[name], now)
 
     async def _list_one(self, prober: Prober, done: set[str]) -> None:
+        """List one engine inside its boundary: whatever it raises stays its own failure."""
+        name = prober.spec.name
+        part = self._part(name)
+        with part.guard():
+            await self._list(prober)
+            part.ok()
+        done.add(name)
+
+    async def _list(self, prober: Prober) -> None:
         name = prober.spec.name
         spec = prober.spec.probes.models
         assert spec is not None
@@ -127,7 +182,6 @@ class Sweep:
             return e
 
         self.board.update(name, change)
-        done.add(name)
 
     def _mark_missed(self, prober: Prober, now: float) -> None:
         name = prober.spec.name
