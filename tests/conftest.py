@@ -19,6 +19,15 @@ def _earlier_tests_out_of_the_collectors_way() -> None:
     gc.freeze()
 
 
+@pytest.fixture(autouse=True)
+def _own_state_dir(tmp_path_factory: pytest.TempPathFactory,
+                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test gets its own state directory (nvpair keeps a file per managed engine
+    process there), so no test writes to the user's ~/.local/state or sees another's."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))
+    monkeypatch.delenv("STATE_DIRECTORY", raising=False)
+
+
 @pytest.fixture
 def write(tmp_path: Path):
     """Write a file under tmp_path and return its path."""
