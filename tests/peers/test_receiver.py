@@ -157,3 +157,18 @@ async def test_a_node_with_odd_models_is_heard_with_its_good_ones(node: str) -> 
     (peer,) = doc["peers"]
     assert peer["node"] == "sender" and peer["models_left_out"] == 3
     assert doc["received"]["rejected"] == {}
+
+
+async def test_the_bearer_schemes_name_is_matched_in_any_case_the_token_exactly(
+        node: str) -> None:
+    with trio.fail_after(10):
+        async with httpx2.AsyncClient(base_url=node, trust_env=False) as client:
+            r = await client.post("/v1/peers/adverts", content=advert_body(),
+                                  headers={"authorization": f"bearer {CLUSTER}"})
+            assert r.status_code == 204, r.text
+            r = await client.post("/v1/peers/adverts", content=advert_body(seq=2),
+                                  headers={"authorization": f"BEARER {CLUSTER.upper()}"})
+            assert r.status_code == 401
+            r = await client.post("/v1/peers/adverts", content=advert_body(seq=3),
+                                  headers={"authorization": f"Basic {CLUSTER}"})
+            assert r.status_code == 401

@@ -13,7 +13,16 @@ import logging
 
 import trio
 
-from nvpair.asgi import BodyTooLarge, Receive, Scope, Send, header, read_body, send_error
+from nvpair.asgi import (
+    BodyTooLarge,
+    Receive,
+    Scope,
+    Send,
+    bearer,
+    header,
+    read_body,
+    send_error,
+)
 from nvpair.peers.advert import MAX_ADVERT_BYTES, AdvertRejected, decode
 from nvpair.peers.table import PeerTable
 
@@ -29,7 +38,7 @@ class Receiver:
 
     def __init__(self, table: PeerTable, token: str) -> None:
         self.table = table
-        self.expected = f"Bearer {token}".encode()
+        self.expected = token.encode()
         self.node_header = [(b"x-nvpair-node", table.node.encode())]
         self.accepted = 0
         self.rejected: dict[str, int] = {}
@@ -41,7 +50,7 @@ class Receiver:
         if scope["method"] != "POST":
             await send_error(send, 405, f"use POST {ADVERTS_PATH}")
             return
-        given = header(scope, b"authorization") or b""
+        given = bearer(scope) or b""
         if not hmac.compare_digest(given, self.expected):
             self._reject("token")
             await send_error(send, 401, "missing or wrong cluster token", "invalid_cluster_token",
