@@ -222,6 +222,9 @@ async def _on_signals(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is not None and list(argv[:1]) == ["farm"]:  # many engines in one process
+        from nvpair.sim import farm
+        return farm.main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         options = options_from_args(args)

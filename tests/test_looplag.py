@@ -1,0 +1,48 @@
+"""The opt-in loop-lag probe (NVPAIR_LOOP_LAG_FILE): the longest gap between 5 ms ticks."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from nvpair import looplag
+
+
+def hold_the_loop(seconds: float) -> None:
+    """A step that does not yield (what the probe is there to catch)."""
+    time.sleep(seconds)
+
+
+async def test_a_blocking_step_shows_as_the_longest_gap(tmp_path: Path) -> None:
+    path = tmp_path / "lag.jsonl"
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(looplag.probe, str(path), 0.005, 0.1)
+            await trio.sleep(0.15)
+            hold_the_loop(0.08)
+            await trio.sleep(0.15)
+            nursery.cancel_scope.cancel()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(lines) >= 2
+    assert all(line["ticks"] > 0 and line["t"] > 0 for line in lines)
+    assert max(line["max_ms"] for line in lines) >= 80
+    assert min(line["max_ms"] for line in lines) < 80  # the seconds without the stall
+
+
+async def test_without_the_variable_nothing_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(looplag.ENV, raising=False)
+    with trio.fail_after(1):
+        await looplag.from_env()  # returns at once
+
+
+async def test_an_unwritable_file_is_a_warning(monkeypatch: pytest.MonkeyPatch,
+                                               tmp_path: Path,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv(looplag.ENV, str(tmp_path / "missing" / "lag.jsonl"))
+    with trio.fail_after(1):
+        await looplag.from_env()
+    assert "loop-lag probe stopped" in caplog.text
