@@ -10,7 +10,9 @@ from functools import partial
 
 import httpx2
 import msgspec
+import pytest
 import trio
+import trio.testing
 from tests.managed import (
     alive,
     free_port,
@@ -290,34 +292,31 @@ async def test_engines_do_not_inherit_nvpairs_token(nursery, tmp_path, monkeypat
     assert not any("the-users-secret" in line for line in lines)
 
 
-class _Unkillable:
-    """A process the kernel holds (D state): signals are taken, it never exits."""
-
-    pid = 2**30  # beyond pid_max: killpg finds no such group (ESRCH), as for a zombie
-    returncode = None
-
-    async def wait(self) -> int:
-        await trio.sleep_forever()
-        raise AssertionError
-
-
-async def test_terminate_does_not_wait_forever_for_a_process_in_d_state(
+async def test_a_stop_does_not_wait_forever_for_a_process_in_d_state(
         nursery, autojump_clock, tmp_path) -> None:
-    from nvpair.lifecycle import KILL_WAIT_S, EngineRunner
+    """A process the kernel holds (D state) takes the signals and never exits: the stop
+    gives up KILL_WAIT_S after SIGKILL, and the engine says so while it is stopped."""
+    from tests.test_process import FakeSpawn
+
+    from nvpair.lifecycle import KILL_WAIT_S, Accepted, EngineRunner
     from nvpair.snapshot import Board
-    from nvpair.supervisor import initial_state
+    from nvpair.state import initial_state
 
     settings = managed_config(tmp_path, "e", free_port(), ["srv"])
     spec = settings.engines[0]
-    runner = EngineRunner(spec, Board((initial_state(spec),)), {}, None)
-    runner.desired = "stopped"
+    board = Board((initial_state(spec),))
+    spawn = FakeSpawn(heeds=())
+    runner = EngineRunner(spec, board, None, None, spawn=spawn)
     await nursery.start(runner.run)
-    started = trio.current_time()
-    with trio.fail_after(spec.stop_grace_s + 60):
-        await runner._terminate(_Unkillable())  # type: ignore[arg-type]
-    assert trio.current_time() - started <= spec.stop_grace_s + KILL_WAIT_S + 0.1
-    assert runner._stuck is not None and "did not exit within" in runner._stuck
-    assert "SIGKILL" in runner._stuck
+    await wait_state(board, "e", "starting", where=lambda e: e.pid is not None)
+    asked = trio.current_time()
+    assert runner.request("stop") == Accepted("stopping")
+    stopped = await wait_state(board, "e", "stopped")
+    assert trio.current_time() - asked <= spec.stop_grace_s + KILL_WAIT_S + 0.1
+    assert stopped.error is not None and "did not exit within" in stopped.error
+    assert "SIGKILL" in stopped.error
+    assert [signal.Signals(s).name for s in spawn.started[0].signals] == [
+        spec.manifest.stop.signal, "SIGKILL", "SIGKILL"]
 
 
 async def test_the_generating_budget_outlives_restarts(nursery, autojump_clock) -> None:
@@ -326,19 +325,19 @@ async def test_the_generating_budget_outlives_restarts(nursery, autojump_clock) 
     made a new prober that had forgotten the last one)."""
     from tests.fakes import FakeEngine, engine_spec
 
-    from nvpair.lifecycle import EngineRunner
+    from nvpair.lifecycle import Accepted, EngineRunner
     from nvpair.snapshot import Board
-    from nvpair.supervisor import initial_state
+    from nvpair.state import initial_state
 
     spec = engine_spec("sglang", allow_generating_probes=True)
     fake = FakeEngine({"/health": (200, ""), "/model_info": (200, {
         "model_path": "m", "is_generation": True})})
     board = Board((initial_state(spec),))
-    runner = EngineRunner(spec, board, {}, None, transport=fake.transport())
+    runner = EngineRunner(spec, board, None, None, transport=fake.transport())
     await nursery.start(runner.run)
     for _ in range(100):
         await trio.sleep(3)
-        assert runner.request("restart")[0] == 202
+        assert isinstance(runner.request("restart"), Accepted)
     times = fake.times["/health"]
     gaps = [b - a for a, b in itertools.pairwise(times)]
     assert len(times) >= 300 / 31 - 1 and min(gaps) >= 30 - 1e-9, gaps
@@ -387,3 +386,175 @@ async def test_a_failing_output_pump_leaves_the_engine_running(nursery, tmp_path
         e = running.board.current.engine("e")
         assert e is not None and e.pid == noticed.pid and alive(e.pid)
         assert e.state == "starting" and running.runners["e"].starts == 1
+
+
+# -- restarts and backoff in virtual time (a fake process through the spawn seam) ------------
+
+
+def _fake_runner(spawn, engine):  # type: ignore[no-untyped-def]
+    """A managed vLLM whose process is ``spawn``'s and whose HTTP side is ``engine``."""
+    from tests.fakes import engine_spec
+
+    from nvpair.lifecycle import EngineRunner
+    from nvpair.snapshot import Board
+    from nvpair.state import initial_state
+
+    spec = engine_spec("vllm", managed=True, port=free_port(), model="m",
+                       command=["srv", "--port", "{port}"])
+    board = Board((initial_state(spec),))
+    return EngineRunner(spec, board, None, None, transport=engine.transport(), spawn=spawn)
+
+
+def _refusing():  # type: ignore[no-untyped-def]
+    from tests.fakes import FakeEngine
+
+    engine = FakeEngine()
+    engine.refuse = True  # nothing listens: a process that never gets to serve
+    return engine
+
+
+async def test_a_crash_loop_backs_off_doubling_to_its_max(nursery, autojump_clock) -> None:
+    from tests.test_process import FakeSpawn
+
+    spawn = FakeSpawn(lives=(0,), code=7)  # exits at once, every time
+    runner = _fake_runner(spawn, _refusing())
+    await nursery.start(runner.run)
+    await spawn.wait_started(10)
+    restart = runner.spec.manifest.restart
+    waits = [b - a for a, b in itertools.pairwise(spawn.times)]
+    assert waits == pytest.approx([min(restart.initial_s * 2**k, restart.max_s)
+                                   for k in range(9)])
+    assert restart.max_s in waits  # it got to the cap, and stayed there
+    e = await wait_state(runner.board, "e", "down", where=lambda e: e.restarts == 9)
+    assert e.error == "engine process exited with code 7" and e.exit_code == 7
+
+
+async def test_the_backoff_resets_after_reset_after_s_of_readiness(nursery,
+                                                                  autojump_clock) -> None:
+    """A process that served (ready) for reset_after_s resets the backoff; one that served
+    less does not."""
+    from tests.fakes import FakeEngine, vllm_routes
+    from tests.test_process import FakeSpawn
+
+    runner = _fake_runner(FakeSpawn(), FakeEngine(vllm_routes()))  # the spec, for its numbers
+    restart = runner.spec.manifest.restart
+    served = restart.reset_after_s
+    lives = (0.5, 0.5, 0.5, served + 10, 0.5, served - 10, 0.5)
+    spawn = FakeSpawn(lives=lives)
+    runner = _fake_runner(spawn, FakeEngine(vllm_routes()))
+    await nursery.start(runner.run)
+    long_lived = await spawn.wait_started(4)
+    e = await wait_state(runner.board, "e", "ready", within=served)
+    assert e.pid == long_lived.pid and runner.starts == 4
+    await spawn.wait_started(len(lives) + 1)
+    waits = [b - a - life for (a, b), life in zip(itertools.pairwise(spawn.times), lives,
+                                                  strict=True)]
+    i = restart.initial_s
+    assert waits == pytest.approx([i, 2 * i, 4 * i, i, 2 * i, 4 * i, 8 * i])
+
+
+async def test_a_stop_during_the_backoff_ends_it(nursery, autojump_clock) -> None:
+    from tests.test_process import FakeSpawn
+
+    from nvpair.lifecycle import Accepted, Busy
+
+    spawn = FakeSpawn(lives=(0,))
+    runner = _fake_runner(spawn, _refusing())
+    await nursery.start(runner.run)
+    await spawn.wait_started(4)  # down, now waiting 8 s before the 5th start
+    await wait_state(runner.board, "e", "down")
+    asked = trio.current_time()
+    assert runner.request("stop") == Accepted("stopping")
+    busy = runner.request("start")  # while the stop is in progress
+    assert isinstance(busy, Busy) and busy.reason == (
+        "engine e is stopping; start it once it has stopped")
+    await wait_state(runner.board, "e", "stopped")
+    assert trio.current_time() == asked  # the backoff did not run out first
+    await trio.sleep(600)
+    assert len(spawn.started) == 4  # stopped stays stopped
+    assert runner.request("stop") == Accepted("stop")  # idempotent: nothing to do
+    started = trio.current_time()
+    assert runner.request("start") == Accepted("starting")
+    await spawn.wait_started(5)
+    assert trio.current_time() == started  # a start asked for does not wait a backoff
+
+
+async def test_a_restart_during_a_start_stops_the_process_and_starts_at_once(
+        nursery, autojump_clock) -> None:
+    import signal as signals
+
+    from tests.test_process import FakeSpawn
+
+    from nvpair.lifecycle import Accepted
+
+    spawn = FakeSpawn()  # never exits by itself; SIGTERM ends it
+    runner = _fake_runner(spawn, _refusing())  # never ready: still starting
+    await nursery.start(runner.run)
+    first = await spawn.wait_started(1)
+    await wait_state(runner.board, "e", "starting", where=lambda e: e.pid == first.pid)
+    await trio.sleep(5)
+    seen = []  # the states the engine shows meanwhile
+
+    async def watch() -> None:
+        version = runner.board.current.version
+        while True:
+            snap = await runner.board.wait_changed(version)
+            version = snap.version
+            e = snap.engine("e")
+            assert e is not None
+            seen.append(e.state)
+
+    nursery.start_soon(watch)
+    await trio.testing.wait_all_tasks_blocked()
+    asked = trio.current_time()
+    assert runner.request("restart") == Accepted("restarting")
+    assert runner.request("restart") == Accepted("restarting")  # idempotent
+    second = await spawn.wait_started(2)
+    assert trio.current_time() == asked  # no backoff
+    await wait_state(runner.board, "e", "starting", where=lambda e: e.pid == second.pid)
+    assert seen and set(seen) == {"starting"}  # never down: a restart is not a crash
+    assert first.returncode == -signals.SIGTERM
+    assert first.signals == [signals.SIGTERM, signals.SIGKILL]  # then its group's leftovers
+    e = await wait_state(runner.board, "e", "starting", where=lambda e: e.pid == second.pid)
+    assert e.restarts == 1 and e.error is None
+    await trio.sleep(600)
+    assert len(spawn.started) == 2 and second.returncode is None
+
+
+async def test_a_start_that_misses_its_budget_is_stopped_in_virtual_time(
+        nursery, autojump_clock) -> None:
+    import signal as signals
+
+    from tests.test_process import FakeSpawn
+
+    spawn = FakeSpawn()
+    runner = _fake_runner(spawn, _refusing())
+    await nursery.start(runner.run)
+    first = await spawn.wait_started(1)
+    budget = runner.spec.startup_budget_s
+    down = await wait_state(runner.board, "e", "down", within=budget + 60)
+    assert trio.current_time() == pytest.approx(first.started_at + budget)
+    assert (down.error or "").startswith(f"not ready within its startup budget of {budget:g} s")
+    assert first.signals[0] == signals.SIGTERM and down.exit_code == -signals.SIGTERM
+    await spawn.wait_started(2)
+    assert spawn.times[1] - trio.current_time() == 0
+    assert spawn.times[1] == pytest.approx(first.started_at + budget
+                                           + runner.spec.manifest.restart.initial_s)
+
+
+async def test_first_of_returns_the_first_value_and_cancels_the_rest(autojump_clock) -> None:
+    from nvpair.lifecycle import first_of
+
+    cancelled = []
+
+    async def after(delay: float, value: str) -> str:
+        try:
+            await trio.sleep(delay)
+        except trio.Cancelled:
+            cancelled.append(value)
+            raise
+        return value
+
+    assert await first_of(partial(after, 3, "slow"), partial(after, 1, "fast"),
+                          partial(after, 2, "middle")) == "fast"
+    assert trio.current_time() == 1 and sorted(cancelled) == ["middle", "slow"]

@@ -1,11 +1,18 @@
 """Engine lifecycles: start, stop and restart, with backoff, for managed and adopted engines.
 
-Only writers touch a runner: API commands (``request``, sync) and the runner's own task.
-Reads never do: they keep serving the snapshot while an engine starts, stops or crashes.
+Only writers touch a runner: requests (``EngineRunner.request``, sync) and the runner's own
+task. Reads never do: they keep serving the snapshot while an engine starts, stops or
+crashes.
 
-One operation runs at a time per engine. A repeat of the operation in progress is accepted
-(202, idempotent); a conflicting one gets 409, except ``stop``, which always wins (it
-aborts a start that is still loading).
+One operation runs at a time per engine. A repeat of the operation in progress is
+``Accepted`` (idempotent); a conflicting one is ``Busy`` with the reason, except ``stop``,
+which always wins (it aborts a start that is still loading). These are domain results:
+``nvpair.control`` says what they are in HTTP.
+
+The process itself (spawn, output, stop, reap) is ``nvpair.process``; the runner races its
+exit against the startup budget and the requests, and gets back which came first as a value
+(``Why``). ``EngineRunner(spawn=...)`` is the seam that lets tests run restarts and backoff
+against a fake process under the autojump clock.
 
 Fault boundaries (``nvpair.boundary.Part``): the port check, the spawn, the output pump and
 the runner as a whole each turn any exception into this engine's state (``down`` with the
@@ -15,61 +22,102 @@ backoff; nothing a runner raises reaches the service.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import signal
-import subprocess
-from collections.abc import Callable, MutableMapping
+import time
+from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import httpx2
 import msgspec
 import trio
 
 from nvpair import probes
-from nvpair.asgi import error_doc
 from nvpair.boundary import Part
 from nvpair.command import build_command, engine_env
 from nvpair.config import EngineSpec, placeholder_values
-from nvpair.errors import NvpairError, ProbeError
+from nvpair.errors import ProbeError
 from nvpair.logs import EngineLog
 from nvpair.orphans import EngineProcs
-from nvpair.prober import ProbeMemory, Prober, open_client
-from nvpair.router.traffic import Traffic
+from nvpair.prober import Enrolment, ProbeMemory, open_client, run_probes
+from nvpair.process import (
+    KILL_WAIT_S,
+    OUTPUT_DRAIN_S,
+    EngineProcess,
+    Spawn,
+    StartError,
+    Stopping,
+    describe_exit,
+    run_engine_process,
+    spawn_process,
+)
 from nvpair.snapshot import Board, EngineState
 from nvpair.state import enter
-from nvpair.supervisor import run_probes
-from nvpair.views import engine_status
+from nvpair.traffic import Traffic
+
+__all__ = ["KILL_WAIT_S", "OUTPUT_DRAIN_S", "Accepted", "Action", "Busy", "EngineRunner",
+           "Result", "StartError", "Why", "first_of"]
 
 log = logging.getLogger("nvpair.lifecycle")
 
-#: How long the engine's output is still read once it has ended (a child it left behind
-#: may hold the pipe open).
-OUTPUT_DRAIN_S = 2.0
-#: How long a process is waited for after SIGKILL. One in uninterruptible sleep (D state:
-#: stuck in the kernel, on a dead NFS mount or a GPU driver) ignores even SIGKILL until
-#: the kernel lets go; nvpair says so and goes on instead of waiting without end.
-KILL_WAIT_S = 5.0
-
-
-class StartError(NvpairError):
-    """A managed engine could not be started (an expected failure: one line, no traceback)."""
-
 Action = Literal["start", "stop", "restart"]
+#: Why a run of an engine process ended: it exited by itself, it was not ready within its
+#: startup budget, or a stop or restart was asked for.
+Why = Literal["exited", "budget", "stop", "restart"]
+_REASONS: dict[Why, str] = {"exited": "engine process exited",
+                            "budget": "startup budget exceeded",
+                            "stop": "stop requested", "restart": "restart requested"}
+
+
+class Accepted(msgspec.Struct, frozen=True):
+    """The request is taken (or was already in progress): ``operation`` is what the runner
+    is doing about it (``starting``, ``stopping``, ``restarting``), or the action asked for
+    when there was nothing to do."""
+
+    operation: str
+
+
+class Busy(msgspec.Struct, frozen=True):
+    """The request conflicts with the operation in progress; ``reason`` says so in words."""
+
+    reason: str
+
+
+Result = Accepted | Busy
+
+T = TypeVar("T")
+
+
+async def first_of(*contenders: Callable[[], Awaitable[T]]) -> T:
+    """Run the contenders concurrently; the first to return wins and cancels the rest.
+    Returns the winner's value. Cancellation cancels them all; an exception of one cancels
+    the rest and propagates."""
+    won: list[T] = []
+    async with trio.open_nursery() as nursery:
+        async def contend(contender: Callable[[], Awaitable[T]]) -> None:
+            value = await contender()
+            if not won:
+                won.append(value)
+                nursery.cancel_scope.cancel(reason="another contender finished first")
+
+        for contender in contenders:
+            nursery.start_soon(contend, contender)
+    return won[0]
 
 
 class EngineRunner:
     """Owns one engine: its probes and, for a managed engine, its process group."""
 
-    def __init__(self, spec: EngineSpec, board: Board, registry: MutableMapping[str, Prober],
+    def __init__(self, spec: EngineSpec, board: Board, sweep: Enrolment | None,
                  log_dir: Path | None, traffic: Traffic | None = None,
                  procs: EngineProcs | None = None, *,
-                 transport: httpx2.AsyncBaseTransport | None = None) -> None:
+                 transport: httpx2.AsyncBaseTransport | None = None,
+                 spawn: Spawn = spawn_process) -> None:
         self.spec = spec
         self.transport = transport  # the probes' (tests use a mock engine)
+        self._spawn = spawn  # how its process starts (tests use a fake process)
         #: what the probes remember across probe and engine restarts (the generating budget)
         self.memory = ProbeMemory()
         where = f"engine {spec.name}"
@@ -79,13 +127,13 @@ class EngineRunner:
         self._port_part = Part(f"{where}: port check", down, logger=log)
         self._spawn_part = Part(f"{where}: start", logger=log)  # publishes with its argv
         self._output_part = Part(f"{where}: output", self._publish_notice, logger=log)
-        #: a process that outlived SIGKILL (D state), while it does: what to say about it
-        self._stuck: str | None = None
+        #: the last process started (it may outlive SIGKILL: ``stuck``)
+        self._proc: EngineProcess | None = None
         self._reaper: trio.Nursery | None = None
         self.procs = procs if procs is not None else EngineProcs(None)  # state files
         self.traffic = traffic
         self.board = board
-        self.registry = registry
+        self.sweep = sweep  # where its prober is enrolled while its probes run
         self.desired: Literal["running", "stopped"] = "running"
         self.operation: str | None = None
         self._restart = False
@@ -101,29 +149,36 @@ class EngineRunner:
 
     # -- the write API (sync: it only records what is wanted and wakes the task) ----------
 
-    def request(self, action: Action) -> tuple[int, str | None]:
+    def request(self, action: Action) -> Result:
+        """Ask for ``action``; the runner's task carries it out. Never waits.
+
+        Returns ``Accepted`` (also for a repeat of what is in progress, or nothing to do)
+        or ``Busy`` when a stop is in progress and ``action`` is a start or restart."""
         if action == "stop":
             if self.desired == "stopped":
-                return 202, None
+                return self._accepted(action)
             self.desired = "stopped"
             self.operation = "stopping"
         elif action == "start":
             if self.operation == "stopping":
-                return 409, f"engine {self.spec.name} is stopping; start it once it has stopped"
+                return Busy(f"engine {self.spec.name} is stopping; start it once it has stopped")
             if self.desired == "running":
-                return 202, None
+                return self._accepted(action)
             self.desired = "running"
             self.operation = "starting"
         else:
             if self.operation == "stopping":
-                return 409, f"engine {self.spec.name} is stopping; start it once it has stopped"
+                return Busy(f"engine {self.spec.name} is stopping; start it once it has stopped")
             if self._restart:
-                return 202, None
+                return self._accepted(action)
             self.desired = "running"
             self._restart = True
             self.operation = "restarting"
         self._kick()
-        return 202, None
+        return self._accepted(action)
+
+    def _accepted(self, action: Action) -> Accepted:
+        return Accepted(self.operation or action)
 
     def _kick(self) -> None:
         self._wake.set()
@@ -156,10 +211,14 @@ class EngineRunner:
     # -- the task ------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Run the engine until cancelled; cancellation stops a managed engine gracefully.
+        """Run the engine until cancelled.
 
-        Whatever a step raises is this engine's failure (its state, its log line), never
-        the service's: the step is tried again after a backoff (a request ends it early)."""
+        Started value: None, at once (requests are taken from then on). Cancellation stops
+        a managed engine gracefully (its stop signal, the grace period, SIGKILL; shielded
+        and bounded, its last output logged) and closes its log. Raises: nothing but
+        Cancelled. Whatever a step raises is this engine's failure (its state, its log
+        line), never the service's: the step is tried again after a backoff (a request
+        ends it early)."""
         try:
             async with trio.open_nursery() as reaper:
                 self._reaper = reaper
@@ -182,7 +241,7 @@ class EngineRunner:
         if self.desired == "stopped":
             # The last model list stays (unlisted while stopped): a request for it
             # gets "not ready" (503), not "no such model" (404).
-            self._set(state="stopped", pid=None, error=self._stuck)
+            self._set(state="stopped", pid=None, error=self.stuck)
             self.operation = None
             await self._until(lambda: self.desired == "running")
             return
@@ -193,7 +252,7 @@ class EngineRunner:
             await self._adopt()
 
     def _probes(self) -> partial[Any]:
-        return partial(run_probes, self.spec, self.board, self.registry, traffic=self.traffic,
+        return partial(run_probes, self.spec, self.board, self.sweep, traffic=self.traffic,
                        transport=self.transport, memory=self.memory)
 
     async def _adopt(self) -> None:
@@ -202,7 +261,7 @@ class EngineRunner:
         self.operation = None
         async with trio.open_nursery() as nursery:
             await nursery.start(self._probes())
-            await self._until(lambda: self.desired != "running" or self._restart)
+            await self._until(self._wanted_off)
             nursery.cancel_scope.cancel(reason="stop requested")
 
     async def _run_process(self) -> None:
@@ -218,124 +277,100 @@ class EngineRunner:
             self.operation = None
             await self._back_off()
             return
-        if self.desired != "running" or self._restart:  # asked while the port was checked
+        if self._wanted_off():  # asked while the port was checked
             return
         argv, extra_env = build_command(spec.manifest, spec.command, placeholder_values(spec))
         env = engine_env(os.environ, extra_env, spec.env)  # never nvpair's own secrets
-        assert self.log is not None
+        assert self.log is not None and self._reaper is not None
         self.log.write(f"[nvpair] starting: {_shown(argv, spec.api_key)}")
-        try:
-            proc = await trio.lowlevel.open_process(
-                argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, start_new_session=True)
-        except Exception as exc:  # OSError, but also ValueError (a NUL, an `=` in a name)
-            failure = exc
-            if isinstance(exc, OSError):
-                failure = StartError(f"cannot start {argv[0]}: {exc.strerror or exc}")
-            reason = self._spawn_part.failed(failure)
-            if not isinstance(exc, OSError):
-                reason = f"cannot start {argv[0]}: {type(exc).__name__}: {exc}"
-            self.log.write(f"[nvpair] {reason}")
-            self._set(state="down", pid=None, error=reason)
-            self.operation = None
-            await self._back_off()
-            return
+        run = partial(run_engine_process, argv, env, name=spec.name, log_to=self.log,
+                      output=self._output_part, procs=self.procs, reaper=self._reaper,
+                      spawn=self._spawn,
+                      stopping=Stopping(spec.manifest.stop.signal, spec.stop_grace_s))
+        proc: EngineProcess | None = None
+        async with trio.open_nursery() as lifetime:  # the process's: cancelled, it stops
+            try:
+                proc = await lifetime.start(run)
+            except Exception as exc:  # OSError, but also ValueError (a NUL, an `=` in a name)
+                failure = exc
+            else:
+                why = await self._serve(proc)
+                lifetime.cancel_scope.cancel(reason=_REASONS[why])
+        if proc is None:
+            await self._failed_start(argv, failure)
+        else:
+            await self._after_exit(proc.returncode, why)
+
+    async def _serve(self, proc: EngineProcess) -> Why:
+        """A process just started: probe it until it exits, misses its startup budget or a
+        stop or restart is asked for, whichever comes first; that is returned."""
         self._spawn_part.ok()
-        self.procs.record(spec.name, proc.pid, argv)  # until reaped: docs/deploy.md
+        self._proc = proc
         self.starts += 1
         self._ready_at = None
-        self._set(state="starting", pid=proc.pid, error=None, exit_code=None, exited_at=None,
-                  restarts=self.starts - 1)
+        self._set(state="starting", pid=proc.pid, error=None, exit_code=None,
+                  exited_at=None, restarts=self.starts - 1)
         self.operation = None
-        why = "exited"
-        assert proc.stdout is not None
-        # The output is read until its end, past the process's exit and its stop: its last
-        # lines (a traceback, say) are the ones a user needs.
-        try:
-            async with trio.open_nursery() as output:
-                pumped = trio.Event()
-                # shielded: on nvpair's own shutdown the output is read on while the
-                # engine stops (and a chatty engine never blocks on a full pipe)
-                reading = trio.CancelScope(shield=True)
+        async with trio.open_nursery() as probing:
+            await probing.start(self._probes())
+            why = await first_of(partial(self._exited, proc), self._budget, self._asked)
+            probing.cancel_scope.cancel(reason=_REASONS[why])
+        return why
 
-                async def pump(stream: trio.abc.ReceiveStream) -> None:
-                    try:
-                        with reading:
-                            await self._pump(stream)
-                    finally:
-                        pumped.set()
-
-                output.start_soon(pump, proc.stdout)
-                try:
-                    async with trio.open_nursery() as nursery:
-                        await nursery.start(self._probes())
-
-                        async def watch_budget() -> None:
-                            nonlocal why
-                            with trio.move_on_after(spec.startup_budget_s):
-                                await self._until_ready()
-                                self._ready_at = trio.current_time()
-                                return
-                            why = "budget"
-                            nursery.cancel_scope.cancel(reason="startup budget exceeded")
-
-                        async def watch_requests() -> None:
-                            nonlocal why
-                            await self._until(lambda: self.desired != "running" or self._restart)
-                            why = "stop" if self.desired != "running" else "restart"
-                            nursery.cancel_scope.cancel(reason=f"{why} requested")
-
-                        nursery.start_soon(watch_budget)
-                        nursery.start_soon(watch_requests)
-                        await proc.wait()
-                        nursery.cancel_scope.cancel(reason="engine process exited")
-                finally:
-                    with trio.CancelScope(shield=True):
-                        await self._terminate(proc)
-                        with trio.move_on_after(OUTPUT_DRAIN_S):  # a child may hold the pipe
-                            await pumped.wait()
-                    reading.cancel(reason="engine process ended")
-        finally:
-            self.log.write(f"[nvpair] process {proc.pid} ended: {_describe(proc.returncode)}"
-                           if self._stuck is None else f"[nvpair] {self._stuck}")
-            if proc.returncode is not None:  # reaped
-                self.procs.forget(spec.name, proc.pid)
-        await self._after_exit(proc.returncode, why)
-
-    async def _pump(self, stream: trio.abc.ReceiveStream) -> None:
-        """The engine's output into its log, inside a boundary: if copying fails, the output
-        is read and dropped for the backoff (so the engine never blocks on a full pipe),
-        then copied again. Ends at EOF."""
+    async def _failed_start(self, argv: list[str], exc: Exception) -> None:
+        """A spawn that raised: the engine is down with the reason, tried after the backoff."""
         assert self.log is not None
-        part = self._output_part
-        while True:
-            try:
-                await self.log.pump(stream)
-                return
-            except Exception as exc:
-                part.failed(exc)
-            with trio.move_on_after(part.backoff.next()):
-                try:
-                    while await stream.receive_some(65536):
-                        pass
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    pass
-                return  # the end of the output came while dropping it
+        failure: Exception = exc
+        if isinstance(exc, OSError):
+            failure = StartError(f"cannot start {argv[0]}: {exc.strerror or exc}")
+        reason = self._spawn_part.failed(failure)
+        if not isinstance(exc, OSError):
+            reason = f"cannot start {argv[0]}: {type(exc).__name__}: {exc}"
+        self.log.write(f"[nvpair] {reason}")
+        self._set(state="down", pid=None, error=reason)
+        self.operation = None
+        await self._back_off()
 
-    async def _after_exit(self, code: int | None, why: str) -> None:
+    # The three ways a run of the process ends; the first to return wins (``first_of``).
+
+    async def _exited(self, proc: EngineProcess) -> Why:
+        await proc.wait()
+        return "exited"
+
+    async def _budget(self) -> Why:
+        with trio.move_on_after(self.spec.startup_budget_s):
+            await self._until_ready()
+            self._ready_at = trio.current_time()
+            await trio.sleep_forever()
+        return "budget"
+
+    async def _asked(self) -> Why:
+        await self._until(self._wanted_off)
+        return "stop" if self.desired != "running" else "restart"
+
+    def _wanted_off(self) -> bool:
+        return self.desired != "running" or self._restart
+
+    @property
+    def stuck(self) -> str | None:
+        """What to say of the last process while it outlives SIGKILL (D state), else None."""
+        return None if self._proc is None else self._proc.stuck
+
+    async def _after_exit(self, code: int | None, why: Why) -> None:
         spec = self.spec
+        stuck = self.stuck
         if why in ("stop", "restart"):
             self._set(state="stopped" if why == "stop" else "starting", pid=None,
-                      exit_code=code, exited_at=_wall(), error=self._stuck)
+                      exit_code=code, exited_at=_wall(), error=stuck)
             return
         if why == "budget":
             last = self.board.current.engine(spec.name)
             detail = f" (last probe: {last.error})" if last and last.error else ""
             error = f"not ready within its startup budget of {spec.startup_budget_s:g} s{detail}"
         else:
-            error = f"engine process {_describe(code)}"
-        if self._stuck is not None:
-            error = f"{error}; {self._stuck}"
+            error = f"engine process {describe_exit(code)}"
+        if stuck is not None:
+            error = f"{error}; {stuck}"
         if self._ready_for() >= spec.manifest.restart.reset_after_s:
             self.backoff = spec.manifest.restart.initial_s
         self._set(state="down", pid=None, exit_code=code, exited_at=_wall(),
@@ -346,7 +381,7 @@ class EngineRunner:
     async def _back_off(self) -> None:
         """Wait the backoff (a stop or restart request ends it early), then double it."""
         with trio.move_on_after(self.backoff):
-            await self._until(lambda: self.desired != "running" or self._restart)
+            await self._until(self._wanted_off)
         self.backoff = min(self.backoff * 2, self.spec.manifest.restart.max_s)
 
     async def _until_ready(self) -> None:
@@ -362,34 +397,6 @@ class EngineRunner:
         """How long this process has served since it first became ready (flips to stale
         and back do not count: the backoff resets once a process has served long enough)."""
         return 0.0 if self._ready_at is None else trio.current_time() - self._ready_at
-
-    async def _terminate(self, proc: trio.Process) -> None:
-        """Stop signal to the process group, the grace period, then SIGKILL; always reap."""
-        if proc.returncode is None:
-            stop = getattr(signal, self.spec.manifest.stop.signal)
-            _killpg(proc.pid, stop)
-            with trio.move_on_after(self.spec.stop_grace_s):
-                await proc.wait()
-            if proc.returncode is None:
-                _killpg(proc.pid, signal.SIGKILL)
-                with trio.move_on_after(KILL_WAIT_S):
-                    await proc.wait()
-            if proc.returncode is None:
-                self._stuck = (f"process {proc.pid} did not exit within {KILL_WAIT_S:g} s of "
-                               "SIGKILL (stuck in the kernel, D state?); nvpair no longer "
-                               "waits for it")
-                log.warning("%s: %s", self.spec.name, self._stuck)
-                if self._reaper is not None:  # reaped whenever the kernel lets it go
-                    self._reaper.start_soon(self._reap, proc)
-        # The leader is gone; ranks or helpers left in its group are orphans: end them.
-        _killpg(proc.pid, signal.SIGKILL)
-
-    async def _reap(self, proc: trio.Process) -> None:
-        await proc.wait()
-        self._stuck = None
-        self.procs.forget(self.spec.name, proc.pid)
-        log.info("%s: process %d has exited at last (%s)", self.spec.name, proc.pid,
-                 _describe(proc.returncode))
 
     async def _port_taken(self) -> str | None:
         """What already answers on the engine's port, if anything (so we never spawn a twin)."""
@@ -438,55 +445,9 @@ async def _identify(spec: EngineSpec) -> str:
     return f"another {name}{serving}"
 
 
-def _killpg(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
-def _describe(code: int | None) -> str:
-    if code is None:
-        return "is still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with code {code}"
-
-
 def _shown(argv: list[str], secret: str | None) -> str:
     return " ".join("***" if secret and secret in a else a for a in argv)
 
 
 def _wall() -> float:
-    import time
-
     return round(time.time(), 3)
-
-
-class Lifecycles:
-    """The API's controller: commands and logs for every engine, by name."""
-
-    def __init__(self, runners: dict[str, EngineRunner], board: Board, node: str) -> None:
-        self.runners = runners
-        self.board = board
-        self.node = node
-
-    async def command(self, name: str, action: str) -> tuple[int, dict[str, Any]]:
-        runner = self.runners[name]
-        status, message = runner.request(action)  # type: ignore[arg-type]
-        snap = self.board.current
-        engine = snap.engine(name)
-        assert engine is not None
-        if status != 202:
-            return status, error_doc(status, message or action, "engine_busy")
-        doc = engine_status(engine, snap, trio.current_time(), self.node)
-        doc["operation"] = runner.operation or action
-        if not runner.spec.managed:
-            doc["note"] = ("adopted engine: nvpair never signals it; stop unlists it and "
-                           "stops probing, start resumes probing")
-        return 202, doc
-
-    def log(self, name: str) -> EngineLog | None:
-        runner = self.runners.get(name)
-        return None if runner is None else runner.log
