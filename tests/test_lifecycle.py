@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import signal
 import sys
@@ -558,3 +559,19 @@ async def test_first_of_returns_the_first_value_and_cancels_the_rest(autojump_cl
     assert await first_of(partial(after, 3, "slow"), partial(after, 1, "fast"),
                           partial(after, 2, "middle")) == "fast"
     assert trio.current_time() == 1 and sorted(cancelled) == ["middle", "slow"]
+
+
+async def test_a_restart_during_the_backoff_starts_at_once(nursery, autojump_clock) -> None:
+    from tests.test_process import FakeSpawn
+
+    from nvpair.lifecycle import Accepted
+
+    spawn = FakeSpawn(lives=(0, 0, 0, math.inf))
+    runner = _fake_runner(spawn, _refusing())
+    await nursery.start(runner.run)
+    await spawn.wait_started(3)
+    await wait_state(runner.board, "e", "down", where=lambda e: e.restarts == 2)  # waits 4 s
+    asked = trio.current_time()
+    assert runner.request("restart") == Accepted("restarting")
+    await spawn.wait_started(4)
+    assert trio.current_time() == asked
