@@ -53,7 +53,7 @@ def test_good_config_resolves(write) -> None:
     assert head.probes.health.path == "/ping"  # the manifest's, only the interval overridden
     assert head.args == {"tp": 4}
     assert small.port == 8080 and small.managed
-    assert s.peers[0].url == "http://10.0.0.2:14322"
+    assert s.cluster is not None and s.cluster.peers[0].url == "http://10.0.0.2:14322"
 
 
 def test_embedded_default_adopts_builtin_kinds(monkeypatch, tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
 """nvpair's HTTP API. Reads serve the latest snapshot: no lock, no await before the answer
-is encoded, never a call to an engine. Encoded bodies are cached per snapshot version."""
+is encoded, never a call to an engine. Encoded bodies are cached per snapshot version, and
+the model lists per listing version (``nvpair.listing``)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 from urllib.parse import parse_qs
 
-import msgspec
 import trio
 
 from nvpair import views
 from nvpair.asgi import (
     FORWARDED_BY,
+    Mount,
     Receive,
     Scope,
     Send,
@@ -28,6 +29,7 @@ from nvpair.asgi import (
     send_error,
     send_json,
 )
+from nvpair.listing import ModelsBody
 from nvpair.logs import EngineLog, Lines
 from nvpair.snapshot import Board, Snapshot
 
@@ -56,31 +58,6 @@ class ClusterView(Protocol):
         ...
 
 
-class Handler(Protocol):
-    """An ASGI handler for the paths of a ``Mount``."""
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None: ...
-
-
-class Mount(msgspec.Struct, frozen=True):
-    """Routes served by another part of nvpair (router, peers): exact paths or a prefix.
-
-    ``own_auth``: the handler checks its own credentials (e.g. the cluster token of peer
-    adverts), so the user token is not asked for. ``peer_auth``: a request another node
-    passes on (``x-nvpair-forwarded-by``) may present the cluster token instead of the
-    user token (the router's paths: peers route requests to each other's engines).
-    """
-
-    handler: Handler
-    paths: frozenset[str] = frozenset()
-    prefix: str | None = None
-    own_auth: bool = False
-    peer_auth: bool = False
-
-    def matches(self, path: str) -> bool:
-        return path in self.paths or (self.prefix is not None and path.startswith(self.prefix))
-
-
 class Api:
     def __init__(self, board: Board, *, node: str, token: str | None = None,
                  controller: Controller | None = None, mounts: Sequence[Mount] = (),
@@ -96,7 +73,8 @@ class Api:
         self.mounts = tuple(mounts)
         self.cluster = cluster
         self._cache: dict[str, tuple[tuple[int, int], int, bytes]] = {}
-        self._items: tuple[int, int, dict[str, dict[str, Any]]] | None = None
+        #: this node's /v1/models, encoded per engine (see nvpair.listing)
+        self._models = ModelsBody(node)
 
     def cached(self, key: str, build: Callable[[Snapshot, float], object]) -> bytes:
         snap = self.board.current
@@ -110,21 +88,25 @@ class Api:
         self._cache[key] = (version, bucket, body)
         return body
 
-    def _model_items(self) -> dict[str, dict[str, Any]]:
-        """This node's ``/v1/models`` items by id, made once per version and age bucket."""
-        snap = self.board.current
+    def models_body(self, cluster: bool) -> bytes:
+        """``/v1/models`` (with the peers' models when ``cluster``), cached per listing
+        version and age bucket: probe counters do not re-encode it, and a changed engine
+        re-encodes only its own items."""
         now = trio.current_time()
+        version = (self.board.listed(now),
+                   self.cluster.version if cluster and self.cluster else 0)
         bucket = int(now / AGE_RESOLUTION_S)
-        if self._items is None or self._items[:2] != (snap.version, bucket):
-            doc = views.models_doc(snap, now, self.node)
-            self._items = (snap.version, bucket, {m["id"]: m for m in doc["data"]})
-        return self._items[2]
-
-    def cluster_models(self, snap: Snapshot, now: float) -> dict[str, Any]:
-        doc = views.models_doc(snap, now, self.node)
-        if self.cluster is not None:
-            doc["data"].extend(self.cluster.models(now))
-        return doc
+        key = "cluster-models" if cluster else "models"
+        hit = self._cache.get(key)
+        if hit is not None and hit[0] == version and hit[1] == bucket:
+            return hit[2]
+        data = self._models.data(self.board, now)
+        if cluster and self.cluster is not None:
+            peers = encoder.encode(self.cluster.models(now))[1:-1]
+            data = b",".join(x for x in (data, peers) if x)
+        body = b'{"object":"list","data":[' + data + b"]}"
+        self._cache[key] = (version, bucket, body)
+        return body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -171,11 +153,8 @@ class Api:
                 await send_error(send, 405, f"use GET {path}")
                 return
             query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-            if path == "/v1/cluster/models" or "cluster" in query.get("scope", ()):
-                body = self.cached("cluster-models", self.cluster_models)
-            else:
-                body = self.cached("models", lambda s, n: views.models_doc(s, n, self.node))
-            await send_bytes(send, 200, body)
+            cluster = path == "/v1/cluster/models" or "cluster" in query.get("scope", ())
+            await send_bytes(send, 200, self.models_body(cluster))
             return
         if len(parts) >= 4 and parts[:3] == ["", "v1", "models"] and path != "/v1/models/":
             await self.model_route(scope, send, path.removeprefix("/v1/models/"))
@@ -201,7 +180,7 @@ class Api:
         if scope["method"] != "GET":
             await send_error(send, 405, f"use GET {scope['path']}")
             return
-        item = self._model_items().get(model)
+        item = self._models.item(self.board, trio.current_time(), model)
         if item is None:
             await send_error(send, 404, f"The model `{model}` does not exist.",
                              "model_not_found")

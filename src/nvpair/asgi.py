@@ -8,9 +8,11 @@ here (see docs/benchmarks.md for the measured difference).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
+
+from nvpair.errors import BodyTooLarge as BodyTooLarge  # read_body raises it
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -39,8 +41,29 @@ ERROR_TYPES = {
 }
 
 
-class BodyTooLarge(Exception):
-    pass
+class Handler(Protocol):
+    """An ASGI handler for the paths of a ``Mount``."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None: ...
+
+
+class Mount(msgspec.Struct, frozen=True):
+    """Routes served by another part of nvpair (router, peers): exact paths or a prefix.
+
+    ``own_auth``: the handler checks its own credentials (e.g. the cluster token of peer
+    adverts), so the user token is not asked for. ``peer_auth``: a request another node
+    passes on (``x-nvpair-forwarded-by``) may present the cluster token instead of the
+    user token (the router's paths: peers route requests to each other's engines).
+    """
+
+    handler: Handler
+    paths: frozenset[str] = frozenset()
+    prefix: str | None = None
+    own_auth: bool = False
+    peer_auth: bool = False
+
+    def matches(self, path: str) -> bool:
+        return path in self.paths or (self.prefix is not None and path.startswith(self.prefix))
 
 
 async def send_bytes(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
+from nvpair.errors import CommandError as CommandError  # build_command raises it
 from nvpair.manifest import Manifest
 
 _PLACEHOLDER = re.compile(r"\{([a-z_][a-z0-9_]*)\}")
@@ -16,10 +17,6 @@ _PLACEHOLDER = re.compile(r"\{([a-z_][a-z0-9_]*)\}")
 #: environment variables nvpair reads a secret from: an engine never inherits them (it gets
 #: one only when its own ``env`` in the config sets it).
 SECRET_ENV = frozenset({"NVPAIR_TOKEN"})
-
-
-class CommandError(ValueError):
-    pass
 
 
 def _text(value: object) -> str:

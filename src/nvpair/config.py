@@ -13,6 +13,7 @@ from typing import Annotated
 
 import msgspec
 
+from nvpair.cluster import ClusterConfig, ClusterSettings, resolve_cluster
 from nvpair.decoding import convert, one_line
 from nvpair.errors import ConfigError, ManifestError
 from nvpair.manifest import (
@@ -29,7 +30,6 @@ from nvpair.manifest import (
     check_probes,
     load_manifest,
 )
-from nvpair.peers.settings import ClusterConfig, ClusterSettings, resolve_cluster
 
 DEFAULT_LISTEN = "127.0.0.1:14322"
 EngineName = Annotated[str, msgspec.Meta(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")]
@@ -158,7 +158,6 @@ class Settings(msgspec.Struct, frozen=True):
     node: str
     token: str | None
     engines: tuple[EngineSpec, ...]
-    peers: tuple[PeerConfig, ...]
     sweep_deadline_s: float
     keep_alive_s: float
     log_dir: Path
@@ -290,7 +289,6 @@ def resolve(config: Config, source: str, base: Path, *, listen: str | None = Non
         node=config.node or socket.gethostname(),
         token=token,
         engines=tuple(engines),
-        peers=config.peers,
         sweep_deadline_s=config.sweep_deadline_s,
         keep_alive_s=config.keep_alive_s,
         log_dir=log_dir,

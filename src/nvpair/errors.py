@@ -1,10 +1,34 @@
-"""nvpair's errors.
+"""nvpair's errors: every exception nvpair raises on purpose, and where each is defined.
 
 NvpairError                      base of every error nvpair raises on purpose
  +-- InputError                  bad user input: one line, names the file and the path in it
  |    +-- ConfigError            nvpair.toml (or the embedded default)
  |    +-- ManifestError          engines/<kind>.json or a manifest path
  +-- ProbeError                  one probe request failed (a state, never a crash)
+ +-- BodyTooLarge                a request body past the cap (asgi.read_body; the 413)
+ +-- StartError                  lifecycle: a managed engine could not be started
+ +-- StateFileError              orphans: a state file nvpair did not write
+ +-- OrphanStuck                 orphans: a process outlived SIGKILL (stuck in the kernel)
+ +-- BadRequest                  router.relay: a body the router cannot route (the 400)
+ +-- EngineGone                  router.relay: an engine's answer stopped (cut, silent)
+ +-- AdvertRejected              peers.advert: a body that is not an advert this node takes
+ +-- Unreachable                 peers.etcd: etcd did not answer
+ +-- EtcdError                   peers.gateway: etcd answered with an error
+      +-- BadAnswer              an answer that is not etcd's (a proxy's page, a wrong port)
+      +-- LeaseNotFound          the lease expired or was revoked
+      +-- WatchCanceled          etcd ended the watch (compaction): range, then watch again
+
+CommandError (a ValueError)      a command template with a placeholder nothing fills
+
+The classes down to BodyTooLarge, and CommandError, are defined here; the others beside
+the one module that raises them. ``nvpair.boundary`` treats an ``NvpairError`` as an
+expected failure (one line in the log) and anything else as a bug (a traceback), so an
+error nvpair raises on purpose belongs in this tree. ``CommandError`` is the one exception
+outside it, on purpose: the config check turns each one into a ``ConfigError`` before
+anything runs, so one raised later means that check missed a case, a bug in nvpair,
+reported with its traceback.
+tests/test_errors.py checks that every exception class in the package (the simulators
+apart) is named here and is an ``NvpairError``, ``CommandError`` excepted.
 """
 
 from __future__ import annotations
@@ -26,6 +50,11 @@ class ManifestError(InputError):
     """An engine manifest is wrong."""
 
 
+class CommandError(ValueError):
+    """A command or ``start.argv``/``start.env`` template that cannot be filled. Not an
+    ``NvpairError``: the config check turns it into a ``ConfigError``; raised later, a bug."""
+
+
 class ProbeError(NvpairError):
     """A probe got no usable answer. ``kind`` says how: refused, timeout, status, body, error."""
 
@@ -33,3 +62,7 @@ class ProbeError(NvpairError):
         super().__init__(message)
         self.kind = kind
         self.http_status = http_status
+
+
+class BodyTooLarge(NvpairError):
+    """A request body longer than the handler accepts (answered 413)."""

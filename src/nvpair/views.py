@@ -4,13 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from nvpair.ages import age
 from nvpair.snapshot import LISTED_STATES, EngineState, Snapshot
 from nvpair.state import effective_state
-
-
-def age(now: float, at: float | None) -> float | None:
-    """Seconds since ``at`` for an API answer (ms resolution), None when it never happened."""
-    return None if at is None else round(max(0.0, now - at), 3)
 
 
 def engine_status(e: EngineState, snap: Snapshot, now: float, node: str) -> dict[str, Any]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import trio
 import trio.testing
 
+from nvpair.cluster import ClusterSettings
 from nvpair.peers.broker import Broker
-from nvpair.peers.settings import ClusterSettings
 from nvpair.snapshot import Board
 
 SETTINGS = ClusterSettings(backend="push", token="t", advertise_url=None, interval_s=1.0,

@@ -10,9 +10,9 @@ import httpx2
 import msgspec
 import trio
 
+from nvpair.cluster import PeerTarget
 from nvpair.peers.advert import Advert, Advertiser
 from nvpair.peers.push import Pusher
-from nvpair.peers.settings import PeerTarget
 from nvpair.peers.table import Link
 from nvpair.snapshot import Board, EngineState, Model
 

@@ -13,7 +13,8 @@ from nvpair.peers.advert import (
     Advertiser,
     AdvertModel,
 )
-from nvpair.peers.table import FORGET_AFTER_S, Link, PeerRoutes, PeerTable
+from nvpair.peers.table import FORGET_AFTER_S, Link, PeerTable
+from nvpair.router.peering import PeerRoutes
 from nvpair.snapshot import Board, EngineState, Model, ProbeStats
 
 

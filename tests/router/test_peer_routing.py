@@ -18,8 +18,9 @@ from tests.router.script_engine import JSON, ScriptEngine, json_script, sse_scri
 from nvpair import service
 from nvpair.config import RouterConfig, load_settings
 from nvpair.peers.advert import Advert, AdvertEngine, AdvertModel
-from nvpair.peers.table import PeerRoute, PeerRoutes, PeerTable
+from nvpair.peers.table import PeerTable
 from nvpair.router import Router, Traffic
+from nvpair.router.peering import PeerRoute, PeerRoutes
 from nvpair.sim import SimOptions, serve_sim
 from nvpair.snapshot import Board
 

@@ -7,6 +7,7 @@ import sys
 import msgspec
 
 from nvpair.cli.table import render
+from nvpair.cluster import PeerTarget
 from nvpair.config import EngineSpec, Settings
 
 
@@ -45,9 +46,13 @@ def report(settings: Settings) -> dict[str, object]:
         "listen": f"{settings.listen_host}:{settings.listen_port}",
         "node": settings.node,
         "token": settings.token is not None,
-        "peers": [p.url for p in settings.peers],
+        "peers": [p.url for p in _peers(settings)],
         "engines": engines,
     }
+
+
+def _peers(settings: Settings) -> tuple[PeerTarget, ...]:
+    return settings.cluster.peers if settings.cluster is not None else ()
 
 
 def run(settings: Settings, *, as_json: bool) -> int:
@@ -58,8 +63,8 @@ def run(settings: Settings, *, as_json: bool) -> int:
     print(f"config   {settings.source}")
     print(f"listen   http://{settings.listen_host}:{settings.listen_port}  ({auth})")
     print(f"node     {settings.node}")
-    if settings.peers:
-        print(f"peers    {', '.join(p.url for p in settings.peers)}")
+    if peers := _peers(settings):
+        print(f"peers    {', '.join(p.url for p in peers)}")
     print()
     if not settings.engines:
         print("no engines configured")

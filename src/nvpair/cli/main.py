@@ -77,10 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list[:1] == ["sim"]:
-        import importlib
+        from nvpair.sim import cli as sim_cli  # the simulators: imported only when used
 
-        sim_cli = importlib.import_module("nvpair.sim.cli")  # imported only when used
-        return int(sim_cli.main(args_list[1:]))
+        return sim_cli.main(args_list[1:])
     parser = build_parser()
     args = parser.parse_args(args_list)
     if args.command is None:

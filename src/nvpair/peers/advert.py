@@ -14,13 +14,14 @@ from typing import Annotated, Any, NamedTuple
 import msgspec
 import trio
 
-from nvpair import views
 from nvpair.boundary import Part
+from nvpair.changes import Changes
+from nvpair.cluster import NODE_PATTERN
 from nvpair.decoding import decode_json
 from nvpair.errors import NvpairError
-from nvpair.peers.settings import NODE_PATTERN, url_problem
+from nvpair.listing import NAME_MAX, TEXT_MAX, ModelItem, Name, Text, catalog, visible
 from nvpair.snapshot import Board
-from nvpair.state import effective_state
+from nvpair.urls import url_problem
 
 #: An advert larger than this is refused by receivers (413) and never sent: a node with
 #: more models than fit advertises the first ones and how many it left out.
@@ -28,29 +29,18 @@ MAX_ADVERT_BYTES = 64 * 1024
 
 log = logging.getLogger("nvpair.peers")
 
-#: the longest model id, owner or alias receivers take (and names: engines, kinds, states).
-TEXT_MAX = 512
-NAME_MAX = 128
-Text = Annotated[str, msgspec.Meta(max_length=TEXT_MAX)]
-Name = Annotated[str, msgspec.Meta(max_length=NAME_MAX)]
+#: the longest model id, owner or alias receivers take (and names: engines, kinds, states):
+#: ``nvpair.listing``'s TEXT_MAX and NAME_MAX.
+__all__ = ["NAME_MAX", "TEXT_MAX"]
 NodeName = Annotated[str, msgspec.Meta(pattern=NODE_PATTERN)]
 #: where a node says it can be reached: requests for its models are sent there (checked
 #: further by ``Advert.__post_init__``: scheme, host, port, IPv6 literal).
 Url = Annotated[str, msgspec.Meta(max_length=512)]
 
 
-class AdvertModel(msgspec.Struct, frozen=True):
-    """One listed model, as the sender's own ``/v1/models`` lists it."""
-
-    id: Text
-    engine: Name
-    engines: tuple[Name, ...] = ()
-    kind: Name = ""
-    state: Name = "ready"
-    stale: bool = False
-    created: int = 0
-    owned_by: Text = ""
-    alias_of: Text | None = None
+#: One listed model, as the sender's own ``/v1/models`` lists it: the listing's own item,
+#: advertised and stored as it is (its limits are the receivers').
+AdvertModel = ModelItem
 
 
 class AdvertEngine(msgspec.Struct, frozen=True):
@@ -151,46 +141,56 @@ class Described(NamedTuple):
     unfit: int = 0
     #: why the first of them does not fit, in words
     why: str = ""
+    #: models not looked at: those before them already fill an advert
+    beyond: int = 0
 
 
-def describe(board: Board, node: str, now: float) -> Described:
-    """The engines and models part of this node's advert, from the board's current snapshot.
+def describe(board: Board, node: str, now: float,
+             budget: int = MAX_ADVERT_BYTES) -> Described:
+    """The engines and models part of this node's advert, from the board's listing.
 
     Only what peers list goes in: states, model ids and flags, never probe counters or ages,
-    so the content changes only when the listing would. Every item is checked against the
-    receivers' own limits; a model that does not fit is left out (and counted), an engine's
-    model ids that do not fit are left out of its list.
+    so the content changes only when the listing does. Models are taken in the listing's
+    order until their encoding alone fills ``budget`` (the rest are ``beyond``: an advert
+    could not carry them); each is checked against the receivers' own limits, and a model
+    that does not fit is left out (and counted), its id left out of its engine's list.
     """
-    snap = board.current
+    del node  # (the advert names the node once, not per model)
+    cat = catalog(board, now)
     models = []
     refused: set[object] = set()
     unfit = 0
     why = ""
-    for item in views.models_doc(snap, now, node)["data"]:
-        nv = item["nvpair"]
-        model = AdvertModel(
-            id=item["id"], engine=nv["engine"], engines=tuple(nv["engines"]), kind=nv["kind"],
-            state=nv["state"], stale=nv["stale"], created=item["created"],
-            owned_by=item["owned_by"], alias_of=nv["alias_of"])
-        if (problem := refusal(model, _model_decoder)) is None:
-            models.append(model)
-        else:
-            refused.add(item["id"] if isinstance(item["id"], str) else None)
-            unfit += 1
-            why = why or f"engine {nv['engine']!r}: model {str(item['id'])[:60]!r}: {problem}"
+    size = 0
+    seen = 0
+    total = sum(len(cat.owned[pos]) for pos in cat.order)
+    for pos in cat.order:
+        for model_id in cat.owned[pos]:
+            if size > budget:
+                break
+            seen += 1
+            model = cat.items[model_id]
+            if (problem := refusal(model, _model_decoder)) is None:
+                models.append(model)
+                size += len(encoder.encode(model)) + len(model_id) + 4  # (+ its engine's list)
+            else:
+                refused.add(model_id)
+                unfit += 1
+                why = why or f"engine {model.engine!r}: model {model_id[:60]!r}: {problem}"
+    kept = None if seen == total else {m.id for m in models}
     engines = []
-    for e in snap.engines:
-        if not views.visible(e):
+    snap = board.current
+    for pos, e in enumerate(snap.engines):
+        if not visible(e):
             continue
-        ids = tuple(m.id for m in e.models if m.id not in refused
-                    and isinstance(m.id, str) and len(m.id) <= TEXT_MAX)
-        engine = AdvertEngine(name=e.name, kind=e.kind, models=ids,
-                              state=effective_state(e, now, e.overdue_after_s))
+        ids = tuple(m.id for m in e.models if (m.id in kept if kept is not None else (
+            m.id not in refused and isinstance(m.id, str) and len(m.id) <= TEXT_MAX)))
+        engine = AdvertEngine(name=e.name, kind=e.kind, models=ids, state=cat.shown[pos])
         if (problem := refusal(engine, _engine_decoder)) is None:
             engines.append(engine)
         else:  # cannot happen with a valid config; never let it cost the whole advert
             why = why or f"engine {e.name[:NAME_MAX]!r}: {problem}"
-    return Described(tuple(engines), tuple(models), unfit, why)
+    return Described(tuple(engines), tuple(models), unfit, why, total - seen)
 
 
 def _stable(models: tuple[AdvertModel, ...]) -> tuple[AdvertModel, ...]:
@@ -201,8 +201,9 @@ def _stable(models: tuple[AdvertModel, ...]) -> tuple[AdvertModel, ...]:
 class Advertiser:
     """This node's current advert, encoded once per change and shared by every sender.
 
-    ``refresh`` is sync (called by senders before they send, and by ``run`` on every board
-    change); ``wait_changed`` wakes senders when the content changed.
+    ``refresh`` is sync (called by senders before they send, and by ``run`` on every
+    listing change: probe counters and ages wake nothing here); ``wait_changed`` wakes
+    senders when the content changed.
     """
 
     def __init__(self, board: Board, node: str, ttl_s: float, url: str | None = None) -> None:
@@ -211,7 +212,9 @@ class Advertiser:
         self.ttl_s = ttl_s
         self.url = url
         self.boot_id = secrets.token_hex(8)
-        self._changed = trio.Event()
+        self._changes = Changes()
+        #: the listing version and URL the last content was built from
+        self._built: tuple[int, str | None] | None = None
         self._advert = Advert(node=node, boot_id=self.boot_id, seq=0, ttl_s=ttl_s, url=url)
         self._content: tuple[object, ...] | None = None  # the last content built from
         self._unfit = 0  # models left out because peers would refuse them (logged on change)
@@ -240,9 +243,14 @@ class Advertiser:
         self.refresh(trio.current_time())
 
     def refresh(self, now: float) -> bool:
-        """Rebuild the advert if its content changed; True if it did (seq grew)."""
-        engines, models, unfit, why = describe(self.board, self.node, now)
-        content = (self.url, engines, _stable(models))
+        """Rebuild the advert if its content changed; True if it did (seq grew). With the
+        listing and URL as last time this returns at once, whatever the number of models."""
+        built = (self.board.listed(now), self.url)
+        if self._advert.seq and built == self._built:
+            return False
+        engines, models, unfit, why, beyond = describe(self.board, self.node, now)
+        content = (self.url, engines, _stable(models), beyond)
+        self._built = built
         if self._advert.seq and content == self._content:
             return False
         self._content = content
@@ -251,7 +259,8 @@ class Advertiser:
         self._unfit = unfit
         seq = max(self.board.current.version, self._advert.seq + 1)
         advert = Advert(node=self.node, boot_id=self.boot_id, seq=seq, ttl_s=self.ttl_s,
-                        url=self.url, engines=engines, models=models, left_out=unfit)
+                        url=self.url, engines=engines, models=models,
+                        left_out=unfit + beyond)
         body = encoder.encode(advert)
         if len(body) > MAX_ADVERT_BYTES:
             advert, body = _fitted(advert)
@@ -260,7 +269,7 @@ class Advertiser:
                           len(engines), MAX_ADVERT_BYTES)
                 return False
             log.warning("advert: %d of %d models left out: the advert must fit %d bytes",
-                        advert.left_out - unfit, len(models), MAX_ADVERT_BYTES)
+                        advert.left_out - unfit, len(models) + beyond, MAX_ADVERT_BYTES)
         try:  # the receivers' own decoder, on the whole advert, before anyone gets it
             decode(body)
         except AdvertRejected as exc:  # a bug of nvpair's: peers keep the last advert
@@ -269,8 +278,7 @@ class Advertiser:
             return False
         self._refused = False
         self._advert, self.body, self.changed_at = advert, body, now
-        self._changed.set()
-        self._changed = trio.Event()
+        self._changes.bump()
         return True
 
     def leave_body(self) -> bytes:
@@ -282,21 +290,21 @@ class Advertiser:
     async def wait_changed(self, seq: int) -> None:
         """Return once the advert's seq differs from ``seq``."""
         while self._advert.seq == seq:
-            await self._changed.wait()
+            await self._changes.wait_changed(self._changes.version)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Refresh on every board change, until cancelled."""
+        """Refresh on every listing change, until cancelled. Started value: None, at once.
+        Raises: nothing (a failure is the advertiser's ``fault``, retried with backoff)."""
         task_status.started()
         await self.part.supervise(self._loop)
 
     async def _loop(self) -> None:
-        version = self.board.current.version
+        version = self.board.listed(trio.current_time())
         while True:
             self.refresh(trio.current_time())  # (first: again after a failure)
             if not self._refused:
                 self.part.ok()
-            snap = await self.board.wait_changed(version)
-            version = snap.version
+            version = await self.board.wait_listed(version)
 
 
 def _fitted(advert: Advert) -> tuple[Advert, bytes]:

@@ -10,13 +10,13 @@ from urllib.parse import urlsplit, urlunsplit
 
 import trio
 
-from nvpair.api import Mount
+from nvpair.asgi import Mount
 from nvpair.boundary import Part
+from nvpair.cluster import ClusterSettings
 from nvpair.peers.advert import Advertiser
 from nvpair.peers.etcd import EtcdBackend
 from nvpair.peers.push import LEAVE_BUDGET_S, Pusher
 from nvpair.peers.receiver import ADVERTS_PATH, Receiver
-from nvpair.peers.settings import ClusterSettings
 from nvpair.peers.status import PEERS_PATH, Status
 from nvpair.peers.table import Link, PeerTable
 from nvpair.snapshot import Board

@@ -34,14 +34,14 @@ from typing import Any
 import httpx2
 import trio
 
+from nvpair.ages import age
 from nvpair.boundary import Part
+from nvpair.cluster import EtcdSettings
 from nvpair.errors import NvpairError
 from nvpair.peers.advert import Advertiser, AdvertRejected, decode
 from nvpair.peers.gateway import KV, EtcdError, Gateway, LeaseNotFound, WatchResult
-from nvpair.peers.settings import EtcdSettings
 from nvpair.peers.table import PeerTable
 from nvpair.tls import client_tls
-from nvpair.views import age
 
 log = logging.getLogger("nvpair.peers")
 

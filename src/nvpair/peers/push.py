@@ -26,9 +26,9 @@ import httpx2
 import trio
 
 from nvpair.boundary import Part
+from nvpair.cluster import PeerTarget
 from nvpair.peers.advert import Advertiser
 from nvpair.peers.receiver import ADVERTS_PATH
-from nvpair.peers.settings import PeerTarget
 from nvpair.peers.table import Link
 from nvpair.tls import client_tls
 

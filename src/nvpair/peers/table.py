@@ -16,15 +16,15 @@ Everything here is sync: receivers, senders and readers call it between checkpoi
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
-import msgspec
 import trio
 
+from nvpair.ages import age
+from nvpair.cluster import MAX_TTL_S
 from nvpair.peers.advert import Advert
-from nvpair.peers.settings import MAX_TTL_S
+from nvpair.router.peering import PeerRoute, PeerRoutes
 from nvpair.snapshot import LISTED_STATES
-from nvpair.views import age
 
 PeerState = Literal["fresh", "one-way", "stale", "gone", "left"]
 LISTED: frozenset[str] = frozenset({"fresh", "one-way", "stale"})
@@ -136,20 +136,6 @@ def _item(advert: Advert, m: Any) -> dict[str, Any]:
             "nvpair": {"engine": m.engine, "engines": list(m.engines), "kind": m.kind,
                        "node": advert.node, "node_url": advert.url, "state": m.state,
                        "stale": m.stale, "alias_of": m.alias_of}}
-
-
-class PeerRoute(NamedTuple):
-    node: str
-    url: str
-    token: str | None  # the token configured for this peer (None: this node's cluster token)
-
-
-class PeerRoutes(msgspec.Struct, frozen=True):
-    """``ready``: peers that can take a request now; ``others``: why the peers that list
-    the model cannot (empty: no peer lists it)."""
-
-    ready: tuple[PeerRoute, ...] = ()
-    others: tuple[str, ...] = ()
 
 
 class PeerTable:

@@ -18,7 +18,7 @@ import logging
 import random
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import AsyncExitStack
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import httpcore2
 import msgspec
@@ -38,12 +38,13 @@ from nvpair.asgi import (
 )
 from nvpair.config import EngineSpec, RouterConfig
 from nvpair.decoding import decode_json
-from nvpair.peers.table import PeerRoute, PeerRoutes
+from nvpair.errors import NvpairError
+from nvpair.router.peering import PeerRoute, PeerRouter
 from nvpair.router.select import Known, choose, order_peers
-from nvpair.router.traffic import Traffic, peer_key
 from nvpair.router.upstream import BODY_ERRORS, SEND_ERRORS, Refused, Upstream
 from nvpair.snapshot import Board
 from nvpair.streams import close_early
+from nvpair.traffic import Traffic, peer_key
 
 ROUTED_PATHS = frozenset({
     "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
@@ -99,17 +100,11 @@ class Target(NamedTuple):
     extra: tuple[tuple[bytes, bytes], ...] = ()  # added to the request
 
 
-class PeerRouter(Protocol):
-    """The peers' models as the broker keeps them (``PeerTable``): read, never fetched."""
-
-    def routes(self, model: str, now: float) -> PeerRoutes: ...
-
-
-class BadRequest(Exception):
+class BadRequest(NvpairError):
     """The request body is not what the router can route (one line, for the 400)."""
 
 
-class EngineGone(Exception):
+class EngineGone(NvpairError):
     """The engine's answer stopped: it closed, reset or fell silent past the idle gap."""
 
 

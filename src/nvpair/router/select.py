@@ -6,10 +6,10 @@ import random
 
 import msgspec
 
-from nvpair.peers.table import PeerRoute
-from nvpair.router.traffic import Traffic, peer_key
+from nvpair.router.peering import PeerRoute
 from nvpair.snapshot import LISTED_STATES, Snapshot
 from nvpair.state import effective_state
+from nvpair.traffic import Traffic, peer_key
 
 
 class Choice(msgspec.Struct, frozen=True):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import trio
 
 from nvpair.asgi import Receive, Scope, Send, send_error, send_json
-from nvpair.router.traffic import Traffic
+from nvpair.traffic import Traffic
 
 
 class TrafficView:

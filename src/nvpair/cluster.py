@@ -1,4 +1,5 @@
-"""The ``[cluster]`` table of nvpair.toml, and what it resolves to.
+"""The ``[cluster]`` table of nvpair.toml, and what it resolves to (part of the config:
+pure and sync; the peers package reads the resolved settings, this module imports no peers).
 
 Peers are enabled by ``[[peers]]`` (push), by ``cluster.backend = "etcd"``, or by a cluster
 token alone (a node that only receives adverts). The push backend needs the cluster token:
@@ -7,58 +8,23 @@ peers present it on every advert, and it must differ from the API's ``token_file
 
 from __future__ import annotations
 
-import ipaddress
 import re
 import ssl
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Literal, Protocol
-from urllib.parse import urlsplit
 
-import httpx2
 import msgspec
 
 from nvpair.errors import ConfigError
 from nvpair.manifest import Base, Seconds
+from nvpair.urls import url_problem
 
 Backend = Literal["push", "etcd"]
 #: receivers hold any peer to 1-300 s (table.TTL_RANGE): no advert can pin itself longer
 MAX_TTL_S = 300
 LeaseTTL = Annotated[int, msgspec.Meta(ge=2, le=MAX_TTL_S)]
 NODE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
-URL_PATTERN = r"^https?://[^/\s]+"
-_URL = re.compile(URL_PATTERN)
-
-
-def url_problem(url: str) -> str | None:
-    """What is wrong with a peer's, this node's or etcd's URL, in words (None: nothing).
-
-    Checked where a URL comes in (the config, every advert), so that nothing later (a
-    pusher, a routed request) meets a URL it cannot use: scheme http or https, a host, a
-    port in 1-65535, a valid IPv6 literal in brackets.
-    """
-    if not _URL.match(url):
-        return "expected http(s)://HOST:PORT"
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as exc:  # a port out of range or not a number, a broken [IPv6]
-        return f"not a valid URL ({exc})"
-    host = parts.hostname
-    if not host:
-        return "no host in it"
-    if port is not None and not 1 <= port <= 65535:
-        return f"port {port} is not in 1-65535"
-    if "[" in parts.netloc:
-        try:
-            ipaddress.IPv6Address(host.split("%", 1)[0])
-        except ValueError:
-            return f"{host!r} is not an IPv6 address"
-    try:
-        httpx2.URL(url)
-    except (httpx2.InvalidURL, ValueError) as exc:  # what the clients would refuse
-        return f"not a valid URL ({exc})"
-    return None
 
 
 class ClusterConfig(Base, frozen=True):
