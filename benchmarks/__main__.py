@@ -26,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from benchmarks import replay, report, scale, soak, throughput
+from benchmarks import models, replay, report, scale, soak, throughput
 from benchmarks.config import FULL, QUICK, BenchConfig
 from benchmarks.procs import ROOT, machine
 from benchmarks.targets import evaluate
@@ -37,13 +37,17 @@ SCENARIOS: dict[str, Scenario] = {
     "replay": replay.run_nvpair,
     "baseline": replay.run_baseline,
     "scale": scale.run,
+    "models": models.run,
     "throughput": throughput.run,
     "soak": soak.run,
 }
 
 
 def git_commit() -> str:
-    """The commit measured, with "+changes" when src/ differs from it."""
+    """The commit measured, with "+changes" when src/ differs from it (NVPAIR_BENCH_COMMIT
+    says it for a tree that is not a git checkout, such as an exported commit)."""
+    if os.environ.get("NVPAIR_BENCH_COMMIT"):
+        return os.environ["NVPAIR_BENCH_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                               capture_output=True, text=True, check=True).stdout.strip()

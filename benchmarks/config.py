@@ -15,11 +15,14 @@ class BenchConfig(msgspec.Struct, frozen=True):
     baseline_clients: tuple[int, ...] = (1, 8, 32)
     baseline_window_s: float = 60.0
     #: scenario 3
-    scale_ks: tuple[int, ...] = (1, 8, 64, 256)
+    scale_ks: tuple[int, ...] = (1, 8, 64, 256, 1024)
     scale_load_clients: int = 8
     scale_load_s: float = 10.0
     scale_idle_s: float = 20.0
-    sims_per_process: int = 64
+    sims_per_process: int = 256
+    #: scenario "models": Ollama-like engines and the models each serves (same windows)
+    models_engines: int = 10
+    models_per_engine: int = 10_000
     #: scenario 4
     throughput_s: float = 6.0
     throughput_warmup_s: float = 2.0
@@ -45,7 +48,8 @@ QUICK = BenchConfig(
     replay_timeout_s=5.0,
     baseline_clients=(1, 32),
     baseline_window_s=5.0,
-    scale_ks=(8, 64),
+    scale_ks=(8, 256),
+    models_per_engine=2_000,
     scale_load_s=2.0,
     scale_idle_s=3.0,
     throughput_s=2.0,

@@ -81,15 +81,16 @@ class Connection:
                 close = True
         if length is None:
             raise HttpError("answer without content-length")
+        buf = bytearray(self._buf)  # appends in place: bodies of many MB stay linear
         try:
-            while len(self._buf) < length:
-                chunk = await stream.receive_some(65536)
+            while len(buf) < length:
+                chunk = await stream.receive_some(1 << 20)
                 if not chunk:
                     raise HttpError("eof in body")
-                self._buf += chunk
+                buf += chunk
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise HttpError(f"io: {exc}") from None
-        body, self._buf = self._buf[:length], self._buf[length:]
+        body, self._buf = bytes(buf[:length]), bytes(buf[length:])
         if close:
             await self._drop()
         return status, body

@@ -10,6 +10,8 @@
 * ``--clients`` back-to-back clients, each alternating ``/v1/models`` and the status; with
   several targets each client goes round them in turn (client i starting at target i), so
   targets compared with each other get the same load at interleaved moments;
+* ``--healthz S``: per target, a sequential ``GET /healthz`` every S seconds (series
+  ``healthz``: the loop's own latency under the load, nothing behind it);
 * every request has ``--timeout`` (a poller's is at most its interval); a timed-out request
   is an error and its connection is closed (as a client that gives up does). Requests
   still running when the window ends are reported as ``unfinished`` with how long they had
@@ -89,7 +91,8 @@ class Target:
         self.host = split.hostname
         self.port = split.port
         self.status_path = f"/v1/engines/{engine}"
-        self.series = {"models": Series(), "status": Series(), "poller_status": Series()}
+        self.series = {"models": Series(), "status": Series(), "poller_status": Series(),
+                       "healthz": Series()}
 
     def connect(self) -> Connection:
         return Connection(self.host, self.port)
@@ -172,6 +175,19 @@ class Load:
                 await conn.aclose()
 
 
+    async def healthz(self, target: Target, interval: float) -> None:
+        conn = target.connect()
+        try:
+            tick = trio.current_time()
+            while True:
+                await trio.sleep_until(tick)
+                await self.one(conn, "/healthz", target.series["healthz"])
+                tick = max(tick + interval, trio.current_time())
+        finally:
+            with trio.CancelScope(shield=True):
+                await conn.aclose()
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     targets = []
     for spec in args.target:
@@ -188,6 +204,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 # the pollers' first ticks spread over their interval (independent services)
                 nursery.start_soon(load.poller, target, interval,
                                    interval * i / max(len(intervals), 1))
+            if args.healthz > 0:
+                nursery.start_soon(load.healthz, target, args.healthz)
         for i in range(args.clients):
             nursery.start_soon(load.client, i)
         await trio.sleep(args.duration)
@@ -208,6 +226,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--poll", default="5,5,10,1", help="poller intervals in seconds")
     p.add_argument("--duration", type=float, default=30.0)
     p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--healthz", type=float, default=0.0,
+                   help="GET /healthz every S seconds per target (0: never)")
     args = p.parse_args(argv)
     result = trio.run(run, args)
     sys.stdout.write(msgspec.json.encode(result).decode() + "\n")

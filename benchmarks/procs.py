@@ -42,13 +42,15 @@ class Proc:
     """A child process with a name; ``stop()`` is SIGTERM, a grace, then SIGKILL."""
 
     def __init__(self, name: str, argv: Sequence[str], log: Path | None = None,
-                 stdout: int | None = subprocess.DEVNULL) -> None:
+                 stdout: int | None = subprocess.DEVNULL,
+                 extra_env: dict[str, str] | None = None) -> None:
         self.name = name
         self.argv = list(argv)
         self.log = log
         err = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
         try:
-            self.popen = subprocess.Popen(self.argv, cwd=ROOT, env=env(), stdout=stdout,
+            self.popen = subprocess.Popen(self.argv, cwd=ROOT, env={**env(), **(extra_env or {})},
+                                          stdout=stdout,
                                           stderr=err, stdin=subprocess.DEVNULL)
         finally:
             if log and not isinstance(err, int):
@@ -86,8 +88,8 @@ class Procs:
         self.items: list[Proc] = []
 
     def start(self, name: str, argv: Sequence[str], stdout: int | None = subprocess.DEVNULL,
-              ) -> Proc:
-        proc = Proc(name, argv, self.workdir / f"{name}.log", stdout=stdout)
+              extra_env: dict[str, str] | None = None) -> Proc:
+        proc = Proc(name, argv, self.workdir / f"{name}.log", stdout=stdout, extra_env=extra_env)
         self.items.append(proc)
         return proc
 
@@ -166,13 +168,17 @@ def engine_toml(name: str, kind: str, port: int, model: str | None = None,
 
 
 def start_nvpair(procs: Procs, name: str, engines: str, *, top: str = "",
-                 within: float = 60.0) -> tuple[Proc, str, float]:
-    """nvpair as a process (``python -m nvpair serve``). (proc, URL, seconds to answer)."""
+                 within: float = 60.0, loop_lag: Path | None = None) -> tuple[Proc, str, float]:
+    """nvpair as a process (``python -m nvpair serve``). (proc, URL, seconds to answer).
+
+    ``loop_lag``: where nvpair's loop-lag probe writes (``NVPAIR_LOOP_LAG_FILE``)."""
     port = free_port()
     cfg = procs.workdir / f"{name}.toml"
     cfg.write_text(f"listen = '127.0.0.1:{port}'\nnode = 'bench'\n"
                    f"log_dir = '{procs.workdir / 'logs'}'\n{top}\n{engines}")
-    proc = procs.start(name, [PY, "-m", "nvpair", "serve", "--config", str(cfg)])
+    proc = procs.start(name, [PY, "-m", "nvpair", "serve", "--config", str(cfg)],
+                       extra_env=None if loop_lag is None else {"NVPAIR_LOOP_LAG_FILE":
+                                                                str(loop_lag)})
     url = f"http://127.0.0.1:{port}"
     took = wait_http(f"{url}/healthz", proc, within)
     return proc, url, took

@@ -153,17 +153,19 @@ def ratios(slow: dict[str, Any], fast: dict[str, Any]) -> dict[str, float | None
     return out
 
 
-def start_floor(procs: Procs, url: str, workdir: Path) -> tuple[Proc, str]:
+def start_floor(procs: Procs, url: str, workdir: Path,
+                paths: tuple[str, ...] = ("/v1/models", "/v1/engines/head"),
+                name: str = "floor") -> tuple[Proc, str]:
     """The bare hypercorn-trio floor answering the bytes ``url`` answers right now."""
     routes = []
-    for path in ("/v1/models", "/v1/engines/head"):
-        status, body = request("GET", f"{url}{path}")
+    for path in paths:
+        status, body = request("GET", f"{url}{path}", timeout=30)
         assert status == 200, (path, status)
-        file = workdir / f"floor{path.replace('/', '_')}.json"
+        file = workdir / f"{name}{path.replace('/', '_')}.json"
         file.write_bytes(body)
         routes += ["--route", f"{path}={file}"]
     port = free_port()
-    proc = procs.start("floor", [PY, "-m", "benchmarks.floor", "--listen",
+    proc = procs.start(name, [PY, "-m", "benchmarks.floor", "--listen",
                                  f"127.0.0.1:{port}", *routes])
     floor_url = f"http://127.0.0.1:{port}"
     wait_http(f"{floor_url}/healthz", proc)

@@ -86,6 +86,24 @@ def replay_table(title: str, doc: dict[str, Any], note: str) -> Table:
     return Table(title, header, rows, note)
 
 
+SIDE_BY_SIDE = ("/v1/models nvpair p50 / p99 / max ms", "floor p50 / p99 / max ms",
+                "p99 vs floor", "/healthz max ms nvpair / floor",
+                "loop lag max ms start / load / idle")
+_SIDE_NOTE = ("Under load: 8 back-to-back clients going round nvpair and the floor (hypercorn "
+              "answering the bytes nvpair answered, nothing behind it) in the same window, "
+              "/healthz every 50 ms on each; loop lag: the longest gap between ticks of a "
+              "5 ms timer in nvpair (start: until everything was listed).")
+
+
+def _side_by_side(r: dict[str, Any]) -> Row:
+    lag = r["loop_lag"]
+    start = r["first_listing"].get("loop_lag", {}).get("max_ms")
+    return (_lat(r["load"]["models"]), _lat(r["floor"]["models"]),
+            _f(r["models_over_floor"]["p99_ms"], 2),
+            f"{_f(r['load']['healthz']['max_ms'], 1)} / {_f(r['floor']['healthz']['max_ms'], 1)}",
+            f"{_f(start, 1)} / {_f(lag['load']['max_ms'], 1)} / {_f(lag['idle']['max_ms'], 1)}")
+
+
 def tables(results: dict[str, Any]) -> list[Table]:
     out: list[Table] = []
     sc = results.get("scenarios", {})
@@ -115,21 +133,33 @@ def tables(results: dict[str, Any]) -> list[Table]:
             rows.append((str(r["k"]), f"{b['quick']}/{b['hung']}/{b['slow']}",
                          str(r["sim_processes"]), _f(fl["api_answered_s"], 2),
                          _f(fl["all_quick_listed_s"], 2), _f(fl["all_slow_listed_s"], 2),
-                         f"{_f(fl['read_p50_ms'], 1)} / {_f(fl['read_max_ms'], 1)}",
-                         _lat(r["load"]["models"]), _f(r["idle_cpu_pct"], 2),
-                         _f(r["idle_cpu_pct"] / r["k"], 3), _f(r["rss_mb"]), str(r["fds"])))
+                         *_side_by_side(r), _f(r["idle_cpu_pct"], 2),
+                         _f(r["idle_cpu_pct"] / r["k"], 4), _f(r["rss_mb"]), str(r["fds"])))
         g = scale["growth"]
         slopes = ", ".join(f"{s['from_k']}->{s['to_k']}: {_f(s['slope'], 2)}"
                            for s in g["idle_cpu_slopes"])
         out.append(Table(
             "3. Scale: K engines, a quarter hung or slow",
             ("K", "quick/hung/slow", "sim procs", "API up s", "all quick listed s",
-             "all slow listed s", "reads at start p50 / max ms",
-             f"/v1/models under load ({scale['by_k'][0]['load']['clients']} clients) "
-             "p50 / p99 / max ms", "idle CPU %", "idle CPU % per engine", "RSS MB", "fds"),
+             "all slow listed s", *SIDE_BY_SIDE, "idle CPU %", "idle CPU % per engine",
+             "RSS MB", "fds"),
             rows,
-            f"Times are from nvpair's process start. Idle CPU log-log slopes: {slopes}; RSS "
-            f"per added engine: {_f(g.get('rss_per_engine_kb'), 0)} KB."))
+            f"Times are from nvpair's process start. {_SIDE_NOTE} Idle CPU log-log slopes: "
+            f"{slopes}; RSS per added engine: {_f(g.get('rss_per_engine_kb'), 0)} KB."))
+    many = sc.get("models")
+    if many and "load" in many:
+        fl = many["first_listing"]
+        out.append(Table(
+            f"3b. Many models: {many['engines']} Ollama-like engines x "
+            f"{many['models_per_engine']:,} models",
+            ("models", "API up s", "all listed s", *SIDE_BY_SIDE, "idle CPU %",
+             "idle CPU % per engine", "RSS MB", "fds"),
+            [(f"{many['models']:,}", _f(fl["api_answered_s"], 2), _f(fl["all_listed_s"], 2),
+              *_side_by_side(many), _f(many["idle_cpu_pct"], 2),
+              _f(many["idle_cpu_pct"] / many["engines"], 4), _f(many["rss_mb"]),
+              str(many["fds"]))],
+            f"Times are from nvpair's process start. {_SIDE_NOTE} /v1/models body: "
+            f"{many['load']['body_bytes']:,} B."))
     tp = sc.get("throughput")
     if tp and "servers" in tp:
         rows = []

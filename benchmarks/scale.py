@@ -1,12 +1,18 @@
-"""Scenario 3: K simulated engines, a quarter of them hung or slow.
+"""Scenario 3: K simulated engines, a quarter of them hung or slow (up to K = 1,024).
 
-For each K: the simulators run in ``ceil(K / 64)`` farm processes (:mod:`benchmarks.simfarm`),
-nvpair adopts all K with the default SGLang manifest, and the orchestrator polls
-``/v1/models`` every 20 ms from nvpair's start until every quick engine's model is listed
-(the time to the first full listing, counted from the process start and from the moment
-its API first answered). Then ``scale_load_clients`` back-to-back clients read for
-``scale_load_s`` (``/v1/models`` latency under load), then nothing reads for
-``scale_idle_s`` (nvpair's CPU while it only probes), and the RSS is read.
+For each K: the simulators run in ``ceil(K / sims_per_process)`` farm processes
+(``python -m nvpair.sim farm``, :mod:`nvpair.sim.farm`), nvpair adopts all K with the default
+SGLang manifest, and the orchestrator polls ``/v1/models`` every 20 ms from nvpair's start
+until every quick engine's model is listed, then every slow one's (the time to the first
+full listing, counted from the process start and from the moment its API first answered).
+
+Then, side by side in the same window (:func:`measure`): ``scale_load_clients`` back-to-back
+clients go round nvpair and a floor server (:mod:`benchmarks.floor`) answering the very
+bytes nvpair answered at that moment, alternating ``/v1/models`` and an engine's status,
+while a sequential ``GET /healthz`` every 50 ms reads each server's own latency; then
+nothing reads for ``scale_idle_s`` (nvpair's CPU while it only probes), and the RSS is read.
+nvpair runs its loop-lag probe (``NVPAIR_LOOP_LAG_FILE``): the longest gap between ticks of
+a 5 ms timer, for the start, the load and the idle windows.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from benchmarks.pollers import quantile
 from benchmarks.procs import (
     PY,
     CpuMeter,
+    Proc,
     Procs,
     engine_toml,
     fd_count,
@@ -31,15 +38,21 @@ from benchmarks.procs import (
     request,
     start_nvpair,
 )
+from benchmarks.replay import start_floor
+
+HEALTHZ_EVERY_S = 0.05
 
 
-def start_farms(procs: Procs, k: int, per: int) -> list[dict[str, Any]]:
+def start_farms(procs: Procs, tag: str, kind: str, k: int, per: int, *,
+                bad_every: int = 4, models_per_engine: int = 1) -> list[dict[str, Any]]:
+    """``k`` simulated engines in ``ceil(k / per)`` farm processes; their descriptions."""
     farms = []
     for i in range(math.ceil(k / per)):
         first, count = i * per, min(per, k - i * per)
-        farms.append(procs.start(f"farm-k{k}-{i}", [
-            PY, "-m", "benchmarks.simfarm", "--first", str(first), "--count", str(count),
-            "--bad-every", "4"], stdout=subprocess.PIPE))
+        farms.append(procs.start(f"farm-{tag}-{i}", [
+            PY, "-m", "nvpair.sim", "farm", "--kind", kind, "--first", str(first),
+            "--count", str(count), "--bad-every", str(bad_every),
+            "--models-per-engine", str(models_per_engine)], stdout=subprocess.PIPE))
     engines: list[dict[str, Any]] = []
     for farm in farms:
         assert farm.popen.stdout is not None
@@ -51,7 +64,8 @@ def start_farms(procs: Procs, k: int, per: int) -> list[dict[str, Any]]:
 
 
 def first_listing(url: str, quick: set[str], slow: set[str], spawned: float,
-                  wait_slow: bool, within: float = 60.0) -> dict[str, Any]:
+                  wait_slow: bool, within: float = 60.0, every: float = 0.02
+                  ) -> dict[str, Any]:
     port = int(url.rsplit(":", 1)[1])
     latencies: list[float] = []
     listed_at = None
@@ -61,7 +75,7 @@ def first_listing(url: str, quick: set[str], slow: set[str], spawned: float,
         try:
             status, body = request("GET", f"http://127.0.0.1:{port}/v1/models", timeout=10)
         except OSError:
-            time.sleep(0.02)
+            time.sleep(every)
             continue
         now = time.monotonic()
         latencies.append(now - t0)
@@ -73,7 +87,7 @@ def first_listing(url: str, quick: set[str], slow: set[str], spawned: float,
         if listed_at is not None and (slow_at is not None or not slow or not wait_slow
                                       or now - spawned > listed_at + 8):
             break
-        time.sleep(0.02)
+        time.sleep(every)
     ordered = sorted(latencies)
     return {
         "all_quick_listed_s": None if listed_at is None else round(listed_at, 3),
@@ -84,53 +98,111 @@ def first_listing(url: str, quick: set[str], slow: set[str], spawned: float,
     }
 
 
+def loop_lag(path: Path, since: float, until: float) -> dict[str, Any]:
+    """The longest gap between the probe's 5 ms ticks in the seconds reported within
+    [since, until] (unix times; each line covers the second before its ``t``)."""
+    lines = []
+    if path.exists():
+        for text in path.read_text().splitlines():
+            try:
+                lines.append(json.loads(text))
+            except ValueError:  # a line being written
+                continue
+    inside = [ln for ln in lines if since < ln["t"] <= until + 1.0]
+    if not inside:
+        return {"max_ms": None, "seconds": 0}
+    worst = sorted(ln["max_ms"] for ln in inside)
+    return {"max_ms": worst[-1], "p99_ms": quantile(worst, 0.99), "seconds": len(inside),
+            "over_20ms_seconds": sum(1 for w in worst if w > 20)}
+
+
+def measure(cfg: BenchConfig, procs: Procs, manager: Proc, url: str, status_engine: str,
+            lag: Path, tag: str, workdir: Path) -> dict[str, Any]:
+    """nvpair and the floor under the same load, then nvpair idle: the second half of a
+    scale run (see the module's docstring)."""
+    floor, floor_url = start_floor(procs, url, workdir,
+                                   ("/v1/models", f"/v1/engines/{status_engine}"),
+                                   name=f"floor-{tag}")
+    body_bytes = len(request("GET", f"{floor_url}/v1/models", timeout=30)[1])
+    meter, floor_meter = CpuMeter(manager.pid), CpuMeter(floor.pid)
+    load_from = time.time()
+    poller = procs.start(f"pollers-{tag}", [
+        PY, "-m", "benchmarks.pollers", "--target", f"nvpair={url}#{status_engine}",
+        "--target", f"floor={floor_url}#{status_engine}",
+        "--clients", str(cfg.scale_load_clients), "--poll", "",
+        "--healthz", str(HEALTHZ_EVERY_S),
+        "--duration", str(cfg.scale_load_s), "--timeout", "10"], stdout=subprocess.PIPE)
+    out, _ = poller.popen.communicate(timeout=cfg.scale_load_s + 120)
+    procs.items.remove(poller)
+    load_until = time.time()
+    targets = json.loads(out.strip().splitlines()[-1])["targets"]
+    load_cpu, floor_cpu = meter.read(), floor_meter.read()
+    procs.items.remove(floor)
+    floor.stop()
+    time.sleep(0.5)  # let the load's connections close
+    idle = CpuMeter(manager.pid)
+    idle_from = time.time()
+    time.sleep(cfg.scale_idle_s)
+    idle_cpu = idle.read()
+    idle_until = time.time()
+    mem = memory_kb(manager.pid)
+    nv, fl = targets["nvpair"], targets["floor"]
+    ratio = {q: (round(nv["models"][q] / fl["models"][q], 3)
+                 if nv["models"][q] and fl["models"][q] else None)
+             for q in ("p50_ms", "p99_ms", "max_ms")}
+    return {
+        "load": {"clients": cfg.scale_load_clients, "models": nv["models"],
+                 "status": nv["status"], "healthz": nv["healthz"],
+                 "cpu_pct": load_cpu["cpu_pct"], "body_bytes": body_bytes},
+        "floor": {"models": fl["models"], "status": fl["status"], "healthz": fl["healthz"],
+                  "cpu_pct": floor_cpu["cpu_pct"]},
+        "models_over_floor": ratio,
+        "loop_lag": {"load": loop_lag(lag, load_from, load_until),
+                     "idle": loop_lag(lag, idle_from, idle_until)},
+        "idle_cpu_pct": idle_cpu["cpu_pct"],
+        "idle_window_s": idle_cpu["wall_s"],
+        "rss_mb": round(mem["VmRSS"] / 1024, 2),
+        "peak_rss_mb": round(mem["VmHWM"] / 1024, 2),
+        "fds": fd_count(manager.pid),
+    }
+
+
+def states(url: str) -> dict[str, int]:
+    doc = json.loads(request("GET", f"{url}/v1/engines", timeout=30)[1])
+    out: dict[str, int] = {}
+    for e in doc["engines"]:
+        out[e["state"]] = out.get(e["state"], 0) + 1
+    return out
+
+
 def run_one(cfg: BenchConfig, workdir: Path, k: int) -> dict[str, Any]:
     with Procs(workdir) as procs:
-        engines = start_farms(procs, k, cfg.sims_per_process)
+        engines = start_farms(procs, f"k{k}", "sglang", k, cfg.sims_per_process)
         body = "".join(engine_toml(f"e{e['index']:03d}", "sglang", e["port"], e["model"])
                        for e in engines)
         quick = {e["model"] for e in engines if e["behaviour"] == "quick"}
         slow = {e["model"] for e in engines if e["behaviour"] == "slow"}
+        lag = workdir / f"looplag-k{k}.jsonl"
+        started_at = time.time()
         spawned = time.monotonic()
-        manager, url, api_after = start_nvpair(procs, f"nvpair-k{k}", body)
-        listing = first_listing(url, quick, slow, spawned, wait_slow=not cfg.quick)
+        manager, url, api_after = start_nvpair(procs, f"nvpair-k{k}", body, loop_lag=lag)
+        listing = first_listing(url, quick, slow, spawned, wait_slow=not cfg.quick or k >= 256)
         if listing["all_quick_listed_s"] is not None:
             listing["all_quick_listed_after_api_s"] = round(
                 listing["all_quick_listed_s"] - api_after, 3)
         listing["api_answered_s"] = round(api_after, 3)
-        meter = CpuMeter(manager.pid)
-        poller = procs.start(f"pollers-k{k}", [
-            PY, "-m", "benchmarks.pollers", "--target", f"k={url}#e000",
-            "--clients", str(cfg.scale_load_clients), "--poll", "",
-            "--duration", str(cfg.scale_load_s), "--timeout", "10"], stdout=subprocess.PIPE)
-        out, _ = poller.popen.communicate(timeout=cfg.scale_load_s + 120)
-        procs.items.remove(poller)
-        load = json.loads(out.strip().splitlines()[-1])["targets"]["k"]
-        load_cpu = meter.read()
-        time.sleep(0.5)  # let the load's connections close
-        idle = CpuMeter(manager.pid)
-        time.sleep(cfg.scale_idle_s)
-        idle_cpu = idle.read()
-        mem = memory_kb(manager.pid)
-        doc = json.loads(request("GET", f"{url}/v1/engines", timeout=10)[1])
-        states: dict[str, int] = {}
-        for e in doc["engines"]:
-            states[e["state"]] = states.get(e["state"], 0) + 1
-        return {
+        listed_at = time.time()
+        out = {
             "k": k,
             "behaviours": {b: sum(1 for e in engines if e["behaviour"] == b)
                            for b in ("quick", "hung", "slow")},
             "sim_processes": math.ceil(k / cfg.sims_per_process),
             "first_listing": listing,
-            "load": {"clients": cfg.scale_load_clients, "models": load["models"],
-                     "status": load["status"], "cpu_pct": load_cpu["cpu_pct"]},
-            "idle_cpu_pct": idle_cpu["cpu_pct"],
-            "idle_window_s": idle_cpu["wall_s"],
-            "rss_mb": round(mem["VmRSS"] / 1024, 2),
-            "peak_rss_mb": round(mem["VmHWM"] / 1024, 2),
-            "fds": fd_count(manager.pid),
-            "states_at_end": states,
         }
+        out.update(measure(cfg, procs, manager, url, "e000", lag, f"k{k}", workdir))
+        listing["loop_lag"] = loop_lag(lag, started_at, listed_at)  # its lines came later
+        out["states_at_end"] = states(url)
+        return out
 
 
 def growth(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -155,4 +227,3 @@ def run(cfg: BenchConfig, workdir: Path) -> dict[str, Any]:
     for k in cfg.scale_ks:
         rows.append(run_one(cfg, workdir, k))
     return {"by_k": rows, "growth": growth(rows)}
-

@@ -14,6 +14,13 @@ from typing import Any
 REPORT_PROBES_PER_HOUR = round((72_144 + 69_817) / 20)
 SMALL_FRACTION = 0.15
 LINEAR_SLOPE_TOLERANCE = 1.15
+#: issue 14's targets at K = 1,024 engines and at 100,000 models
+LISTED_WITHIN_S = 10.0
+OVER_FLOOR_P99 = 1.5
+HEALTHZ_MAX_MS = 50.0
+IDLE_CPU_PER_ENGINE_PCT = 0.05
+RSS_PER_ENGINE_KB = 55.0
+LOOP_LAG_MS = 20.0
 
 
 def row(name: str, target: str, figure: str, met: bool | None, kind: str = "target"
@@ -41,6 +48,9 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
     scale = sc.get("scale")
     if scale and "by_k" in scale:
         rows += _scale(scale)
+    many = sc.get("models")
+    if many and "load" in many:
+        rows += _models(many)
     tp = sc.get("throughput")
     if tp and "ratios" in tp:
         rows += _throughput(tp)
@@ -118,14 +128,16 @@ def _baseline(base: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _scale(scale: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
-    last = scale["by_k"][-1]
-    listed = last["first_listing"]["all_quick_listed_s"]
-    api = last["first_listing"]["api_answered_s"]
+    by_k = {r["k"]: r for r in scale["by_k"]}
+    first = by_k.get(256, scale["by_k"][-1])
+    listed = first["first_listing"]["all_quick_listed_s"]
+    api = first["first_listing"]["api_answered_s"]
     rows.append(row("first full listing", f"every quick engine listed <= 5.5 s from start, "
-                    f"K={last['k']}, a quarter hung or slow",
+                    f"K={first['k']}, a quarter hung or slow",
                     "never" if listed is None else
                     f"{listed:.2f} s from process start (API first answered at {api:.2f} s)",
                     listed is not None and listed <= 5.5))
+    rows += _at_scale(scale)
     slopes = [s for s in scale["growth"]["idle_cpu_slopes"] if s["slope"] is not None]
     if slopes:
         s = slopes[-1]
@@ -134,6 +146,80 @@ def _scale(scale: dict[str, Any]) -> list[dict[str, Any]]:
                         f"(log-log slope <= {LINEAR_SLOPE_TOLERANCE})",
                         f"slope {s['slope']:.2f} from K={s['from_k']} to K={s['to_k']} "
                         f"({cpus})", s["slope"] <= LINEAR_SLOPE_TOLERANCE))
+    return rows
+
+
+def _steady(r: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """The read-side targets of one run (a K of the scale scenario, or the models one)."""
+    rows = []
+    p99, floor = r["load"]["models"]["p99_ms"], r["floor"]["models"]["p99_ms"]
+    ratio = r["models_over_floor"]["p99_ms"]
+    rows.append(row(f"/v1/models p99 vs floor, {where}",
+                    f"p99 with {r['load']['clients']} back-to-back clients <= "
+                    f"{OVER_FLOOR_P99}x the floor answering the same bytes, same window",
+                    f"{p99} ms vs floor {floor} ms: {ratio}x ({r['load']['body_bytes']:,} B)",
+                    ratio is not None and ratio <= OVER_FLOOR_P99))
+    hz = r["load"]["healthz"]
+    rows.append(row(f"/healthz under load, {where}", f"/healthz max < {HEALTHZ_MAX_MS:g} ms "
+                    "while the clients read",
+                    f"max {hz['max_ms']} ms, p99 {hz['p99_ms']} ms ({hz['ok']} reads, "
+                    f"{hz['errors']} errors; floor max {r['floor']['healthz']['max_ms']} ms)",
+                    hz["max_ms"] is not None and hz["errors"] == 0
+                    and hz["max_ms"] < HEALTHZ_MAX_MS))
+    lag = r["loop_lag"]
+    worst = max((w["max_ms"] for w in (lag["load"], lag["idle"]) if w["max_ms"] is not None),
+                default=None)
+    start = r["first_listing"].get("loop_lag", {}).get("max_ms")
+    rows.append(row(f"loop lag, {where}", f"longest gap between ticks of a 5 ms timer < "
+                    f"{LOOP_LAG_MS:g} ms (under load and idle)",
+                    f"load {lag['load']['max_ms']} ms, idle {lag['idle']['max_ms']} ms "
+                    f"(start, until listed: {start} ms)",
+                    worst is not None and worst < LOOP_LAG_MS))
+    return rows
+
+
+def _at_scale(scale: dict[str, Any]) -> list[dict[str, Any]]:
+    last = scale["by_k"][-1]
+    k = last["k"]
+    where = f"K={k:,}"
+    fl = last["first_listing"]
+    times = [fl["all_quick_listed_s"]] + ([fl["all_slow_listed_s"]]
+                                          if last["behaviours"]["slow"] else [])
+    done = None if None in times else max(times)
+    rows = [row(f"every model listed, {where}", f"every answering engine's model (quick and "
+                f"slow) listed <= {LISTED_WITHIN_S:g} s from start, a quarter hung or slow",
+                "never" if done is None else
+                f"{done:.2f} s (quick {fl['all_quick_listed_s']} s, slow "
+                f"{fl['all_slow_listed_s']} s)", done is not None and done <= LISTED_WITHIN_S)]
+    rows += _steady(last, where)
+    per = last["idle_cpu_pct"] / k
+    rows.append(row(f"idle CPU per engine, {where}", f"<= {IDLE_CPU_PER_ENGINE_PCT}% of a "
+                    "core per engine", f"{per:.4f}% ({last['idle_cpu_pct']:.2f}% for {k:,})",
+                    per <= IDLE_CPU_PER_ENGINE_PCT))
+    kb = scale["growth"].get("rss_per_engine_kb")
+    if kb is not None:
+        first = scale["by_k"][0]
+        rows.append(row(f"RSS per engine, {where}", f"<= {RSS_PER_ENGINE_KB:g} KB per added "
+                        "engine", f"{kb:g} KB (K={first['k']} {first['rss_mb']} MB, "
+                        f"K={k:,} {last['rss_mb']} MB)", kb <= RSS_PER_ENGINE_KB))
+    return rows
+
+
+def _models(r: dict[str, Any]) -> list[dict[str, Any]]:
+    where = f"{r['engines']} x {r['models_per_engine']:,} models"
+    fl = r["first_listing"]
+    done = fl["all_listed_s"]
+    rows = [row(f"every model listed, {where}", f"all {r['models']:,} models listed <= "
+                f"{LISTED_WITHIN_S:g} s from start",
+                f"never ({fl.get('listed_at_the_end')} listed)" if done is None
+                else f"{done:.2f} s", done is not None and done <= LISTED_WITHIN_S)]
+    rows += _steady(r, where)
+    per = r["idle_cpu_pct"] / r["engines"]
+    rows.append(row(f"idle CPU per engine, {where}", f"<= {IDLE_CPU_PER_ENGINE_PCT}% of a "
+                    "core per engine", f"{per:.4f}% ({r['idle_cpu_pct']:.2f}% for "
+                    f"{r['engines']})", per <= IDLE_CPU_PER_ENGINE_PCT))
+    rows.append(row(f"RSS, {where}", "(no target per model) nvpair's RSS with these models",
+                    f"{r['rss_mb']} MB (peak {r['peak_rss_mb']} MB)", None, kind="info"))
     return rows
 
 

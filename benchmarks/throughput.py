@@ -154,7 +154,7 @@ def run(cfg: BenchConfig, workdir: Path) -> dict[str, Any]:
 
 def start_farms_all_quick(procs: Procs, k: int) -> list[dict[str, Any]]:
     farm = procs.start(f"farm-throughput-{k}", [
-        PY, "-m", "benchmarks.simfarm", "--count", str(k), "--bad-every", "0"],
+        PY, "-m", "nvpair.sim", "farm", "--kind", "sglang", "--count", str(k)],
         stdout=subprocess.PIPE)
     assert farm.popen.stdout is not None
     line = farm.popen.stdout.readline()
