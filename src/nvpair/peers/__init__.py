@@ -9,5 +9,5 @@ docs/peers.md.
 
 The ``[cluster]`` table is config (``nvpair.cluster``); peers read what it resolves to and
 sit above the ``asgi`` helpers and the router's ``peering`` protocol, never below the API:
-nothing here imports ``nvpair.api`` (tests/test_layers.py).
+nothing here imports ``nvpair.api`` or ``nvpair.views`` (tests/test_layers.py).
 """
