@@ -100,3 +100,23 @@ def test_a_restart_backoff_that_starts_above_its_maximum_is_rejected() -> None:
     with pytest.raises(ManifestError) as info:
         decode(doc)
     assert str(info.value) == "x.json: restart.initial_s (90) is above restart.max_s (60)"
+
+
+@pytest.mark.parametrize("key, value", [("port_open_while_loading", True),
+                                        ("deprecated_paths", ["/get_model_info"])])
+def test_a_removed_key_says_it_is_no_longer_read(key: str, value: object) -> None:
+    """Keys earlier manifests had (and nvpair never read) are refused in one line that says
+    so, rather than as an unknown key."""
+    doc = json.loads((builtin_dir() / "vllm.json").read_text())
+    doc[key] = value
+    with pytest.raises(ManifestError) as info:
+        decode_manifest(json.dumps(doc).encode(), "m.json")
+    assert str(info.value).startswith(f"m.json: {key}: no longer a manifest key (")
+    assert "\n" not in str(info.value)
+
+
+def test_notes_are_for_people_and_in_the_schema() -> None:
+    manifest = load_manifest("sglang")
+    assert "deprecated names" in manifest.notes
+    from nvpair.schema import schema_json
+    assert "never reads it" in schema_json("manifest")

@@ -14,7 +14,7 @@ from typing import Annotated, Literal, get_args
 
 import msgspec
 
-from nvpair.decoding import one_line
+from nvpair.decoding import describe, one_line
 from nvpair.errors import ManifestError
 
 Cost = Literal["cheap", "queued", "generating"]
@@ -126,6 +126,10 @@ class RestartSpec(Base, frozen=True):
     reset_after_s: Seconds = 60.0
 
 
+NOTES = ("For people reading the manifest, since JSON has no comments: why these probes and "
+         "paths were chosen. nvpair never reads it.")
+
+
 class Manifest(Base, frozen=True):
     """A kind of engine."""
 
@@ -136,13 +140,19 @@ class Manifest(Base, frozen=True):
     start: StartSpec = StartSpec()
     stop: StopSpec = StopSpec()
     restart: RestartSpec = RestartSpec()
-    port_open_while_loading: bool = False
     #: how long a managed engine may take to first answer ready.
     startup_budget_s: Seconds = 600.0
     #: opt in to probes whose cost is "generating" (they run a real generation on the engine).
     allow_generating_probes: bool = False
-    deprecated_paths: tuple[str, ...] = ()
-    notes: str = ""
+    #: for people reading the manifest (JSON has no comments): why these probes; never read.
+    notes: Annotated[str, msgspec.Meta(description=NOTES)] = ""
+
+
+#: keys that earlier manifests had and nvpair never read: a clear error, not a silent skip.
+REMOVED_KEYS = {
+    "port_open_while_loading": "a managed engine whose port is refused is starting, any kind",
+    "deprecated_paths": "put old paths in notes, or in a probe's fallback_path if it answers",
+}
 
 
 _KIND = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
@@ -172,6 +182,10 @@ def decode_manifest(data: bytes, source: str) -> Manifest:
     try:
         manifest = msgspec.json.decode(data, type=Manifest)
     except msgspec.ValidationError as exc:
+        path, what = describe(exc)
+        if path in REMOVED_KEYS and what.startswith("unknown key"):
+            raise ManifestError(f"{source}: {path}: no longer a manifest key "
+                                f"({REMOVED_KEYS[path]}); remove it") from None
         raise ManifestError(one_line(source, exc)) from None
     except msgspec.DecodeError as exc:
         raise ManifestError(f"{source}: not valid JSON: {_json_where(data, exc)}") from None
