@@ -2,6 +2,7 @@
 
 import contextlib
 import signal
+import socket
 import subprocess
 import sys
 
@@ -39,3 +40,17 @@ async def test_demo_lists_models_and_stops_cleanly() -> None:
     while chunk := await proc.stdout.receive_some(65536):
         out += chunk
     assert b"/v1/models" in out and b"no engine left running" in out
+
+
+def test_demo_on_a_busy_port_is_one_line_and_exit_1() -> None:
+    """The bind error reaches the demo wrapped in the nurseries' exception groups."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "nvpair", "demo", "--listen",
+                            f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"nvpair: error: cannot listen on 127.0.0.1:{port}: Address already in use")
+    assert "Traceback" not in r.stderr

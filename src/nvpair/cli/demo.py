@@ -13,6 +13,7 @@ import trio
 
 from nvpair import service
 from nvpair.cli.progress import print_transitions
+from nvpair.cli.serve import _os_error as os_error
 from nvpair.config import Config, resolve
 
 #: (name, kind, model, extra simulator flags)
@@ -62,8 +63,12 @@ it (see probes in {url}/v1/engines/sglang). Ctrl-C stops nvpair and every engine
         try:
             trio.run(lambda: service.main(settings, announce=announce,
                                                    watch=print_transitions))
-        except OSError as exc:
-            print(f"nvpair: error: cannot listen on {listen}: {exc.strerror}", file=sys.stderr)
+        except Exception as exc:  # a bind error comes wrapped in the nurseries' groups
+            error = os_error(exc)
+            if error is None:
+                raise
+            print(f"nvpair: error: cannot listen on {listen}: {error.strerror or error}",
+                  file=sys.stderr)
             return 1
     print("nvpair demo: stopped; no engine left running.")
     return 0
