@@ -21,7 +21,7 @@ from tests.stub_http import serve_stub
 from nvpair.config import Config, EngineConfig, resolve
 from nvpair.prober import Prober, open_client
 from nvpair.snapshot import Board
-from nvpair.supervisor import initial_state
+from nvpair.state import initial_state
 
 
 def connections(client: httpx2.AsyncClient) -> list[object]:

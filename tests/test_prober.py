@@ -1,23 +1,27 @@
-"""The probe loops of one engine, with a fake engine and Trio's autojump clock."""
+"""The probe loops of one engine, with a fake engine and Trio's autojump clock; and
+``run_probes``, which runs them each in its own fault boundary, enrolled in the sweep."""
 
 import itertools
+import logging
+from functools import partial
 
 import httpx2
 import pytest
 import trio
+import trio.testing
 from tests.fakes import FakeEngine, engine_spec, vllm_routes
+from tests.managed import wait_state
 
-from nvpair.prober import Prober
+from nvpair.prober import run_probes
 from nvpair.probes import MAX_BODY
 from nvpair.snapshot import Board
-from nvpair.state import effective_state
-from nvpair.supervisor import initial_state, run_probes
+from nvpair.state import effective_state, initial_state
 from nvpair.sweep import Sweep
 
 
 async def start(nursery: trio.Nursery, spec, fake: FakeEngine) -> Board:
     board = Board((initial_state(spec),))
-    await nursery.start(lambda task_status: run_probes(spec, board, {}, transport=fake.transport(),
+    await nursery.start(lambda task_status: run_probes(spec, board, transport=fake.transport(),
                                                       task_status=task_status))
     return board
 
@@ -34,6 +38,21 @@ async def test_ready_then_health_at_the_manifest_rate(nursery, autojump_clock) -
     sent = fake.counts["/health"] - before
     assert 110 <= sent <= 121, sent
     assert fake.max_in_flight <= 2  # liveness and identity may overlap; never doubled
+
+
+async def test_a_ready_tick_publishes_once_with_its_identity_check(nursery, autojump_clock) -> None:
+    """The ready probe, the identity check it asks for and the outcome: one new snapshot
+    (each publish wakes every reader that waits for a change)."""
+    spec = engine_spec("vllm")
+    fake = FakeEngine(vllm_routes())
+    board = Board((initial_state(spec),))
+    before = board.current.version
+    await nursery.start(lambda task_status: run_probes(spec, board, transport=fake.transport(),
+                                                      task_status=task_status))
+    await trio.testing.wait_all_tasks_blocked()
+    e = board.current.engines[0]
+    assert e.state == "ready" and e.identity is not None and fake.counts["/version"] == 1
+    assert board.current.version == before + 1
 
 
 async def test_hung_engine_turns_stale_then_unhealthy(nursery, autojump_clock) -> None:
@@ -143,7 +162,7 @@ async def test_an_oversized_answer_is_an_error_not_a_crash(nursery, autojump_clo
     fake.routes["/v1/models"] = (200, "x" * (MAX_BODY + 1))
     board = Board((initial_state(spec),))
     prober = await nursery.start(lambda task_status: run_probes(
-        spec, board, {}, transport=fake.transport(), task_status=task_status))
+        spec, board, transport=fake.transport(), task_status=task_status))
     outcome, answer = await prober.probe("models")
     assert answer is None and not outcome.ok
     assert outcome.error == "GET /v1/models answered more than 4 MiB"
@@ -208,10 +227,10 @@ async def test_a_vllm_serving_another_model_stays_unlisted(nursery, autojump_clo
     spec = engine_spec("vllm", model="expected-model")
     fake = FakeEngine(vllm_routes("wrong-model"))
     board = Board((initial_state(spec),))
-    registry: dict[str, Prober] = {}
+    sweep = Sweep(board, 5.0)
     await nursery.start(lambda task_status: run_probes(
-        spec, board, registry, transport=fake.transport(), task_status=task_status))
-    await nursery.start(Sweep(board, registry, 5.0).run)
+        spec, board, sweep, transport=fake.transport(), task_status=task_status))
+    await nursery.start(sweep.run)
     await watch_states(board, 30)
     assert board.current.engines[0].state == "unhealthy"
     states = await watch_states(board, 600)  # identity every 60 s, models every 30 s
@@ -221,10 +240,10 @@ async def test_a_vllm_serving_another_model_stays_unlisted(nursery, autojump_clo
 
 async def start_with_sweep(nursery: trio.Nursery, spec, fake: FakeEngine) -> Board:
     board = Board((initial_state(spec),))
-    registry: dict[str, Prober] = {}
+    sweep = Sweep(board, 5.0)
     await nursery.start(lambda task_status: run_probes(
-        spec, board, registry, transport=fake.transport(), task_status=task_status))
-    await nursery.start(Sweep(board, registry, 5.0).run)
+        spec, board, sweep, transport=fake.transport(), task_status=task_status))
+    await nursery.start(sweep.run)
     return board
 
 
@@ -374,3 +393,73 @@ async def test_requests_per_hour_stay_within_the_schedule(
     assert sent >= 0.85 * limit, (sent, dict(fake.counts))  # the table is the real schedule
     if want:
         assert board.current.engines[0].state == want, board.current.engines[0].error
+
+
+# -- run_probes: the loops in their boundaries, the prober enrolled in the sweep -----------
+
+async def test_a_probe_loop_that_raises_is_the_engines_failure_and_restarts(
+        nursery, autojump_clock, caplog) -> None:
+    """An exception out of a probe loop (here: the engine's answer path raises something no
+    probe expects, a bug) makes the engine unhealthy with the reason in one line, is logged
+    once, and the loop runs again after its backoff; it never leaves run_probes."""
+    caplog.set_level(logging.INFO, logger="nvpair")
+    spec = engine_spec("vllm")
+    fake = FakeEngine(vllm_routes("m"))
+    broken = True
+    handle = fake.handle
+    tries: list[float] = []
+
+    async def answer(request: httpx2.Request) -> httpx2.Response:
+        if broken and request.url.path == "/health":
+            tries.append(trio.current_time())
+            raise KeyError("x-nvpair-bug")  # not an httpx2 error: escapes the probe
+        return await handle(request)
+
+    board = Board((initial_state(spec),))
+    sweep = Sweep(board, 5.0)
+    await nursery.start(lambda task_status: run_probes(
+        spec, board, sweep, transport=httpx2.MockTransport(answer), task_status=task_status))
+    e = await wait_state(board, "e", "unhealthy")
+    assert e.error is not None and "\n" not in e.error
+    assert "internal error in nvpair (KeyError: 'x-nvpair-bug')" in e.error, e.error
+    await trio.sleep(120)  # retried with backoff (1, 2, 4... s), logged once
+    gaps = [b - a for a, b in itertools.pairwise(tries)]
+    assert 5 <= len(tries) <= 9 and gaps == sorted(gaps) and gaps[0] >= 1, gaps
+    assert board.current.engine("e").state == "unhealthy"
+    bugs = [r for r in caplog.records if "unexpected error" in r.getMessage()]
+    assert len(bugs) == 1 and bugs[0].exc_info is not None
+    broken = False
+    ready = await wait_state(board, "e", "ready", within=120)
+    assert ready.error is None
+    await trio.testing.wait_all_tasks_blocked()  # the boundary has seen the good probe
+    assert any("works again" in r.getMessage() for r in caplog.records)
+    assert "e" in sweep.probers  # run_probes is still running
+
+
+async def test_the_prober_is_enrolled_in_the_sweep_while_its_probes_run(
+        nursery, autojump_clock) -> None:
+    """Enrolled from ``started`` until run_probes ends; a later prober of the same engine
+    (a restart) is not removed when the earlier one ends."""
+    spec = engine_spec("vllm")
+    board = Board((initial_state(spec),))
+    sweep = Sweep(board, 5.0)
+
+    async def probing(task_status) -> None:  # run_probes in a nursery the test can cancel
+        async with trio.open_nursery() as own:
+            prober = await own.start(partial(run_probes, spec, board, sweep,
+                                             transport=FakeEngine(vllm_routes()).transport()))
+            task_status.started((prober, own.cancel_scope))
+
+    probers, scopes = [], []
+    for _ in range(2):
+        prober, scope = await nursery.start(probing)
+        probers.append(prober)
+        scopes.append(scope)
+        assert sweep.probers["e"] is prober
+    assert probers[0].path("models") == "/v1/models"
+    scopes[0].cancel()
+    await trio.testing.wait_all_tasks_blocked()
+    assert sweep.probers["e"] is probers[1]
+    scopes[1].cancel()
+    await trio.testing.wait_all_tasks_blocked()
+    assert "e" not in sweep.probers

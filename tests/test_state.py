@@ -1,6 +1,26 @@
+"""The engine state machine: pure transitions, no I/O."""
+
+import msgspec
+import pytest
+from tests.fakes import engine_spec
+
 from nvpair.manifest import ProbeSpec
-from nvpair.snapshot import EngineState
-from nvpair.state import Outcome, after_liveness, effective_state
+from nvpair.probes import Listing
+from nvpair.snapshot import EngineState, Identity, Model
+from nvpair.state import (
+    Outcome,
+    after_identity,
+    after_liveness,
+    after_models,
+    effective_state,
+    initial_state,
+    listing_failed,
+    liveness_probe,
+    models_missed,
+    overdue_after,
+    part_failed,
+    rescheduled,
+)
 
 HEALTH = ProbeSpec(path="/health", failure_threshold=3, success_threshold=2)
 READY = ProbeSpec(path="/health", failure_threshold=1)
@@ -69,3 +89,150 @@ def test_overdue_health_reads_as_stale() -> None:
     e = after_liveness(engine(), "ready", READY, OK, now=0.0)
     assert effective_state(e, now=5.0, overdue_after=8.0) == "ready"
     assert effective_state(e, now=9.0, overdue_after=8.0) == "stale"
+
+
+@pytest.mark.parametrize(("state", "probe"), [
+    ("starting", "ready"), ("down", "ready"), ("ready", "health"), ("stale", "health"),
+    ("unhealthy", "health"), ("stopped", "health")])
+def test_the_next_liveness_probe_follows_the_state(state: str, probe: str) -> None:
+    assert liveness_probe(state) == probe  # type: ignore[arg-type]
+
+
+def test_initial_state_is_starting_and_overdue_follows_the_health_schedule() -> None:
+    spec = engine_spec("vllm")
+    e = initial_state(spec, now=7.0)
+    health = spec.probes.health
+    assert (e.state, e.since, e.name, e.kind) == ("starting", 7.0, "e", "vllm")
+    assert e.overdue_after_s == overdue_after(health.interval_s, health.timeout_s)
+    assert e.overdue_after_s == health.interval_s + health.timeout_s + 1.0
+    assert rescheduled(e, 30.0, 2.0).overdue_after_s == 33.0
+
+
+# -- identity ------------------------------------------------------------------------------
+
+LLAMA = engine_spec("llamacpp", model="want")  # its identity names the model
+VLLM = engine_spec("vllm", model="want")  # its identity names none: the model list does
+IDENT_OK = Outcome(ok=True, http_status=200, latency_ms=1.0, path="/props")
+
+
+def ready(spec=LLAMA) -> EngineState:
+    e = initial_state(spec, now=0.0)
+    return msgspec.structs.replace(e, state="ready", identity=Identity(model="want"))
+
+
+def test_an_identity_serving_another_model_is_a_mismatch_until_it_serves_the_right_one() -> None:
+    e = after_identity(ready(), LLAMA, IDENT_OK, 1.0, identity=Identity(model="other"),
+                       names=("other", "/m/other.gguf"))
+    assert (e.state, e.mismatch_by) == ("unhealthy", "identity")
+    assert e.error == e.mismatch == "127.0.0.1:8080 serves other, expected want"
+    assert e.identity == Identity(model="other")
+    assert e.probe("identity").requests == 1  # type: ignore[union-attr]
+    e = after_identity(e, LLAMA, IDENT_OK, 2.0, identity=Identity(model="want"),
+                       names=("want",))
+    assert (e.mismatch, e.mismatch_by, e.state) == (None, None, "unhealthy")
+    # cleared: the next good health probe (two, from unhealthy) makes it ready
+    health = LLAMA.probes.health
+    for now in (3.0, 4.0):
+        e = after_liveness(e, "health", health, IDENT_OK, now)
+    assert e.state == "ready" and e.error is None
+
+
+def test_another_kind_of_server_is_a_mismatch_and_who_answers_is_forgotten() -> None:
+    gone = Outcome(ok=False, kind="status", http_status=404, error="404", path="/props")
+    e = after_identity(ready(), LLAMA, gone, 1.0)
+    assert (e.state, e.mismatch_by, e.identity) == ("unhealthy", "identity", None)
+    assert e.error == "127.0.0.1:8080 does not look like llamacpp: GET /props answered 404"
+    bad = Outcome(ok=False, kind="mismatch", http_status=200, path="/props",
+                  error="does not look like llamacpp: GET /props lacks total_slots")
+    e = after_identity(ready(), LLAMA, bad, 1.0, wrong=bad.error)
+    assert e.identity is None and e.mismatch_by == "identity"
+    assert e.error == "127.0.0.1:8080 does not look like llamacpp: GET /props lacks total_slots"
+    assert e.probe("identity").failures == 1  # type: ignore[union-attr]
+
+
+def test_an_unconfirmed_identity_finds_and_clears_nothing() -> None:
+    e = msgspec.structs.replace(ready(), mismatch="m", mismatch_by="identity", state="unhealthy")
+    refused = Outcome(ok=False, kind="status", http_status=401, error="401", path="/props")
+    after = after_identity(e, LLAMA, refused, 1.0, path="/props")
+    assert (after.mismatch, after.identity, after.state) == ("m", e.identity, "unhealthy")
+    assert after.notice is not None and "GET /props (401)" in after.notice
+
+
+def test_the_identity_probe_never_clears_the_model_lists_mismatch() -> None:
+    e = msgspec.structs.replace(ready(VLLM), mismatch="m", mismatch_by="models",
+                                state="unhealthy", error="m")
+    after = after_identity(e, VLLM, IDENT_OK, 1.0, identity=Identity(version="0.11"))
+    assert (after.mismatch, after.mismatch_by, after.state) == ("m", "models", "unhealthy")
+
+
+# -- the model list ------------------------------------------------------------------------
+
+LISTED = Outcome(ok=True, http_status=200, latency_ms=1.0, path="/v1/models")
+
+
+def test_a_listing_is_taken_with_what_was_left_out() -> None:
+    listing = Listing((Model("want"),), left_out=3, why="3 ids over 512 characters")
+    e = after_models(ready(VLLM), VLLM, LISTED, 5.0, listing=listing)
+    assert ([m.id for m in e.models], e.models_at, e.models_stale) == (["want"], 5.0, False)
+    assert (e.models_left_out, e.models_left_out_why) == (3, "3 ids over 512 characters")
+    assert e.state == "ready" and e.mismatch is None
+
+
+def test_a_failed_listing_keeps_the_list_marked_stale() -> None:
+    e = after_models(ready(VLLM), VLLM, LISTED, 5.0, listing=Listing((Model("want"),)))
+    failed = Outcome(ok=False, kind="body", http_status=200, error="not JSON", path="/v1/models")
+    e = after_models(e, VLLM, failed, 6.0)
+    assert [m.id for m in e.models] == ["want"] and e.models_stale and e.models_at == 5.0
+    assert e.probe("models").error == "not JSON"  # type: ignore[union-attr]
+    empty = after_models(ready(VLLM), VLLM, failed, 6.0)
+    assert not empty.models_stale  # nothing listed: nothing stale
+
+
+def test_a_list_without_the_model_is_a_mismatch_only_the_model_list_clears() -> None:
+    e = after_models(ready(VLLM), VLLM, LISTED, 1.0, listing=Listing((Model("a"), Model("b"))))
+    assert (e.state, e.mismatch_by) == ("unhealthy", "models")
+    assert e.error == "127.0.0.1:8000 serves a, b, expected want"
+    none = after_models(ready(VLLM), VLLM, LISTED, 1.0, listing=Listing(()))
+    assert none.error == "127.0.0.1:8000 serves no model, expected want"
+    e = after_models(e, VLLM, LISTED, 2.0, listing=Listing((Model("org/want"),)))
+    assert (e.mismatch, e.mismatch_by) == (None, None)
+    found = msgspec.structs.replace(ready(VLLM), mismatch="m", mismatch_by="identity")
+    kept = after_models(found, VLLM, LISTED, 2.0, listing=Listing((Model("want"),)))
+    assert (kept.mismatch, kept.mismatch_by) == ("m", "identity")
+
+
+def test_a_kind_whose_identity_names_the_model_is_not_checked_by_its_list() -> None:
+    e = after_models(ready(LLAMA), LLAMA, LISTED, 1.0, listing=Listing((Model("alias"),)))
+    assert e.mismatch is None and e.state == "ready"
+
+
+def test_a_missed_listing_is_a_timeout_and_stale() -> None:
+    models = VLLM.probes.models
+    assert models is not None
+    e = models_missed(ready(VLLM), models, 5.0, 9.0)
+    stats = e.probe("models")
+    assert e.models_stale and stats is not None and stats.timeouts == 1
+    assert stats.error == "model list did not answer within the 5 s sweep deadline"
+    assert e.state == "ready"
+
+
+# -- a fault boundary's failure ------------------------------------------------------------
+
+def test_a_failing_listing_makes_the_engine_unhealthy_with_the_reason() -> None:
+    listed = after_models(ready(VLLM), VLLM, LISTED, 1.0, listing=Listing((Model("want"),)))
+    e = listing_failed(listed, VLLM.probes.models, "internal error in nvpair (TypeError)", 2.0)
+    assert (e.state, e.error, e.since) == ("unhealthy", "internal error in nvpair (TypeError)",
+                                           2.0)
+    assert e.models_stale and e.probe("models").failures == 1  # type: ignore[union-attr]
+    unknown = listing_failed(listed, None, "x", 2.0)  # its prober gone: nothing counted
+    assert unknown.probe("models").failures == 0  # type: ignore[union-attr]
+    stopped = msgspec.structs.replace(listed, state="stopped")
+    assert listing_failed(stopped, VLLM.probes.models, "x", 2.0).state == "stopped"
+
+
+def test_a_failing_loop_makes_the_engine_unhealthy_unless_stopped() -> None:
+    e = part_failed(ready(), "internal error in nvpair (KeyError: 'x')", 3.0)
+    assert (e.state, e.error, e.since) == ("unhealthy", "internal error in nvpair (KeyError: 'x')",
+                                           3.0)
+    stopped = msgspec.structs.replace(ready(), state="stopped")
+    assert part_failed(stopped, "x", 3.0) == stopped

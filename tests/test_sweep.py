@@ -12,22 +12,21 @@ from tests.stub_http import serve_stub
 
 from nvpair import probes, service
 from nvpair.config import load_settings
-from nvpair.prober import Prober
+from nvpair.prober import run_probes
 from nvpair.sim import SimOptions, serve_sim
 from nvpair.snapshot import Board
-from nvpair.supervisor import initial_state, run_probes
+from nvpair.state import initial_state
 from nvpair.sweep import Sweep
 
 
 async def start_all(nursery, fakes: dict[str, FakeEngine], deadline: float = 5.0):
     specs = [engine_spec("vllm", name=name, port=8000 + i) for i, name in enumerate(fakes)]
     board = Board(tuple(initial_state(s) for s in specs))
-    registry: dict[str, Prober] = {}
+    sweep = Sweep(board, deadline)
     for spec in specs:
         transport = fakes[spec.name].transport()
         await nursery.start(lambda task_status, spec=spec, transport=transport: run_probes(
-            spec, board, registry, transport=transport, task_status=task_status))
-    sweep = Sweep(board, registry, deadline)
+            spec, board, sweep, transport=transport, task_status=task_status))
     await nursery.start(sweep.run)
     return board, sweep
 
@@ -83,13 +82,12 @@ async def test_an_engine_without_a_models_probe_is_never_due(nursery, autojump_c
     spec = engine_spec("vllm", name="e")
     spec = msgspec.structs.replace(spec, probes=msgspec.structs.replace(spec.probes, models=None))
     board = Board((initial_state(spec),))
-    registry: dict[str, Prober] = {}
+    sweep = Sweep(board, 5.0)
     await nursery.start(lambda task_status: run_probes(
-        spec, board, registry, transport=FakeEngine(vllm_routes()).transport(),
+        spec, board, sweep, transport=FakeEngine(vllm_routes()).transport(),
         task_status=task_status))
     await trio.sleep(1)
     assert board.current.engines[0].state == "ready"
-    sweep = Sweep(board, registry, 5.0)
     assert sweep.due(trio.current_time()) == []
     assert sweep.next_wake() == float("inf")
 

@@ -2,27 +2,52 @@
 
 Each request runs under its own cancel scope with the probe's timeout, applied here and only
 here. Loops tick on absolute deadlines with a little jitter; a probe still running when its
-next tick comes is not doubled (the loop is sequential). Outcomes become state on the board.
+next tick comes is not doubled (the loop is sequential). Outcomes become state on the board
+through the pure transitions of ``nvpair.state``; a liveness tick publishes once (its
+identity check included), and once more only when a 404 moved the health probe to its
+fallback path (the schedule, and so "overdue", changes at once).
+
+``run_probes`` runs one engine's loops, each inside its own fault boundary
+(``nvpair.boundary.Part``): an exception out of a loop (a bug of nvpair's, or an engine
+answer no parser expected) makes the engine ``unhealthy`` with the reason in words, is
+logged once, and the loop is restarted after a backoff. It never reaches the service: the
+other engines, the API and the other loop of this engine go on. A good probe afterwards
+recovers the engine by the usual rules.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
+from typing import Protocol
 
 import httpx2
 import msgspec
 import trio
 
 from nvpair import probes
-from nvpair.boundary import Backoff
+from nvpair.boundary import Backoff, Part
 from nvpair.config import EngineSpec
 from nvpair.errors import ProbeError
 from nvpair.manifest import GENERATING_MIN_INTERVAL_S, PROBE_NAMES, ProbeSpec
-from nvpair.router.traffic import Traffic
 from nvpair.snapshot import Board, EngineState
-from nvpair.state import Outcome, after_liveness, count, enter, with_auth_notice
+from nvpair.state import (
+    Outcome,
+    after_identity,
+    after_liveness,
+    liveness_probe,
+    overdue_after,
+    part_failed,
+    rescheduled,
+)
 from nvpair.tls import client_tls
+from nvpair.traffic import Traffic
+
+__all__ = ["Enrolment", "ProbeMemory", "Prober", "open_client", "overdue_after", "run_probes"]
+
+Change = Callable[[EngineState], EngineState]
 
 JITTER = 0.05  # fraction of the interval added at random to each tick
 #: health ticks skipped in a row at most while real requests prove the engine healthy.
@@ -49,11 +74,6 @@ def open_client(
         transport=transport,
         verify=client_tls(),
     )
-
-
-def overdue_after(interval_s: float, timeout_s: float) -> float:
-    """How long after its last health result a ready engine shows as stale."""
-    return interval_s + timeout_s + 1.0
 
 
 class ProbeMemory:
@@ -106,6 +126,11 @@ class Prober:
     def _specs(self) -> dict[str, ProbeSpec]:
         return dict(self.spec.probes.named())
 
+    def path(self, name: str) -> str:
+        """The path probe ``name`` asks now: the manifest's, or its fallback once a 404
+        moved it there."""
+        return self._paths[name]
+
     def interval(self, name: str) -> float:
         spec = self._specs()[name]
         if self._generates(spec, self._paths[name]):
@@ -147,11 +172,10 @@ class Prober:
 
     def _use(self, name: str, path: str) -> None:
         self._paths[name] = path
-        if name == "health":  # the schedule may change: "overdue" must follow it
+        if name == "health":  # the schedule may change: "overdue" must follow it at once
             spec = self._specs()[name]
-            overdue = overdue_after(self.interval(name), spec.timeout_s)
-            self.board.update(self.spec.name, lambda e: msgspec.structs.replace(
-                e, overdue_after_s=overdue))
+            self.board.update(self.spec.name, partial(
+                rescheduled, interval_s=self.interval(name), timeout_s=spec.timeout_s))
 
     @staticmethod
     def _generates(spec: ProbeSpec, path: str) -> bool:
@@ -187,46 +211,32 @@ class Prober:
                        path=path), answer
 
     async def check_identity(self) -> None:
-        """Probe identity once and record the result (a mismatch makes the engine unhealthy)."""
+        """Probe identity once and publish the result (a mismatch makes the engine
+        unhealthy)."""
+        change = await self.identify()
+        if change is not None:
+            self._identity_tried(self.board.update(self.spec.name, change))
+
+    async def identify(self) -> Change | None:
+        """Probe identity once; the result as a transition of the engine, to publish
+        (then hand the engine to ``_identity_tried``). None without an identity probe."""
         spec = self.spec.probes.identity
         if spec is None:
-            return
+            return None
         outcome, answer = await self.probe("identity")
         now = trio.current_time()
-        identity = names = None
-        if answer is None and outcome.http_status == 404:  # this kind always has the path
-            self._record_mismatch(outcome, now, f"{self.where} does not look like "
-                                  f"{self.spec.kind}: GET {outcome.path} answered 404")
-            return
-        if answer is not None:
-            try:
-                identity, names = probes.parse_identity(answer.body, spec, self.spec.kind)
-            except ProbeError as exc:
-                outcome = Outcome(ok=False, kind=exc.kind, http_status=answer.status,
-                                  latency_ms=answer.latency_ms, error=str(exc),
-                                  path=outcome.path)
-                self._record_mismatch(outcome, now, f"{self.where} {exc}")
-                return
-        mismatch = None
-        if (identity is not None and self.spec.model and names
-                and not any(probes.same_model(self.spec.model, n) for n in names)):
-                mismatch = f"{self.where} serves {names[0]}, expected {self.spec.model}"
-
-        def change(e: EngineState) -> EngineState:
-            e = count(e, "identity", spec.path, outcome, now)
-            e = with_auth_notice(e, outcome, self._paths["identity"])
-            if identity is None:
-                return e
-            e = msgspec.structs.replace(e, identity=identity)
-            if mismatch:
-                e = msgspec.structs.replace(e, mismatch=mismatch, mismatch_by="identity")
-                return enter(e, "unhealthy", now, error=mismatch)
-            if e.mismatch_by == "identity":  # the model list's finding is the sweep's
-                e = msgspec.structs.replace(e, mismatch=None, mismatch_by=None)
-            return e  # a cleared mismatch lets the next good health probe make it ready
-
-        after = self.board.update(self.spec.name, change)
-        self._identity_tried(after)
+        if answer is None:
+            return partial(after_identity, spec=self.spec, outcome=outcome, now=now,
+                           path=self._paths["identity"])
+        try:
+            identity, names = probes.parse_identity(answer.body, spec, self.spec.kind)
+        except ProbeError as exc:
+            failed = Outcome(ok=False, kind=exc.kind, http_status=answer.status,
+                             latency_ms=answer.latency_ms, error=str(exc), path=outcome.path)
+            return partial(after_identity, spec=self.spec, outcome=failed, now=now,
+                           wrong=str(exc))
+        return partial(after_identity, spec=self.spec, outcome=outcome, now=now,
+                       path=self._paths["identity"], identity=identity, names=names)
 
     def _identity_tried(self, engine: EngineState) -> None:
         """Schedule the next identity retry of a good ready probe: backed off while who
@@ -240,45 +250,42 @@ class Prober:
             backoff.reset()
             self._identity_retry_at = float("-inf")
 
-    def _record_mismatch(self, outcome: Outcome, now: float, message: str) -> None:
-        spec = self.spec.probes.identity
-        assert spec is not None
-
-        def change(e: EngineState) -> EngineState:
-            e = count(e, "identity", spec.path, outcome, now)
-            # who answers is not known: it must be confirmed again before it is listed
-            e = msgspec.structs.replace(e, mismatch=message, mismatch_by="identity",
-                                        identity=None)
-            return enter(e, "unhealthy", now, error=message)
-
-        self._identity_tried(self.board.update(self.spec.name, change))
-
     @property
     def where(self) -> str:
         return f"{self.spec.host}:{self.spec.port}"
 
     async def run_liveness(self) -> None:
-        """Probe ``ready`` until the engine answers ready, then ``health``; forever."""
+        """Probe ``ready`` until the engine answers ready, then ``health``; forever.
+
+        Not startable (``start_soon``): it runs until cancelled, and cancellation may land
+        in any request or sleep (a request cut short publishes nothing). It raises nothing
+        for engine trouble, which is state; a bug of nvpair's escapes to the loop's
+        boundary (``run_probes``)."""
         name = self.spec.name
         next_tick = trio.current_time()
         while True:
             current = self.board.current.engine(name)
             assert current is not None
-            probe = "ready" if current.state in ("starting", "down") else "health"
+            probe = liveness_probe(current.state)
             outcome = self._passive(probe, current.state)
             if outcome is None:
                 outcome, _ = await self.probe(probe)
+            identified: Change | None = None
             if (outcome.ok and probe == "ready"
                     and trio.current_time() >= self._identity_retry_at):
                 # Confirm who answers before listing it: a wrong engine is never listed.
-                await self.check_identity()
+                identified = await self.identify()
             spec = self._specs()[probe]
             now = trio.current_time()
-            after = self.board.update(name, partial(
-                after_liveness, probe=probe, spec=spec, outcome=outcome, now=now,
-                needs_identity=self.spec.probes.identity is not None))
+            liveness = partial(after_liveness, probe=probe, spec=spec, outcome=outcome,
+                               now=now, needs_identity=self.spec.probes.identity is not None)
+            # one publish for the tick: the identity result, then the liveness outcome
+            after = self.board.update(name, liveness if identified is None
+                                      else partial(_then, identified, liveness))
+            if identified is not None:
+                self._identity_tried(after)
             # The next tick follows the interval of the probe that runs next.
-            following = "ready" if after.state in ("starting", "down") else "health"
+            following = liveness_probe(after.state)
             interval = self.interval(following)
             if following == "ready" and self._awaits_identity(after, probe, outcome):
                 # It answers ready; only who answers is unknown: no need to ask it more
@@ -313,7 +320,11 @@ class Prober:
         return Outcome(ok=True, kind="passive")
 
     async def run_identity(self) -> None:
-        """Re-check identity on its interval while the engine answers."""
+        """Re-check identity on its interval while the engine answers.
+
+        Not startable (``start_soon``): returns at once without an identity probe, else
+        runs until cancelled; raises nothing for engine trouble (a bug of nvpair's escapes
+        to the loop's boundary)."""
         if self.spec.probes.identity is None:
             return
         next_tick = trio.current_time() + self.interval("identity")
@@ -336,5 +347,99 @@ class Prober:
         return self._rng.uniform(0, JITTER * interval)
 
 
+def _then(first: Change, second: Change, engine: EngineState) -> EngineState:
+    return second(first(engine))
+
+
 def _ms(started: float) -> float:
     return (trio.current_time() - started) * 1000
+
+
+# -- one engine's probe loops, each in its fault boundary ------------------------------------
+
+def unhealthy_with(board: Board, name: str) -> Callable[[str | None], None]:
+    """A part's ``publish``: its failure makes engine ``name`` unhealthy with the reason.
+    A recovery publishes nothing: the next good probe moves the engine on by the usual
+    rules (and clears the error)."""
+
+    def publish(reason: str | None) -> None:
+        if reason is not None:
+            board.update(name, partial(part_failed, reason=reason, now=trio.current_time()))
+
+    return publish
+
+
+class LoopPart(Part):
+    """A probe loop's boundary. It works again once one of its probes has recorded a
+    result after the failure (a loop that never returns says so no other way)."""
+
+    def __init__(self, name: str, board: Board, engine: str, probes: tuple[str, ...]) -> None:
+        super().__init__(name, unhealthy_with(board, engine))
+        self.board, self.engine, self.probes = board, engine, probes
+        self.failed_at = float("-inf")
+        self._failing = trio.Event()
+
+    def failed(self, exc: BaseException) -> str:
+        self.failed_at = trio.current_time()
+        self._failing.set()
+        return super().failed(exc)
+
+    async def watch_recovery(self) -> None:
+        """Call ``ok()`` when a probe result newer than the last failure is on the board.
+
+        Not startable (``start_soon``); runs until cancelled, raises nothing."""
+        while True:
+            await self._failing.wait()
+            version = -1
+            while self.failure is not None:
+                snap = await self.board.wait_changed(version)
+                version = snap.version
+                e = snap.engine(self.engine)
+                if e is not None and any(
+                        (s := e.probe(p)) is not None and s.at is not None
+                        and s.at > self.failed_at for p in self.probes):
+                    self.ok()
+            self._failing = trio.Event()
+
+
+class Enrolment(Protocol):
+    """Where a running engine's prober is enrolled while its probes run (the sweep:
+    ``nvpair.sweep.Sweep.enrolled``)."""
+
+    def enrolled(self, prober: Prober) -> AbstractContextManager[None]: ...
+
+
+async def run_probes(
+    spec: EngineSpec,
+    board: Board,
+    sweep: Enrolment | None = None,
+    *,
+    transport: httpx2.AsyncBaseTransport | None = None,
+    traffic: Traffic | None = None,
+    memory: ProbeMemory | None = None,
+    task_status: trio.TaskStatus[Prober] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Probe one engine until cancelled, its loops each in its own boundary.
+
+    Started value: the engine's ``Prober``, enrolled in ``sweep`` (when given) until this
+    returns, so the sweep lists the engine only while its probes run. ``memory`` is what
+    the engine's probes remember across restarts (the runner's).
+
+    Cancellation: cancel the surrounding scope; the loops end, the prober leaves the
+    sweep and the engine's client closes, so no connection outlives the loops. Raises:
+    nothing from the loops (each failure is the engine's state, and the loop restarts);
+    only an error opening the client, before ``started``.
+    """
+    async with open_client(spec, transport) as client, trio.open_nursery() as nursery:
+        prober = Prober(spec, board, client, traffic, memory)
+        with sweep.enrolled(prober) if sweep is not None else nullcontext():
+            loops: list[tuple[str, tuple[str, ...], Callable[[], Awaitable[None]]]] = [
+                ("health probes", ("ready", "health"), prober.run_liveness),
+                ("identity probe", ("identity",), prober.run_identity),
+            ]
+            for what, names, loop in loops:
+                part = LoopPart(f"engine {spec.name}: {what}", board, spec.name, names)
+                nursery.start_soon(part.watch_recovery)
+                nursery.start_soon(partial(part.supervise, loop))
+            task_status.started(prober)
+            await trio.sleep_forever()

@@ -228,17 +228,3 @@ def _unlistable(item: Any, key: str) -> str | None:
 def _is_int64(value: Any) -> bool:
     return (isinstance(value, int) and not isinstance(value, bool)
             and INT64[0] <= value <= INT64[1])
-
-
-def same_model(expected: str, served: str) -> bool:
-    """Whether a served name is the expected model: equal, or equal after the path."""
-    a, b = (_plain(x) for x in (expected, served))
-    if a == b:
-        return True
-    tail_a, tail_b = a.rstrip("/").rsplit("/", 1)[-1], b.rstrip("/").rsplit("/", 1)[-1]
-    return tail_a == tail_b
-
-
-def _plain(name: str) -> str:
-    name = name.strip().lower()
-    return name.removesuffix(":latest")

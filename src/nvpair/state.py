@@ -9,10 +9,18 @@
 
 from __future__ import annotations
 
-import msgspec
+from typing import Literal, Protocol
 
+import msgspec
+import trio
+
+from nvpair.config import EngineSpec
 from nvpair.manifest import ProbeSpec
-from nvpair.snapshot import EngineState, ProbeStats, State
+from nvpair.snapshot import EngineState, Identity, Model, ProbeStats, State
+
+LivenessProbe = Literal["ready", "health"]
+#: who found a mismatch (and so alone may clear it)
+Finder = Literal["identity", "models"]
 
 
 class Outcome(msgspec.Struct, frozen=True):
@@ -130,3 +138,176 @@ def with_auth_notice(engine: EngineState, outcome: Outcome, path: str) -> Engine
     if outcome.ok and engine.notice is not None:
         return msgspec.structs.replace(engine, notice=None)
     return engine
+
+
+# -- the engine's first state, and when a ready one shows as stale ------------------------
+
+def overdue_after(interval_s: float, timeout_s: float) -> float:
+    """How long after its last health result a ready engine shows as stale."""
+    return interval_s + timeout_s + 1.0
+
+
+def initial_state(spec: EngineSpec, now: float | None = None) -> EngineState:
+    """The engine as nvpair first shows it: ``starting``, since ``now`` (the current Trio
+    time by default)."""
+    return EngineState(
+        name=spec.name,
+        kind=spec.kind,
+        url=spec.url,
+        managed=spec.managed,
+        state="starting",
+        since=trio.current_time() if now is None else now,
+        optional=spec.optional,
+        aliases=spec.aliases,
+        overdue_after_s=overdue_after(spec.probes.health.interval_s, spec.probes.health.timeout_s),
+    )
+
+
+def rescheduled(engine: EngineState, interval_s: float, timeout_s: float) -> EngineState:
+    """The engine once its health probe runs every ``interval_s`` (its path changed, and
+    with it the schedule): "overdue" follows the schedule."""
+    return msgspec.structs.replace(engine, overdue_after_s=overdue_after(interval_s, timeout_s))
+
+
+def liveness_probe(state: State) -> LivenessProbe:
+    """The liveness probe an engine in ``state`` gets next: ``ready`` until it answers
+    ready (starting, or down: nothing listened), then ``health``."""
+    return "ready" if state in ("starting", "down") else "health"
+
+
+# -- who answers: the mismatch rules --------------------------------------------------------
+
+def same_model(expected: str, served: str) -> bool:
+    """Whether a served name is the expected model: equal, or equal after the path."""
+    a, b = (_plain(x) for x in (expected, served))
+    if a == b:
+        return True
+    tail_a, tail_b = a.rstrip("/").rsplit("/", 1)[-1], b.rstrip("/").rsplit("/", 1)[-1]
+    return tail_a == tail_b
+
+
+def _plain(name: str) -> str:
+    name = name.strip().lower()
+    return name.removesuffix(":latest")
+
+
+def with_mismatch(engine: EngineState, by: Finder, mismatch: str | None, now: float
+                  ) -> EngineState:
+    """The one mismatch rule. A finding (``mismatch``, in words) makes the engine unhealthy
+    and is ``by``'s; only ``by`` clears it, by finding nothing wrong. A cleared mismatch
+    moves no state: the next good health probe makes the engine ready again."""
+    if mismatch:
+        engine = msgspec.structs.replace(engine, mismatch=mismatch, mismatch_by=by)
+        return enter(engine, "unhealthy", now, error=mismatch)
+    if engine.mismatch_by == by:
+        return msgspec.structs.replace(engine, mismatch=None, mismatch_by=None)
+    return engine
+
+
+def where(spec: EngineSpec) -> str:
+    """The engine's address, as mismatch messages name it."""
+    return f"{spec.host}:{spec.port}"
+
+
+def after_identity(
+    engine: EngineState, spec: EngineSpec, outcome: Outcome, now: float, *,
+    path: str | None = None, identity: Identity | None = None, names: tuple[str, ...] = (),
+    wrong: str | None = None,
+) -> EngineState:
+    """Apply an identity probe's result: ``identity`` and the model ``names`` it gave when
+    the answer parsed, ``wrong`` (why, in words) when the answer is not this kind's.
+
+    Another kind of server (``wrong``, or a 404 on a path this kind always has) is a
+    mismatch, and who answers is forgotten: it must be confirmed again before the engine
+    is listed. A served model other than the configured one is a mismatch too. ``path``
+    (the probe's path now) names what a 401/403 refused."""
+    ident = spec.probes.identity
+    assert ident is not None
+    engine = count(engine, "identity", ident.path, outcome, now)
+    if wrong is None and identity is None and outcome.http_status == 404:
+        wrong = f"does not look like {spec.kind}: GET {outcome.path} answered 404"
+    if wrong is not None:
+        engine = msgspec.structs.replace(engine, identity=None)
+        return with_mismatch(engine, "identity", f"{where(spec)} {wrong}", now)
+    engine = with_auth_notice(engine, outcome, path or ident.path)
+    if identity is None:  # unconfirmed (a timeout, a 5xx, a 401): nothing found, nothing cleared
+        return engine
+    engine = msgspec.structs.replace(engine, identity=identity)
+    mismatch = None
+    if spec.model and names and not any(same_model(spec.model, n) for n in names):
+        mismatch = f"{where(spec)} serves {names[0]}, expected {spec.model}"
+    return with_mismatch(engine, "identity", mismatch, now)
+
+
+# -- the model list -------------------------------------------------------------------------
+
+class Listed(Protocol):
+    """A parsed model list (``nvpair.probes.Listing``): the models, and how many were left
+    out and why."""
+
+    @property
+    def models(self) -> tuple[Model, ...]: ...
+    @property
+    def left_out(self) -> int: ...
+    @property
+    def why(self) -> str | None: ...
+
+
+def after_models(
+    engine: EngineState, spec: EngineSpec, outcome: Outcome, now: float, *,
+    path: str | None = None, listing: Listed | None = None,
+) -> EngineState:
+    """Apply a model-list result: ``listing`` when the answer parsed (its models, and how
+    many were left out and why), else the earlier list is kept, marked stale.
+
+    A list without the configured model is a mismatch, unless the kind's identity names
+    the model (then the identity probe checks it). ``path`` (the probe's path now) names
+    what a 401/403 refused."""
+    models = spec.probes.models
+    assert models is not None
+    engine = count(engine, "models", models.path, outcome, now)
+    engine = with_auth_notice(engine, outcome, path or models.path)
+    if listing is None:
+        return msgspec.structs.replace(engine, models_stale=bool(engine.models))
+    engine = msgspec.structs.replace(
+        engine, models=listing.models, models_at=now, models_stale=False,
+        models_left_out=listing.left_out, models_left_out_why=listing.why)
+    ident = spec.probes.identity
+    mismatch = None
+    if (spec.model and not (ident and ident.model_pointers)
+            and not any(same_model(spec.model, m.id) for m in listing.models)):
+        served = ", ".join(m.id for m in listing.models) or "no model"
+        mismatch = f"{where(spec)} serves {served}, expected {spec.model}"
+    return with_mismatch(engine, "models", mismatch, now)
+
+
+def models_missed(engine: EngineState, spec: ProbeSpec, deadline_s: float, now: float
+                  ) -> EngineState:
+    """The model list did not answer within the sweep's deadline: counted as a timeout;
+    the earlier list is kept, marked stale."""
+    outcome = Outcome(ok=False, kind="timeout", error=(
+        f"model list did not answer within the {deadline_s:g} s sweep deadline"))
+    engine = count(engine, "models", spec.path, outcome, now)
+    return msgspec.structs.replace(engine, models_stale=True)
+
+
+# -- a fault boundary's failure ---------------------------------------------------------------
+
+def part_failed(engine: EngineState, reason: str, now: float) -> EngineState:
+    """A part of this engine's supervision failed (a probe loop or its listing raised):
+    unhealthy with the reason, unless stopped on purpose (that stays what it shows). A good
+    probe afterwards moves the engine on by the usual rules (and clears the error)."""
+    if engine.state == "stopped":
+        return engine
+    return enter(engine, "unhealthy", now, error=reason)
+
+
+def listing_failed(engine: EngineState, spec: ProbeSpec | None, reason: str, now: float
+                   ) -> EngineState:
+    """The engine's listing raised: counted as an error of its models probe (``spec``,
+    when known), the earlier list kept, marked stale, and the engine unhealthy."""
+    if spec is not None:
+        engine = count(engine, "models", spec.path,
+                       Outcome(ok=False, kind="error", error=reason), now)
+    engine = msgspec.structs.replace(engine, models_stale=bool(engine.models))
+    return part_failed(engine, reason, now)

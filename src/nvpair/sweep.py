@@ -8,23 +8,29 @@ exception while listing one engine (a bug of nvpair's, or an answer no parser ex
 makes that engine ``unhealthy`` with the reason and its list stale; the other engines of
 the batch are listed as if nothing happened, and the engine is listed again when due. The
 sweep's own loop is supervised too: a bug there is logged and the loop restarted.
+
+The sweep lists the engines whose probers are enrolled (``with sweep.enrolled(prober):``,
+which ``nvpair.prober.run_probes`` does while an engine's probes run); what a listing
+does to the engine is ``nvpair.state``'s (``after_models``, ``models_missed``,
+``listing_failed``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from functools import partial
+from types import MappingProxyType
 
-import msgspec
 import trio
 
 from nvpair import probes
 from nvpair.boundary import Part
 from nvpair.errors import ProbeError
 from nvpair.prober import Prober
-from nvpair.snapshot import LISTED_STATES, Board, EngineState, Model
-from nvpair.state import Outcome, count, enter, with_auth_notice
+from nvpair.snapshot import LISTED_STATES, Board
+from nvpair.state import Outcome, after_models, listing_failed, models_missed
 
 #: States in which an engine is listed (and so re-listed when due).
 LISTABLE = LISTED_STATES | {"unhealthy"}
@@ -35,9 +41,11 @@ log = logging.getLogger("nvpair.sweep")
 class Sweep:
     """Decides which engines are due and lists them in batches that share one deadline."""
 
-    def __init__(self, board: Board, probers: Mapping[str, Prober], deadline_s: float) -> None:
+    def __init__(self, board: Board, deadline_s: float) -> None:
         self.board = board
-        self.probers = probers
+        self._probers: dict[str, Prober] = {}
+        #: the enrolled probers by engine name (read-only: enrol with ``enrolled``)
+        self.probers: Mapping[str, Prober] = MappingProxyType(self._probers)
         self.deadline_s = deadline_s
         self._next_due: dict[str, float] = {}
         self._in_flight: set[str] = set()
@@ -45,6 +53,18 @@ class Sweep:
         #: one boundary per engine's listing, and one for the sweep's own loop
         self._parts: dict[str, Part] = {}
         self.part = Part("model-list sweep", logger=log)
+
+    @contextmanager
+    def enrolled(self, prober: Prober) -> Iterator[None]:
+        """List ``prober``'s engine (when due) while the block runs; a prober of the same
+        engine enrolled later replaces it, and is not removed when this block ends."""
+        name = prober.spec.name
+        self._probers[name] = prober
+        try:
+            yield
+        finally:
+            if self._probers.get(name) is prober:
+                del self._probers[name]
 
     def _part(self, name: str) -> Part:
         part = self._parts.get(name)
@@ -60,18 +80,8 @@ class Sweep:
             return
         prober = self.probers.get(name)
         spec = None if prober is None else prober.spec.probes.models
-        now = trio.current_time()
-        outcome = Outcome(ok=False, kind="error", error=reason)
-
-        def change(e: EngineState) -> EngineState:
-            if spec is not None:
-                e = count(e, "models", spec.path, outcome, now)
-            e = msgspec.structs.replace(e, models_stale=bool(e.models))
-            if e.state == "stopped":
-                return e
-            return enter(e, "unhealthy", now, error=reason)
-
-        self.board.update(name, change)
+        self.board.update(name, partial(listing_failed, spec=spec, reason=reason,
+                                        now=trio.current_time()))
 
     def due(self, now: float) -> list[str]:
         names = []
@@ -94,6 +104,12 @@ class Sweep:
         return min(pending, default=float("inf"))
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """List due engines until cancelled. Started value: None, once the sweep waits for
+        its first change (engines enrolled before or after are listed alike).
+
+        Cancellation: cancel the surrounding scope; batches in flight are cancelled with
+        it and publish nothing more. Raises: nothing (a failing listing is its engine's
+        state; a bug of the loop itself is logged and the loop restarted)."""
         async with trio.open_nursery() as nursery:
             task_status.started()
             await self.part.supervise(partial(self._loop, nursery))
@@ -142,56 +158,25 @@ class Sweep:
         done.add(name)
 
     async def _list(self, prober: Prober) -> None:
-        name = prober.spec.name
         spec = prober.spec.probes.models
         assert spec is not None
         outcome, answer = await prober.probe("models")
         now = trio.current_time()
-        models: tuple[Model, ...] | None = None
         listing = None
+        path = prober.path("models")
         if answer is not None:
             try:
-                listing = probes.parse_listing(answer.body, spec.format, prober._paths["models"])
-                models = listing.models
+                listing = probes.parse_listing(answer.body, spec.format, path)
             except ProbeError as exc:
                 outcome = Outcome(ok=False, kind=exc.kind, http_status=answer.status,
                                   latency_ms=answer.latency_ms, error=str(exc),
                                   path=outcome.path)
-        mismatch = None
-        want = prober.spec.model
-        ident = prober.spec.probes.identity
-        if (models is not None and want and not (ident and ident.model_pointers)
-                and not any(probes.same_model(want, m.id) for m in models)):
-            served = ", ".join(m.id for m in models) or "no model"
-            mismatch = f"{prober.where} serves {served}, expected {want}"
-
-        def change(e: EngineState) -> EngineState:
-            e = count(e, "models", spec.path, outcome, now)
-            e = with_auth_notice(e, outcome, prober._paths["models"])
-            if models is None:
-                return msgspec.structs.replace(e, models_stale=bool(e.models))
-            e = msgspec.structs.replace(e, models=models, models_at=now, models_stale=False)
-            if listing is not None:
-                e = msgspec.structs.replace(e, models_left_out=listing.left_out,
-                                            models_left_out_why=listing.why)
-            if mismatch:
-                e = msgspec.structs.replace(e, mismatch=mismatch, mismatch_by="models")
-                return enter(e, "unhealthy", now, error=mismatch)
-            if e.mismatch_by == "models":
-                e = msgspec.structs.replace(e, mismatch=None, mismatch_by=None)
-            return e
-
-        self.board.update(name, change)
+        self.board.update(prober.spec.name, partial(
+            after_models, spec=prober.spec, outcome=outcome, now=now, path=path,
+            listing=listing))
 
     def _mark_missed(self, prober: Prober, now: float) -> None:
-        name = prober.spec.name
         spec = prober.spec.probes.models
         assert spec is not None
-        outcome = Outcome(ok=False, kind="timeout", error=(
-            f"model list did not answer within the {self.deadline_s:g} s sweep deadline"))
-
-        def change(e: EngineState) -> EngineState:
-            e = count(e, "models", spec.path, outcome, now)
-            return msgspec.structs.replace(e, models_stale=True)
-
-        self.board.update(name, change)
+        self.board.update(prober.spec.name, partial(
+            models_missed, spec=spec, deadline_s=self.deadline_s, now=now))
