@@ -6,13 +6,16 @@
 ``asgi`` is a bare ASGI callable that sends the file's bytes with the same headers nvpair
 sends (content-type and content-length); ``quart`` is a QuartTrio app returning the same
 bytes, for the cost of the framework nvpair replaced. Both run with the hypercorn settings
-nvpair uses (keep-alive 5 s, no access log, no server header).
+nvpair uses (keep-alive 5 s, no access log, no server header). With
+``NVPAIR_LOOP_LAG_FILE`` set it runs nvpair's loop-lag probe too (:mod:`nvpair.looplag`), so
+the machine's own share of a stalled loop shows beside nvpair's.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,6 +25,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
+from nvpair import looplag
 from nvpair.asgi import Receive, Scope, Send, lifespan
 
 JSON = (b"content-type", b"application/json")
@@ -63,6 +67,14 @@ def quart_app(routes: dict[str, bytes]) -> Any:
     return app
 
 
+async def serve_with_probe(app: Any, cfg: HypercornConfig) -> None:
+    async with trio.open_nursery() as nursery:
+        if os.environ.get(looplag.ENV):
+            nursery.start_soon(looplag.probe, os.environ[looplag.ENV])
+        await serve(app, cfg)
+        nursery.cancel_scope.cancel()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.floor")
     p.add_argument("--framework", choices=("asgi", "quart"), default="asgi")
@@ -84,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg.errorlog = logging.getLogger("hypercorn.error")
     cfg.include_server_header = False
     try:
-        trio.run(serve, app, cfg)
+        trio.run(serve_with_probe, app, cfg)
     except KeyboardInterrupt:
         return 0
     return 0

@@ -155,8 +155,9 @@ def ratios(slow: dict[str, Any], fast: dict[str, Any]) -> dict[str, float | None
 
 def start_floor(procs: Procs, url: str, workdir: Path,
                 paths: tuple[str, ...] = ("/v1/models", "/v1/engines/head"),
-                name: str = "floor") -> tuple[Proc, str]:
-    """The bare hypercorn-trio floor answering the bytes ``url`` answers right now."""
+                name: str = "floor", loop_lag: Path | None = None) -> tuple[Proc, str]:
+    """The bare hypercorn-trio floor answering the bytes ``url`` answers right now
+    (``loop_lag``: where its loop-lag probe writes)."""
     routes = []
     for path in paths:
         status, body = request("GET", f"{url}{path}", timeout=30)
@@ -166,7 +167,9 @@ def start_floor(procs: Procs, url: str, workdir: Path,
         routes += ["--route", f"{path}={file}"]
     port = free_port()
     proc = procs.start(name, [PY, "-m", "benchmarks.floor", "--listen",
-                                 f"127.0.0.1:{port}", *routes])
+                              f"127.0.0.1:{port}", *routes],
+                       extra_env=None if loop_lag is None else {"NVPAIR_LOOP_LAG_FILE":
+                                                                str(loop_lag)})
     floor_url = f"http://127.0.0.1:{port}"
     wait_http(f"{floor_url}/healthz", proc)
     return proc, floor_url

@@ -120,9 +120,10 @@ def measure(cfg: BenchConfig, procs: Procs, manager: Proc, url: str, status_engi
             lag: Path, tag: str, workdir: Path) -> dict[str, Any]:
     """nvpair and the floor under the same load, then nvpair idle: the second half of a
     scale run (see the module's docstring)."""
+    floor_lag = workdir / f"looplag-floor-{tag}.jsonl"
     floor, floor_url = start_floor(procs, url, workdir,
                                    ("/v1/models", f"/v1/engines/{status_engine}"),
-                                   name=f"floor-{tag}")
+                                   name=f"floor-{tag}", loop_lag=floor_lag)
     body_bytes = len(request("GET", f"{floor_url}/v1/models", timeout=30)[1])
     meter, floor_meter = CpuMeter(manager.pid), CpuMeter(floor.pid)
     load_from = time.time()
@@ -158,7 +159,8 @@ def measure(cfg: BenchConfig, procs: Procs, manager: Proc, url: str, status_engi
                   "cpu_pct": floor_cpu["cpu_pct"]},
         "models_over_floor": ratio,
         "loop_lag": {"load": loop_lag(lag, load_from, load_until),
-                     "idle": loop_lag(lag, idle_from, idle_until)},
+                     "idle": loop_lag(lag, idle_from, idle_until),
+                     "floor_load": loop_lag(floor_lag, load_from, load_until)},
         "idle_cpu_pct": idle_cpu["cpu_pct"],
         "idle_window_s": idle_cpu["wall_s"],
         "rss_mb": round(mem["VmRSS"] / 1024, 2),

@@ -173,7 +173,8 @@ def _steady(r: dict[str, Any], where: str) -> list[dict[str, Any]]:
     rows.append(row(f"loop lag, {where}", f"longest gap between ticks of a 5 ms timer < "
                     f"{LOOP_LAG_MS:g} ms (under load and idle)",
                     f"load {lag['load']['max_ms']} ms, idle {lag['idle']['max_ms']} ms "
-                    f"(start, until listed: {start} ms)",
+                    f"(start, until listed: {start} ms; the floor under the same load: "
+                    f"{lag.get('floor_load', {}).get('max_ms')} ms)",
                     worst is not None and worst < LOOP_LAG_MS))
     return rows
 
