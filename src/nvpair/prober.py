@@ -250,10 +250,6 @@ class Prober:
             backoff.reset()
             self._identity_retry_at = float("-inf")
 
-    @property
-    def where(self) -> str:
-        return f"{self.spec.host}:{self.spec.port}"
-
     async def run_liveness(self) -> None:
         """Probe ``ready`` until the engine answers ready, then ``health``; forever.
 
