@@ -10,7 +10,7 @@ and the API meet only in what sits below both (the snapshot, the state machine, 
 
 To check another tree (an old commit, a branch)::
 
-    git archive 6172395 src/nvpair | tar -x -C /tmp/old
+    mkdir -p /tmp/old && git archive 6172395 src/nvpair | tar -x -C /tmp/old
     python -m tests.test_layers --root /tmp/old/src
 """
 
