@@ -59,6 +59,8 @@ SETTLE_S = 3.0
 FD_SLACK = 8
 #: a read p99 above this during a case fails it
 P99_MAX_MS = 300.0
+#: the soft RLIMIT_NOFILE nvpair is started with (a shell's usual default)
+NVPAIR_NOFILE = 1024
 #: how long each hostile mode is served
 MODE_S = 3.0
 ENGINE_KINDS = ("deep_json", "huge", "many", "not_utf8", "odd_models", "redirect", "not_http",
@@ -88,8 +90,8 @@ def deadlines() -> str:
 
 
 class Nvpair:
-    """``python -m nvpair serve`` with its log in a file; started with the soft
-    RLIMIT_NOFILE this suite found (nvpair must raise its own)."""
+    """``python -m nvpair serve`` with its log in a file, started with a soft
+    RLIMIT_NOFILE of ``nofile`` (nvpair must raise its own)."""
 
     def __init__(self, name: str, config: Path, log: Path, state: Path, nofile: int) -> None:
         self.name, self.config, self.log, self.state, self.nofile = name, config, log, state, nofile
@@ -223,6 +225,22 @@ class Case:
         self.name, self.fault, self.run, self.target = name, fault, run, target
 
 
+def first_exception(log: str) -> str:
+    """The exception line of the first traceback in ``log`` (``ValueError: ...``)."""
+    after = log[log.index(TRACEBACK):].splitlines()[1:]
+    group = ""
+    for line in after:
+        text = line.strip(" |+-")
+        head = text.split(":", 1)[0]
+        name = head.rsplit(".", 1)[-1]
+        if name and " " not in head and name[0].isupper() and (
+                name.endswith(("Error", "Exception", "Group")) or "." in head):
+            if not head.endswith("ExceptionGroup"):
+                return text
+            group = group or text
+    return group or (after[-1].strip() if after else "")
+
+
 def sim_has_garbage() -> bool:
     from nvpair.sim.faults import FAULT_MODES
 
@@ -266,7 +284,8 @@ class Suite:
 
     def setup(self) -> None:
         wd = self.workdir
-        self.nofile0 = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        # nvpair starts with the common default soft limit (1,024): it must raise its own
+        self.nofile0 = min(NVPAIR_NOFILE, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
         self.nofile = clients.raise_nofile(16384)
         _, sg, _ = start_sim(self.procs, "sim-sglang", "sglang", "--no-health-generation",
                              model="chaos-sglang")
@@ -401,8 +420,7 @@ class Suite:
         if not alive:
             checks.append(f"{n.name} died (exit {n.popen.poll() if n.popen else '?'})")
         if tracebacks:
-            first = log[log.index(TRACEBACK):].splitlines()
-            checks.append(f"{tracebacks} traceback(s): {first[-1][:160] if first else ''}")
+            checks.append(f"{tracebacks} traceback(s): {first_exception(log)[:160]}")
         if cw > base["close_wait"]:
             checks.append(f"CLOSE-WAIT {cw} after {SETTLE_S:g} s (baseline {base['close_wait']})")
         if fd > base["fds"] + FD_SLACK:
@@ -729,7 +747,9 @@ def table(rows: list[dict[str, Any]]) -> Table:
         out.append((
             r["case"], r["fault"], f"{r['result'].get('tried', 1):,}",
             "1" if r["crashed"] else "0", str(r["tracebacks"]),
-            f"{r['close_wait']} / {r['close_wait_baseline']}", f"{r['settled_s']:g}",
+            "-" if r["crashed"] else f"{r['close_wait']} / {r['close_wait_baseline']}",
+            "-" if r["crashed"] else f"{r['settled_s']:g}",
+            "-" if r["crashed"] else
             f"{r['fds']} / {r['fds_baseline']} ({r['fds'] - r['fds_baseline']:+d})",
             "-" if rd["p99_ms"] is None else f"{rd['p99_ms']:.1f}",
             "pass" if r["passed"] else "FAIL"))
@@ -778,6 +798,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="nvpair-chaos-"))
     print(f"nvpair chaos suite; work folder {workdir}", flush=True)
     started = time.monotonic()
+    box = machine()  # the load average at the start
     suite = Suite(workdir)
     try:
         suite.setup()
@@ -791,11 +812,12 @@ def main(argv: list[str] | None = None) -> int:
     ts = [table(rows), reasons(rows)]
     sys.stdout.write(render_text(ts))
     meta = {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": "nox -s chaos", "quick": False, "machine": machine(),
+            "command": "nox -s chaos", "quick": False, "machine": box,
             "nvpair_commit": git_commit(), "loadavg_at_end": [round(x, 2)
                                                               for x in os.getloadavg()],
-            "elapsed_s": round(time.monotonic() - started, 1), "json": args.out}
-    out = Path(args.out)
+            "elapsed_s": round(time.monotonic() - started, 1)}
+    out = Path(args.out).resolve()
+    meta["json"] = str(out.relative_to(ROOT)) if out.is_relative_to(ROOT) else str(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     if args.doc:

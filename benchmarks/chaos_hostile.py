@@ -212,7 +212,8 @@ class Hostile:
                                             "created": True}}).encode()
                      if self.mode == "ok" else body) + b"\n"
             await stream.send_all(f"{len(first):x}\r\n".encode() + first + b"\r\n")
-            await trio.sleep(5)  # then end the stream, as etcd going away does
+            await trio.sleep(5)  # then end the stream cleanly, as etcd going away does
+            await stream.send_all(b"0\r\n\r\n")
             return False
         await stream.send_all(_head("200 OK", [("Content-Type", ctype)], len(body)) + body)
         return True
