@@ -10,20 +10,21 @@ import msgspec
 import trio
 from hypercorn.config import Config as HypercornConfig
 
-from nvpair import orphans
-from nvpair.api import Api, Mount
+from nvpair import looplag, orphans
+from nvpair.api import Api
+from nvpair.asgi import Mount
 from nvpair.config import Settings, url_host
-from nvpair.lifecycle import EngineRunner, Lifecycles
+from nvpair.control import Control
+from nvpair.lifecycle import EngineRunner
 from nvpair.peers.broker import Broker
 from nvpair.peers.push import keep_alive_for
 from nvpair.peers.receiver import ADVERTS_PATH
-from nvpair.prober import Prober
 from nvpair.router import ROUTED_PATHS, Router, Traffic
 from nvpair.router.view import TrafficView
 from nvpair.server import Connections, Limits, connection_cap
 from nvpair.server import serve as serve_http
 from nvpair.snapshot import Board
-from nvpair.supervisor import initial_state
+from nvpair.state import initial_state
 from nvpair.sweep import Sweep
 
 log = logging.getLogger("nvpair")
@@ -70,11 +71,10 @@ async def run(settings: Settings, *,
               task_status: trio.TaskStatus[Running] = trio.TASK_STATUS_IGNORED) -> None:
     """Run nvpair until ``stop()`` is called (or cancelled). Started value: ``Running``."""
     board = Board(tuple(initial_state(spec) for spec in settings.engines))
-    registry: dict[str, Prober] = {}
-    sweep = Sweep(board, registry, settings.sweep_deadline_s)
+    sweep = Sweep(board, settings.sweep_deadline_s)
     traffic = Traffic(settings.router)
     procs = orphans.EngineProcs(settings.state_dir)
-    runners = {spec.name: EngineRunner(spec, board, registry, settings.log_dir, traffic, procs)
+    runners = {spec.name: EngineRunner(spec, board, sweep, settings.log_dir, traffic, procs)
                for spec in settings.engines}
     peers = None if settings.cluster is None else Broker(settings.cluster, board, settings.node)
     cluster_token = None if settings.cluster is None else settings.cluster.token
@@ -86,7 +86,7 @@ async def run(settings: Settings, *,
     if peers is not None:
         mounts.extend(peers.mounts)
     api = Api(board, node=settings.node, token=settings.token,
-              controller=Lifecycles(runners, board, settings.node), mounts=mounts,
+              controller=Control(runners, board, settings.node), mounts=mounts,
               cluster=None if peers is None else peers.table, cluster_token=cluster_token,
               allowed_hosts=settings.allowed_hosts)
     shutdown = trio.Event()
@@ -94,6 +94,7 @@ async def run(settings: Settings, *,
     # Lifetimes, outermost last to end: the router's engine clients, the engines, the API.
     # On shutdown the API drains first, then engines stop, then the clients close.
     async with trio.open_nursery() as outer:
+        outer.start_soon(looplag.from_env)  # opt-in: NVPAIR_LOOP_LAG_FILE (benchmarks)
         await outer.start(router.run)
         async with trio.open_nursery() as engines:
             for runner in runners.values():
