@@ -347,6 +347,6 @@ async def read_log(log: EngineLog, query: LogQuery) -> Lines:
     lines = log.after(query.after)
     if not lines.lines and query.wait_s:
         with trio.move_on_after(query.wait_s):
-            await log.changed.wait()
+            await log.changes.wait_changed(log.changes.version)
         lines = log.after(query.after)
     return lines

@@ -12,6 +12,8 @@ from typing import NamedTuple
 
 import trio
 
+from nvpair.changes import Changes
+
 RING_LINES = 2000
 FILE_MAX_BYTES = 16 * 1024 * 1024
 LINE_MAX = 8192
@@ -48,7 +50,8 @@ class EngineLog:
         #: (UTF-8: up to 4 bytes each)
         self._keep = 4 * (LINE_MAX + max((len(s) for s in self.redact), default=0))
         self._file = None
-        self.changed = trio.Event()
+        #: moves with every line written (a reader waits on it for the next line)
+        self.changes = Changes()
         self.written = 0
         if path is not None:
             try:
@@ -56,6 +59,11 @@ class EngineLog:
                 self._file = path.open("ab")
             except OSError as exc:
                 self._file_failed(exc)
+
+    @property
+    def changed(self) -> trio.Event:
+        """An event set when the next line is written."""
+        return self.changes.event
 
     def tail(self, n: int) -> Lines:
         """The last ``n`` lines."""
@@ -88,8 +96,7 @@ class EngineLog:
                     self._rotate()
             except OSError as exc:  # a full disk must not take the engine (or nvpair) down
                 self._file_failed(exc)
-        self.changed.set()
-        self.changed = trio.Event()
+        self.changes.bump()
 
     def _masked_head(self, line: str) -> str:
         """The first LINE_MAX characters, masked; a secret across the cut is masked whole."""

@@ -3,6 +3,15 @@
 Writers (probe loops, the sweep, the lifecycle) build a new snapshot and publish it with a
 *sync* call: one reference assignment and a version bump. Readers take ``board.current``
 once and never await before they finish with it, so they never wait on anything.
+
+Two versions move: the snapshot's (every published change: probe counters and ages too)
+and the *listing* version, which moves only when something listed changes (an engine's
+state as listed, its models, aliases, kind, staleness, visibility). What is built from
+the listing (``/v1/models``, the advert, the router's model index) is built once per
+listing version, and waiters (the advertiser, the sweep, the CLI) wake on it, not on
+every probe. A ready engine turns stale with time alone (no good health probe for
+``overdue_after_s``): the board notices that when the listing is read or waited on
+(``listed``, ``wait_listed``), so no timer can be missed.
 """
 
 from __future__ import annotations
@@ -12,6 +21,8 @@ from typing import Literal
 
 import msgspec
 import trio
+
+from nvpair.changes import Changes
 
 State = Literal["starting", "ready", "stale", "unhealthy", "down", "stopped"]
 #: States whose models are listed (a stale engine is last known good).
@@ -90,9 +101,52 @@ class EngineState(msgspec.Struct, frozen=True):
         return None
 
 
+def shown_state(e: EngineState, now: float) -> State:
+    """The state an engine is listed in: ``ready`` turns ``stale`` when no successful
+    health probe came for ``overdue_after_s`` (as ``state.effective_state``)."""
+    if (e.state == "ready" and e.checked_at is not None
+            and now - e.checked_at > e.overdue_after_s):
+        return "stale"
+    return e.state
+
+
+def listed_key(e: EngineState, now: float) -> tuple[object, ...]:
+    """What the listing shows of one engine: equal keys, equal listings (the ages aside)."""
+    return (e.state, shown_state(e, now), e.kind, e.models, e.models_stale, e.aliases,
+            e.optional and e.checked_at is None, e.name)
+
+
+def _same_types(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
+    """Equal keys whose models differ in type only (``created`` 1, 1.0 and True are
+    equal to Python, not to the peers that check them) are not the same listing."""
+    new, old = a[3], b[3]
+    assert isinstance(new, tuple) and isinstance(old, tuple)
+    return new is old or all(type(x.created) is type(y.created)
+                             for x, y in zip(new, old, strict=True))
+
+
+def _overdue_at(e: EngineState, shown: object) -> float:
+    """When a ready engine turns stale with time alone (inf: not with time alone)."""
+    if shown != "ready" or e.checked_at is None:
+        return float("inf")
+    return e.checked_at + e.overdue_after_s + 1e-6  # (stale just after: age > overdue)
+
+
+def _now() -> float:
+    try:
+        return trio.current_time()
+    except RuntimeError:  # outside trio (a board built before the run): nothing is overdue
+        return float("-inf")
+
+
 class Snapshot(msgspec.Struct, frozen=True):
+    """Every engine's state at one moment. ``version`` moves with every change;
+    ``listing`` is the board's listing version when this snapshot was published (time
+    alone can move the board's further: see ``Board.listed``)."""
+
     version: int
     engines: tuple[EngineState, ...]
+    listing: int = 0
 
     def engine(self, name: str) -> EngineState | None:
         for e in self.engines:
@@ -105,19 +159,58 @@ class Board:
     """Holds the current snapshot. Publishing is sync; waiting for a change is async."""
 
     def __init__(self, engines: tuple[EngineState, ...] = ()) -> None:
-        self._current = Snapshot(version=1, engines=engines)
-        self._changed = trio.Event()
+        self._changes = Changes(1)
+        #: the listing version (see the module docstring)
+        self.listing = Changes(1)
+        self._current = Snapshot(version=1, engines=engines, listing=1)
         self._index = {e.name: i for i, e in enumerate(engines)}
+        now = _now()
+        #: per engine (by position): its listed key, and the listing version it last moved
+        self.keys = [listed_key(e, now) for e in engines]
+        self.serials = [1] * len(engines)
+        #: the listing version at which the engines themselves (names, order) last changed
+        self.layout = 1
+        self._due = min((_overdue_at(e, k[1]) for e, k in zip(engines, self.keys, strict=True)),
+                        default=float("inf"))
 
     @property
     def current(self) -> Snapshot:
         return self._current
 
     def publish(self, snapshot_engines: tuple[EngineState, ...]) -> Snapshot:
-        self._current = Snapshot(version=self._current.version + 1, engines=snapshot_engines)
+        old = self._current.engines
+        if len(old) == len(snapshot_engines) and all(
+                a.name == b.name for a, b in zip(old, snapshot_engines, strict=True)):
+            changed = [i for i, (a, b) in enumerate(zip(old, snapshot_engines, strict=True))
+                       if a is not b]
+            return self._publish(snapshot_engines, changed)
         self._index = {e.name: i for i, e in enumerate(snapshot_engines)}
-        self._changed.set()
-        self._changed = trio.Event()
+        now = _now()
+        self.keys = [listed_key(e, now) for e in snapshot_engines]
+        version = self.listing.bump()
+        self.serials = [version] * len(snapshot_engines)
+        self.layout = version
+        self._due = min((_overdue_at(e, k[1])
+                         for e, k in zip(snapshot_engines, self.keys, strict=True)),
+                        default=float("inf"))
+        return self._publish(snapshot_engines, [])
+
+    def _publish(self, engines: tuple[EngineState, ...], changed: list[int]) -> Snapshot:
+        now = _now()
+        moved = []
+        for i in changed:
+            key = listed_key(engines[i], now)
+            if key != self.keys[i] or not _same_types(key, self.keys[i]):
+                self.keys[i] = key
+                moved.append(i)
+            self._due = min(self._due, _overdue_at(engines[i], key[1]))
+        if moved:
+            version = self.listing.bump()
+            for i in moved:
+                self.serials[i] = version
+        self._current = Snapshot(version=self._changes.version + 1, engines=engines,
+                                 listing=self.listing.version)
+        self._changes.bump()
         return self._current
 
     def update(self, name: str, change: Callable[[EngineState], EngineState]) -> EngineState:
@@ -127,11 +220,46 @@ class Board:
         new = change(engines[i])
         if new == engines[i]:
             return new
-        self.publish((*engines[:i], new, *engines[i + 1:]))
+        self._publish((*engines[:i], new, *engines[i + 1:]), [i])
         return new
 
     async def wait_changed(self, since_version: int) -> Snapshot:
         """Wait until the version differs from ``since_version``; return the newest snapshot."""
-        while self._current.version == since_version:
-            await self._changed.wait()
+        await self._changes.wait_changed(since_version)
         return self._current
+
+    def listed(self, now: float) -> int:
+        """The listing version at ``now``: engines that turned stale with time since the
+        last change move it here (so a reader never serves a ready that is overdue)."""
+        if now >= self._due:
+            self._recheck(now)
+        return self.listing.version
+
+    def _recheck(self, now: float) -> None:
+        engines = self._current.engines
+        due = float("inf")
+        moved = []
+        for i, e in enumerate(engines):
+            if self.keys[i][1] == "ready" and e.checked_at is not None:
+                key = listed_key(e, now)
+                if key != self.keys[i]:
+                    self.keys[i] = key
+                    moved.append(i)
+                due = min(due, _overdue_at(e, key[1]))
+        self._due = due
+        if moved:
+            version = self.listing.bump()
+            for i in moved:
+                self.serials[i] = version
+
+    async def wait_listed(self, since: int) -> int:
+        """Wait until the listing version (``listed``) differs from ``since``; return it.
+
+        Wakes on listed changes only (and when a ready engine turns stale with time), not
+        on probe counters. Cancellation: a plain wait, nothing consumed."""
+        while True:
+            version = self.listed(trio.current_time())
+            if version != since:
+                return version
+            with trio.move_on_at(self._due):
+                await self.listing.wait_changed(since)

@@ -1,0 +1,261 @@
+"""The listing: what ``/v1/models``, adverts and peers see of this node's engines.
+
+Built from the board's snapshots engine by engine, once per listing version
+(``Board.listing``, which probe counters and ages do not move): an engine whose listed
+fields changed gets its model items (``ModelItem``) rebuilt, and so do the engines whose
+items name it (a model several engines serve lists them all); nothing else is touched.
+``ModelsBody`` keeps each engine's part of the ``/v1/models`` body encoded, and joins
+the parts with each engine's ``checked_age_s`` at read time, so a change to one engine
+re-encodes one engine and an age re-encodes nothing.
+
+The order is the one ``views.models_doc`` defines (and the tests hold this to it, byte for
+byte): engines listed ready first, then stale, each in the board's order; a model id is
+one item, owned by the first engine that lists it, its ``engines`` every engine that does.
+"""
+
+from __future__ import annotations
+
+import bisect
+import weakref
+from typing import Annotated
+
+import msgspec
+
+from nvpair.ages import age
+from nvpair.snapshot import LISTED_STATES, Board, EngineState
+
+#: the longest model id, owner or alias peers take (and names: engines, kinds, states);
+#: items are not cut to these here, the advertiser leaves out the ones that do not fit.
+TEXT_MAX = 512
+NAME_MAX = 128
+Text = Annotated[str, msgspec.Meta(max_length=TEXT_MAX)]
+Name = Annotated[str, msgspec.Meta(max_length=NAME_MAX)]
+
+
+class ModelItem(msgspec.Struct, frozen=True):
+    """One listed model: built once per listing, served in ``/v1/models`` (with the node
+    and the owner's age), advertised to peers and stored by them as it is."""
+
+    id: Text
+    engine: Name
+    engines: tuple[Name, ...] = ()
+    kind: Name = ""
+    state: Name = "ready"
+    stale: bool = False
+    created: int = 0
+    owned_by: Text = ""  # as listed: the engine's owned_by, else the kind
+    alias_of: Text | None = None
+
+
+def visible(e: EngineState) -> bool:
+    """Optional engines (the embedded default's guesses) are hidden while nothing answers."""
+    return not (e.optional and e.state in ("down", "starting") and e.checked_at is None)
+
+
+Name4 = tuple[str, int, str, "str | None"]
+
+
+def _names(e: EngineState) -> list[Name4]:
+    """(id, created, owned_by, alias_of) of what ``e`` lists: its models, then its aliases."""
+    names: list[Name4] = [(m.id, m.created, m.owned_by, None) for m in e.models]
+    if e.models:
+        first = e.models[0]
+        names += [(a, first.created, first.owned_by, first.id) for a in e.aliases]
+    return names
+
+
+class Catalog:
+    """The model items of one board, kept current engine by engine (``catalog(board)``)."""
+
+    def __init__(self) -> None:
+        self.version = 0  # the listing version this reflects
+        self.layout = 0  # the board's layout it was built for
+        #: by engine position: what it lists (empty when not listed), its shown state, the
+        #: model ids it owns (in its order), the version its owned items last changed
+        self.names: list[list[Name4]] = []
+        self.shown: list[str] = []
+        self.owned: list[list[str]] = []
+        self.changed_at: list[int] = []
+        #: model id -> positions of the engines that list it, in listing order (repeats)
+        self.listers: dict[str, list[int]] = {}
+        self.items: dict[str, ModelItem] = {}
+        #: positions of the listed engines, in listing order
+        self.order: list[int] = []
+        #: engine names and positions (they change only with the board's layout)
+        self.engine_names: list[str] = []
+        self.positions: dict[str, int] = {}
+
+    def _rank(self, pos: int) -> tuple[bool, int]:
+        return self.shown[pos] != "ready", pos
+
+    def sync(self, board: Board, now: float) -> Catalog:
+        version = board.listed(now)
+        if version == self.version:
+            return self
+        engines = board.current.engines
+        if board.layout > self.layout or len(engines) != len(self.names):
+            n = len(engines)
+            self.names, self.owned = [[] for _ in range(n)], [[] for _ in range(n)]
+            self.shown, self.changed_at = [""] * n, [version] * n
+            self.listers, self.items = {}, {}
+            self.layout = board.layout
+            self.engine_names = [e.name for e in engines]
+            self.positions = {name: i for i, name in enumerate(self.engine_names)}
+            changed = list(range(n))
+        else:
+            changed = [i for i, s in enumerate(board.serials) if s > self.version]
+        self.version = version
+        try:
+            self._update(engines, [k[1] for k in board.keys], changed)
+        except BaseException:  # an engine nothing can list (a bug): all again next time
+            self.__init__()  # type: ignore[misc]
+            raise
+        return self
+
+    def _update(self, engines: tuple[EngineState, ...], shown: list[object],
+                changed: list[int]) -> None:
+        affected: set[str] = set()
+        dirty = set(changed)
+        listers = self.listers
+        for pos in changed:
+            for name in self.names[pos]:
+                model_id = name[0]
+                ids = listers[model_id]
+                if ids == [pos]:
+                    del listers[model_id]
+                else:
+                    ids[:] = [p for p in ids if p != pos]
+                affected.add(model_id)
+            e = engines[pos]
+            self.shown[pos] = str(shown[pos])
+            self.names[pos] = _names(e) if e.state in LISTED_STATES else []
+        for pos in changed:
+            for name in self.names[pos]:
+                model_id = name[0]
+                found = listers.get(model_id)
+                if found is None:
+                    listers[model_id] = [pos]
+                else:
+                    bisect.insort(found, pos, key=self._rank)
+                affected.add(model_id)
+        for model_id in affected:
+            old = self.items.get(model_id)
+            if old is not None:
+                dirty.add(self.positions[old.engine])
+            owners = listers.get(model_id)
+            if owners:
+                dirty.add(owners[0])
+            elif old is not None:
+                del self.items[model_id]
+        for pos in dirty:
+            self._own(engines[pos], pos, rebuild=pos in changed, affected=affected)
+        self.order = sorted((p for p, names in enumerate(self.names) if names), key=self._rank)
+
+    def _own(self, e: EngineState, pos: int, *, rebuild: bool, affected: set[str]) -> None:
+        """Recompute the items ``pos`` owns (all when it changed itself, else the ids
+        another engine's change touched)."""
+        owned = []
+        seen: set[str] = set()
+        shown = self.shown[pos]
+        stale = shown == "stale" or e.models_stale
+        for model_id, created, owned_by, alias_of in self.names[pos]:
+            if model_id in seen:
+                continue
+            seen.add(model_id)
+            ids = self.listers[model_id]
+            if ids[0] != pos:
+                continue
+            owned.append(model_id)
+            if rebuild or model_id in affected or model_id not in self.items:
+                self.items[model_id] = ModelItem(
+                    id=model_id, engine=e.name, engines=tuple(self.engine_names[p] for p in ids),
+                    kind=e.kind, state=shown, stale=stale, created=created,
+                    owned_by=owned_by or e.kind, alias_of=alias_of)
+        self.owned[pos] = owned
+        self.changed_at[pos] = self.version
+
+    def in_order(self) -> list[ModelItem]:
+        """Every item, as ``/v1/models`` lists them."""
+        return [self.items[m] for pos in self.order for m in self.owned[pos]]
+
+
+_catalogs: weakref.WeakKeyDictionary[Board, Catalog] = weakref.WeakKeyDictionary()
+
+
+def catalog(board: Board, now: float) -> Catalog:
+    """The board's catalog, brought up to its listing version at ``now`` (sync; the work
+    is the engines that changed since the last call, by anyone)."""
+    cat = _catalogs.get(board)
+    if cat is None:
+        cat = _catalogs[board] = Catalog()
+    return cat.sync(board, now)
+
+
+class _Nvpair(msgspec.Struct):
+    engine: str
+    engines: tuple[str, ...]
+    kind: str
+    node: str
+    state: str
+    stale: bool
+    checked_age_s: float | None
+    alias_of: str | None
+
+
+class _Item(msgspec.Struct):
+    """An item of ``/v1/models`` on the wire (docs/api.md)."""
+
+    id: str
+    object: str
+    created: int
+    owned_by: str
+    nvpair: _Nvpair
+
+
+_encoder = msgspec.json.Encoder()
+_AGE = b'"checked_age_s":'
+_PLACEHOLDER = _AGE + b"null"
+
+
+def wire(item: ModelItem, node: str, checked_age_s: float | None) -> _Item:
+    return _Item(item.id, "model", item.created, item.owned_by, _Nvpair(
+        item.engine, item.engines, item.kind, node, item.state, item.stale, checked_age_s,
+        item.alias_of))
+
+
+class ModelsBody:
+    """This node's ``/v1/models`` data, encoded per engine and joined at read time."""
+
+    def __init__(self, node: str) -> None:
+        self.node = node
+        self._layout = -1
+        #: by engine position: (the catalog version its items changed at, the encoded
+        #: items split where each item's checked_age_s goes)
+        self._parts: dict[int, tuple[int, list[bytes]]] = {}
+
+    def data(self, board: Board, now: float) -> bytes:
+        """The items of ``/v1/models``, encoded and comma-separated (no brackets)."""
+        cat = catalog(board, now)
+        if cat.layout != self._layout:
+            self._parts, self._layout = {}, cat.layout
+        engines = board.current.engines
+        out = []
+        for pos in cat.order:
+            if not cat.owned[pos]:
+                continue
+            part = self._parts.get(pos)
+            if part is None or part[0] != cat.changed_at[pos]:
+                items = [wire(cat.items[m], self.node, None) for m in cat.owned[pos]]
+                part = (cat.changed_at[pos], _encoder.encode(items)[1:-1].split(_PLACEHOLDER))
+                self._parts[pos] = part
+            out.append((_AGE + _encoder.encode(age(now, engines[pos].checked_at))).join(part[1]))
+        return b",".join(out)
+
+    def item(self, board: Board, now: float, model: str) -> _Item | None:
+        """``GET /v1/models/{id}``: the listed item for ``model``, None if not listed."""
+        cat = catalog(board, now)
+        found = cat.items.get(model)
+        if found is None:
+            return None
+        owner = cat.listers[model][0]
+        return wire(found, self.node, age(now, board.current.engines[owner].checked_at))

@@ -1,0 +1,96 @@
+"""The listing built engine by engine is the one views.models_doc defines, byte for byte,
+after any sequence of changes (hypothesis), and it rebuilds only what changed."""
+
+import msgspec
+import trio
+import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nvpair import views
+from nvpair.asgi import encoder
+from nvpair.listing import ModelsBody, catalog
+from nvpair.snapshot import Board, EngineState, Model
+
+NAMES = ("a", "b", "c", "d")
+IDS = ("m1", "m2", "org/m3", "m4")
+
+models = st.lists(st.builds(Model, id=st.sampled_from(IDS), created=st.integers(0, 3),
+                            owned_by=st.sampled_from(("", "me"))), max_size=4).map(tuple)
+changes = st.fixed_dictionaries({
+    "state": st.sampled_from(("starting", "ready", "stale", "unhealthy", "down")),
+    "models": models,
+    "aliases": st.lists(st.sampled_from(("fast", "m1", "slow")), max_size=2).map(tuple),
+    "models_stale": st.booleans(),
+    "checked_at": st.one_of(st.none(), st.floats(-40, 0)),
+    "restarts": st.integers(0, 3),
+})
+
+
+def engine(name: str) -> EngineState:
+    return EngineState(name=name, kind="ollama", url="http://127.0.0.1:1", managed=False,
+                       overdue_after_s=30.0)
+
+
+def body(models: ModelsBody, board: Board, now: float) -> bytes:
+    return b'{"object":"list","data":[' + models.data(board, now) + b"]}"
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(NAMES), changes, st.floats(0, 20)), max_size=12))
+def test_the_listing_is_models_doc_after_any_changes(steps: list) -> None:
+    async def main() -> None:
+        board = Board(tuple(engine(n) for n in NAMES))
+        built = ModelsBody("node1")
+        for name, change, dt in steps:
+            await trio.sleep(dt)  # (virtual time: ready engines may turn stale meanwhile)
+            now = trio.current_time()
+            at = change["checked_at"]
+            fields = {**change, "checked_at": None if at is None else now + at}
+            board.update(name, lambda e, fields=fields: msgspec.structs.replace(e, **fields))
+            want = encoder.encode(views.models_doc(board.current, now, "node1"))
+            assert body(built, board, now) == want
+            items = {m["id"]: m for m in msgspec.json.decode(want)["data"]}
+            for model_id in (*IDS, "fast", "nope"):
+                got = built.item(board, now, model_id)
+                got_doc = None if got is None else msgspec.json.decode(encoder.encode(got))
+                assert got_doc == items.get(model_id)
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+async def test_a_probe_counter_moves_the_snapshot_not_the_listing() -> None:
+    board = Board((engine("a"),))
+    board.update("a", lambda e: msgspec.structs.replace(
+        e, state="ready", models=(Model("m"),), checked_at=trio.current_time()))
+    listing, version = board.listing.version, board.current.version
+    board.update("a", lambda e: msgspec.structs.replace(
+        e, restarts=3, checked_at=trio.current_time()))
+    assert board.current.version == version + 1 and board.listing.version == listing
+    board.update("a", lambda e: msgspec.structs.replace(e, models_stale=True))
+    assert board.listing.version == listing + 1
+
+
+async def test_a_ready_engine_overdue_moves_the_listing_with_time_alone(autojump_clock) -> None:
+    board = Board((engine("a"),))
+    board.update("a", lambda e: msgspec.structs.replace(
+        e, state="ready", models=(Model("m"),), checked_at=trio.current_time()))
+    version = board.listing.version
+    start = trio.current_time()
+    assert await board.wait_listed(version) == version + 1
+    assert 30.0 <= trio.current_time() - start < 30.1  # overdue_after_s, not a poll
+    assert catalog(board, trio.current_time()).items["m"].state == "stale"
+
+
+async def test_one_engine_changed_re_encodes_that_engine_only() -> None:
+    board = Board(tuple(engine(n) for n in NAMES))
+    for n in NAMES:
+        board.update(n, lambda e: msgspec.structs.replace(
+            e, state="ready", models=(Model(f"{e.name}-x"),), checked_at=trio.current_time()))
+    built = ModelsBody("n")
+    now = trio.current_time()
+    built.data(board, now)
+    before = dict(built._parts)
+    board.update("b", lambda e: msgspec.structs.replace(e, models_stale=True))
+    built.data(board, now)
+    assert [p for p in built._parts if built._parts[p] is not before[p]] == [1]
