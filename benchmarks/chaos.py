@@ -34,6 +34,7 @@ from typing import Any
 
 from benchmarks import chaos_clients as clients
 from benchmarks.__main__ import git_commit
+from benchmarks.chaos_hostile import PEER_MODEL
 from benchmarks.procs import (
     PY,
     ROOT,
@@ -573,12 +574,29 @@ class Suite:
         return {"ok": not why, "why": "; ".join(why), "adverts": answers, "routed": routed,
                 "tried": len(answers) + len(routed)}
 
+    def _cluster_models(self, url: str) -> set[str]:
+        try:
+            doc = get_json(f"{url}/v1/models?scope=cluster", timeout=3)
+            return {m["id"] for m in doc["data"]}
+        except Exception:
+            return set()
+
     def case_etcd(self) -> dict[str, Any]:
+        """The etcd stand-in lists one peer, then answers garbage kind after kind; the
+        peer stays listed from the last table (it goes stale, then gone, on its clock)."""
+        deadline = time.monotonic() + 10
+        while PEER_MODEL not in self._cluster_models(self.etcdn.url):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the etcd peer's {PEER_MODEL} was never listed")
+            time.sleep(0.3)
         before = self.etcd.served()
         reasons: list[str] = []
-        for mode in ETCD_MODES:
+        kept = True
+        for i, mode in enumerate(ETCD_MODES):
             self.etcd.mode(mode)
             time.sleep(1.5)
+            if i == 0:  # within its TTL the last table is served
+                kept = PEER_MODEL in self._cluster_models(self.etcdn.url)
             with contextlib.suppress(Exception):
                 doc = get_json(f"{self.etcdn.url}/v1/peers", timeout=3)
                 reasons += [e for e in errors_in(doc) if e not in reasons]
@@ -592,6 +610,8 @@ class Suite:
             why.append("nvpair never called the hostile etcd")
         if "chaos-sglang" not in models:
             why.append("its own engine's model is missing from /v1/models")
+        if not kept:
+            why.append(f"the last table was dropped at once ({PEER_MODEL} gone 1.5 s in)")
         if not reasons:
             why.append("no etcd error published in /v1/peers")
         elif not all(one_line(r) for r in reasons):

@@ -15,15 +15,17 @@ second), ``big_headers`` (80 KiB of headers), ``reset_after_headers``.
 
 Peer: the same modes answer nvpair's pushes (``POST /v1/peers/adverts``).
 
-etcd: ``ok`` is a minimal v3 JSON gateway (grant, keepalive, put, revoke, an empty range, a
-watch that stays open); ``html``, ``truncated``, ``not_json``, ``deep_json``, ``not_http``
-answer every call so; ``wrong_types`` and ``bad_base64`` answer the lease and put calls
+etcd: ``ok`` is a minimal v3 JSON gateway (grant, keepalive, put, revoke, a range that lists
+one other node, ``etcd-peer`` serving ``via-etcd-peer``, a watch that stays open 5 s);
+``html``, ``truncated``, ``not_json``, ``deep_json``, ``not_http`` answer every call so;
+``wrong_types`` and ``bad_base64`` answer the lease and put calls
 well and the range and watch with wrong types or keys that are not base64.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import json
 import socket
@@ -37,6 +39,18 @@ ENGINE_MODES = ("ok", "deep_json", "huge", "many", "not_utf8", "odd_models", "re
 ETCD_MODES = ("ok", "html", "truncated", "not_json", "wrong_types", "bad_base64", "deep_json",
               "not_http")
 MODEL = "hostile-model"
+#: etcd ``ok``: the one other node the range lists (nvpair's default prefix)
+ETCD_PREFIX = "nvpair/default/nodes/"
+PEER_MODEL = "via-etcd-peer"
+PEER_ADVERT = {"node": "etcd-peer", "boot_id": "0123456789abcdef", "seq": 1, "ttl_s": 30.0,
+               "url": "http://127.0.0.1:9", "engines": [
+                   {"name": "e", "kind": "openai", "state": "ready", "models": [PEER_MODEL]}],
+               "models": [{"id": PEER_MODEL, "engine": "e", "kind": "openai",
+                           "state": "ready"}]}
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
 
 
 def _models(entries: list[dict[str, object]]) -> bytes:
@@ -171,8 +185,10 @@ class Hostile:
         if path == "/v3/kv/put":
             self.revision += 1
             return json.dumps({"header": header}).encode()
-        if path == "/v3/kv/range":
-            return json.dumps({"header": header, "count": "0"}).encode()
+        if path == "/v3/kv/range":  # one other node, with one model
+            kv = {"key": _b64(f"{ETCD_PREFIX}etcd-peer"), "value": _b64(json.dumps(PEER_ADVERT)),
+                  "create_revision": "1", "mod_revision": "1", "version": "1"}
+            return json.dumps({"header": header, "kvs": [kv], "count": "1"}).encode()
         return json.dumps({"header": header}).encode()
 
     def _etcd_body(self, path: str) -> tuple[str, bytes]:
