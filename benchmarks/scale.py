@@ -112,8 +112,11 @@ def loop_lag(path: Path, since: float, until: float) -> dict[str, Any]:
     if not inside:
         return {"max_ms": None, "seconds": 0}
     worst = sorted(ln["max_ms"] for ln in inside)
+    step = max(inside, key=lambda ln: ln.get("step_ms", 0))
     return {"max_ms": worst[-1], "p99_ms": quantile(worst, 0.99), "seconds": len(inside),
-            "over_20ms_seconds": sum(1 for w in worst if w > 20)}
+            "over_20ms_seconds": sum(1 for w in worst if w > 20),
+            # the longest single task step, and whose (the probe's Trio instrument)
+            "step_ms": step.get("step_ms"), "step_task": step.get("step_task")}
 
 
 def measure(cfg: BenchConfig, procs: Procs, manager: Proc, url: str, status_engine: str,

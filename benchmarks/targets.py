@@ -174,9 +174,17 @@ def _steady(r: dict[str, Any], where: str) -> list[dict[str, Any]]:
                     f"{LOOP_LAG_MS:g} ms (under load and idle)",
                     f"load {lag['load']['max_ms']} ms, idle {lag['idle']['max_ms']} ms "
                     f"(start, until listed: {start} ms; the floor under the same load: "
-                    f"{lag.get('floor_load', {}).get('max_ms')} ms)",
+                    f"{lag.get('floor_load', {}).get('max_ms')} ms)" + _longest_step(lag),
                     worst is not None and worst < LOOP_LAG_MS))
     return rows
+
+
+def _longest_step(lag: dict[str, Any]) -> str:
+    steps = [w for w in (lag["load"], lag["idle"]) if w.get("step_ms") is not None]
+    if not steps:
+        return ""
+    w = max(steps, key=lambda w: w["step_ms"])
+    return f"; longest task step {w['step_ms']} ms in {w['step_task']}"
 
 
 def _at_scale(scale: dict[str, Any]) -> list[dict[str, Any]]:

@@ -31,6 +31,9 @@ async def test_a_blocking_step_shows_as_the_longest_gap(tmp_path: Path) -> None:
     assert all(line["ticks"] > 0 and line["t"] > 0 for line in lines)
     assert max(line["max_ms"] for line in lines) >= 80
     assert min(line["max_ms"] for line in lines) < 80  # the seconds without the stall
+    stalled = max(lines, key=lambda line: line["step_ms"])
+    assert stalled["step_ms"] >= 80  # the step that held the loop, and whose it was
+    assert "test_a_blocking_step_shows_as_the_longest_gap" in stalled["step_task"]
 
 
 async def test_without_the_variable_nothing_runs(monkeypatch: pytest.MonkeyPatch) -> None:

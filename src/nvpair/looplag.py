@@ -1,11 +1,13 @@
 """An opt-in loop-lag probe: how long the event loop went without running a 5 ms timer.
 
 With ``NVPAIR_LOOP_LAG_FILE=PATH`` in its environment, ``nvpair serve`` runs a task that
-sleeps 5 ms in a loop and measures the gap between its wake-ups. Once a second it appends
-one JSON line to ``PATH``: ``{"t": <unix time>, "max_ms": <longest gap in that second>,
-"ticks": <wake-ups>}``. A gap is what any task waiting on the loop waited at worst, the
-timer's own 5 ms included, so an idle loop shows about 5 ms and a step that held the loop
-for 40 ms shows about 45. Without the variable nothing runs. The benchmarks
+sleeps 5 ms in a loop and measures the gap between its wake-ups, and a Trio instrument
+times every task step. Once a second it appends one JSON line to ``PATH``: ``{"t": <unix
+time>, "max_ms": <longest gap in that second>, "ticks": <wake-ups>, "step_ms": <longest task
+step>, "step_task": <the task that took it>}``. A gap is what any task waiting on the loop
+waited at worst, the timer's own 5 ms included, so an idle loop shows about 5 ms and a step
+that held the loop for 40 ms shows about 45; the step names who held it. Without the
+variable nothing runs. The benchmarks
 (docs/benchmarks.md) read the file to report the longest stall beside the latencies.
 """
 
@@ -25,7 +27,32 @@ TICK_S = 0.005
 REPORT_S = 1.0
 
 
-def _append(fd: int, line: dict[str, float | int]) -> None:
+class _Steps(trio.abc.Instrument):
+    """The longest task step since the last ``take()``, and its task's name."""
+
+    def __init__(self) -> None:
+        self.started: float | None = None  # the step running when added is not timed
+        self.worst = 0.0
+        self.task = ""
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.started = time.perf_counter()
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        if self.started is None:
+            return
+        took = time.perf_counter() - self.started
+        if took > self.worst:
+            self.worst, self.task = took, task.name
+
+    def take(self) -> dict[str, float | int | str]:
+        out: dict[str, float | int | str] = {"step_ms": round(self.worst * 1000, 3),
+                                             "step_task": self.task}
+        self.worst, self.task = 0.0, ""
+        return out
+
+
+def _append(fd: int, line: dict[str, float | int | str]) -> None:
     """One short line to a local file opened with O_APPEND: a few microseconds."""
     os.write(fd, (json.dumps(line) + "\n").encode())
 
@@ -37,6 +64,8 @@ async def probe(path: str, tick_s: float = TICK_S, report_s: float = REPORT_S) -
     Raises OSError only when ``path`` cannot be opened.
     """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    steps = _Steps()
+    trio.lowlevel.add_instrument(steps)
     worst, ticks = 0.0, 0
     last = trio.current_time()
     report_at = last + report_s
@@ -48,13 +77,14 @@ async def probe(path: str, tick_s: float = TICK_S, report_s: float = REPORT_S) -
             last = now
             if now >= report_at:
                 _append(fd, {"t": round(time.time(), 3), "max_ms": round(worst * 1000, 3),
-                             "ticks": ticks})
+                             "ticks": ticks, **steps.take()})
                 worst, ticks = 0.0, 0
                 report_at = now + report_s
     finally:
+        trio.lowlevel.remove_instrument(steps)
         if ticks:
             _append(fd, {"t": round(time.time(), 3), "max_ms": round(worst * 1000, 3),
-                         "ticks": ticks})
+                         "ticks": ticks, **steps.take()})
         os.close(fd)
 
 
