@@ -13,7 +13,7 @@ import trio
 
 from nvpair import service
 from nvpair.cli.progress import print_transitions
-from nvpair.cli.serve import _os_error as os_error
+from nvpair.cli.serve import os_error
 from nvpair.config import Config, resolve
 
 #: (name, kind, model, extra simulator flags)

@@ -32,7 +32,7 @@ def run_serve(settings: Settings) -> int:
         trio.run(lambda: service.main(settings, announce=announce,
                                                    watch=print_transitions))
     except (OSError, ExceptionGroup) as exc:
-        error = _os_error(exc)
+        error = os_error(exc)
         if error is None:
             raise
         if error.filename:
@@ -46,8 +46,10 @@ def run_serve(settings: Settings) -> int:
     return 0
 
 
-def _os_error(exc: BaseException) -> OSError | None:
-    """The OSError that ended the service (Trio wraps errors in exception groups)."""
+def os_error(exc: BaseException) -> OSError | None:
+    """The OSError that ended the service, or None when something else did (Trio wraps
+    errors in exception groups: a group of one is unwrapped, as deep as it goes). ``nvpair
+    serve`` and ``nvpair demo`` turn it into their one-line error."""
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     return exc if isinstance(exc, OSError) else None
