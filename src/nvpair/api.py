@@ -100,11 +100,14 @@ class Api:
         hit = self._cache.get(key)
         if hit is not None and hit[0] == version and hit[1] == bucket:
             return hit[2]
-        data = self._models.data(self.board, now)
-        if cluster and self.cluster is not None:
-            peers = encoder.encode(self.cluster.models(now))[1:-1]
-            data = b",".join(x for x in (data, peers) if x)
-        body = b'{"object":"list","data":[' + data + b"]}"
+        parts = self._models.parts(self.board, now)
+        if cluster and self.cluster is not None and (peers := self.cluster.models(now)):
+            parts.append(encoder.encode(peers)[1:-1])
+        out = [b'{"object":"list","data":[']
+        for part in parts:  # one copy of a body that may be tens of MB, not three
+            out += (part, b",")
+        out[-1:] = [out[-1], b"]}"] if len(out) == 1 else [b"]}"]
+        body = b"".join(out)
         self._cache[key] = (version, bucket, body)
         return body
 

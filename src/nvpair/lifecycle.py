@@ -36,6 +36,7 @@ import trio
 
 from nvpair import probes
 from nvpair.boundary import Part
+from nvpair.changes import Changes
 from nvpair.command import build_command, engine_env
 from nvpair.config import EngineSpec, placeholder_values
 from nvpair.errors import ProbeError
@@ -137,7 +138,7 @@ class EngineRunner:
         self.desired: Literal["running", "stopped"] = "running"
         self.operation: str | None = None
         self._restart = False
-        self._wake = trio.Event()
+        self._wake = Changes()  # bumped by every request
         restart = spec.manifest.restart
         self.backoff = restart.initial_s
         self.starts = 0
@@ -181,8 +182,7 @@ class EngineRunner:
         return Accepted(self.operation or action)
 
     def _kick(self) -> None:
-        self._wake.set()
-        self._wake = trio.Event()
+        self._wake.bump()
 
     async def _until(self, predicate: Callable[[], bool]) -> None:
         while not predicate():

@@ -53,6 +53,8 @@ class Sweep:
         #: one boundary per engine's listing, and one for the sweep's own loop
         self._parts: dict[str, Part] = {}
         self.part = Part("model-list sweep", logger=log)
+        #: the loop's wait (for the listing, or the next due time); cancelled to wake it
+        self._waiting = trio.CancelScope()
 
     @contextmanager
     def enrolled(self, prober: Prober) -> Iterator[None]:
@@ -60,6 +62,7 @@ class Sweep:
         engine enrolled later replaces it, and is not removed when this block ends."""
         name = prober.spec.name
         self._probers[name] = prober
+        self._waiting.cancel()  # it may be due at once
         try:
             yield
         finally:
@@ -115,7 +118,6 @@ class Sweep:
             await self.part.supervise(partial(self._loop, nursery))
 
     async def _loop(self, nursery: trio.Nursery) -> None:
-        version = -1
         while True:
             now = trio.current_time()
             names = self.due(now)
@@ -123,9 +125,10 @@ class Sweep:
                 self._in_flight.update(names)
                 nursery.start_soon(self._batch, {n: self.probers[n] for n in names})
             self.part.ok()
-            version = self.board.current.version
-            with trio.move_on_at(self.next_wake()):
-                await self.board.wait_changed(version)
+            # due times change with what is listed (states), enrolment, a batch's end
+            # (which wake this) and time; probe counters do not wake the sweep
+            with trio.move_on_at(self.next_wake()) as self._waiting:
+                await self.board.wait_listed(self.board.listed(now))
 
     async def _batch(self, probers: dict[str, Prober]) -> None:
         """List ``names`` concurrently; whatever has not answered by the deadline is stale."""
@@ -139,6 +142,7 @@ class Sweep:
                         nursery.start_soon(self._list_one, prober, done)
         finally:
             now = trio.current_time()
+            self._waiting.cancel()  # the loop recomputes when these are due
             for name in names:  # each engine's bookkeeping in its boundary: all of it runs
                 self._in_flight.discard(name)
                 with self._part(name).guard():

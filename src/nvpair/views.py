@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from nvpair.ages import age
+from nvpair.listing import visible
 from nvpair.snapshot import LISTED_STATES, EngineState, Snapshot
 from nvpair.state import effective_state
 
@@ -57,11 +58,6 @@ def engine_status(e: EngineState, snap: Snapshot, now: float, node: str) -> dict
     }
 
 
-def visible(e: EngineState) -> bool:
-    """Optional engines (the embedded default's guesses) are hidden while nothing answers."""
-    return not (e.optional and e.state in ("down", "starting") and e.checked_at is None)
-
-
 def engines_doc(snap: Snapshot, now: float, node: str) -> dict[str, Any]:
     return {
         "node": node,
@@ -71,7 +67,11 @@ def engines_doc(snap: Snapshot, now: float, node: str) -> dict[str, Any]:
 
 
 def models_doc(snap: Snapshot, now: float, node: str) -> dict[str, Any]:
-    """OpenAI's list shape; one item per model id, ready engines first."""
+    """OpenAI's list shape; one item per model id, ready engines first.
+
+    The definition of ``/v1/models``, in one pass over a snapshot: the API serves
+    ``nvpair.listing.ModelsBody`` (built engine by engine), which must give these bytes
+    (tests/test_listing.py holds it to them)."""
     items: dict[str, dict[str, Any]] = {}
     order = sorted(snap.engines,
                    key=lambda e: effective_state(e, now, e.overdue_after_s) != "ready")

@@ -25,15 +25,16 @@ def describe(e: EngineState) -> str:
 
 
 async def print_transitions(board: Board, stream: TextIO = sys.stderr) -> None:
-    """Print one line per engine state change (optional engines only once they answer)."""
+    """Print one line per engine state change (optional engines only once they answer).
+
+    Wakes on the board's listing version, not on every probe."""
     colour = use_colour(stream)
     seen: dict[str, str] = {}
     version = -1
     width = max((len(e.name) for e in board.current.engines), default=8)
-    while True:
-        snap = await board.wait_changed(version)
-        version = snap.version
-        for e in snap.engines:
+    while True:  # (states are listed: the listing version moves with each; counters not)
+        version = await board.wait_listed(version)
+        for e in board.current.engines:
             before = seen.get(e.name)
             if before == e.state or (e.optional and e.checked_at is None):
                 continue

@@ -29,9 +29,8 @@ MAX_ADVERT_BYTES = 64 * 1024
 
 log = logging.getLogger("nvpair.peers")
 
-#: the longest model id, owner or alias receivers take (and names: engines, kinds, states):
-#: ``nvpair.listing``'s TEXT_MAX and NAME_MAX.
-__all__ = ["NAME_MAX", "TEXT_MAX"]
+#: the longest model id, owner or alias receivers take (and names: engines, kinds, states)
+#: are ``nvpair.listing``'s TEXT_MAX and NAME_MAX.
 NodeName = Annotated[str, msgspec.Meta(pattern=NODE_PATTERN)]
 #: where a node says it can be reached: requests for its models are sent there (checked
 #: further by ``Advert.__post_init__``: scheme, host, port, IPv6 literal).

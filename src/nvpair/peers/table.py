@@ -21,6 +21,7 @@ from typing import Any, Literal
 import trio
 
 from nvpair.ages import age
+from nvpair.changes import Changes
 from nvpair.cluster import MAX_TTL_S
 from nvpair.peers.advert import Advert
 from nvpair.router.peering import PeerRoute, PeerRoutes
@@ -128,14 +129,11 @@ class Entry:
         self.bytes_received += size
         self.deleted_at = None
         self.changed_at = now
-        self.items = [_item(advert, m) for m in advert.models]
-
-
-def _item(advert: Advert, m: Any) -> dict[str, Any]:
-    return {"id": m.id, "object": "model", "created": m.created, "owned_by": m.owned_by or m.kind,
-            "nvpair": {"engine": m.engine, "engines": list(m.engines), "kind": m.kind,
-                       "node": advert.node, "node_url": advert.url, "state": m.state,
-                       "stale": m.stale, "alias_of": m.alias_of}}
+        #: the advert's models are stored as they came (``ModelItem``); by id, the states
+        #: of the engines that list each (what ``routes`` asks, per request)
+        self.states: dict[str, list[str]] = {}
+        for m in advert.models:
+            self.states.setdefault(m.id, []).append(m.state)
 
 
 class PeerTable:
@@ -153,9 +151,8 @@ class PeerTable:
         self.links: list[Link] = []
         self._by_node: dict[str, Link] = {}
         self._by_url: dict[str, Link] = {}
-        self._version = 1
+        self._changes = Changes(1)
         self._next_transition = float("inf")
-        self._event = trio.Event()
         #: model id -> nodes that ever listed it (so a model gone for now is 503, not 404)
         self.seen: dict[str, set[str]] = {}
 
@@ -166,7 +163,7 @@ class PeerTable:
         now = trio.current_time()
         if now >= self._next_transition:
             self._changed()
-        return self._version
+        return self._changes.version
 
     def add_link(self, link: Link) -> Link:
         self.links.append(link)
@@ -180,16 +177,14 @@ class PeerTable:
         self._changed()
 
     def _changed(self) -> None:
-        self._version += 1
         self._next_transition = self._transition_after(trio.current_time())
-        self._event.set()
-        self._event = trio.Event()
+        self._changes.bump()
 
     async def wait_changed(self, since_version: int) -> int:
         """Wait until a stored change moves the version past ``since_version``."""
         while self.version == since_version:
-            await self._event.wait()
-        return self._version
+            await self._changes.wait_changed(since_version)
+        return self._changes.version
 
     def _transition_after(self, now: float) -> float:
         """The next moment a state changes with time alone."""
@@ -257,10 +252,10 @@ class PeerTable:
         return "refreshed" if same else "updated"
 
     def _learn(self, e: Entry) -> None:
-        for item in e.items:
-            nodes = self.seen.get(item["id"])
+        for model_id in e.states:
+            nodes = self.seen.get(model_id)
             if nodes is None and len(self.seen) < 10_000:
-                nodes = self.seen[item["id"]] = set()
+                nodes = self.seen[model_id] = set()
             if nodes is not None:
                 nodes.add(e.node)
 
@@ -353,12 +348,17 @@ class PeerTable:
             if state not in LISTED:
                 continue
             heard = age(now, e.received_at)
-            for item in e.items:
-                nv = item["nvpair"]
-                out.append({**item, "nvpair": {
-                    **nv, "peer": state, "routable": state == "fresh", "age_s": heard,
-                    "state": "stale" if state == "stale" else nv["state"],
-                    "stale": nv["stale"] or state == "stale"}})
+            stale = state == "stale"
+            url = e.advert.url
+            for m in e.advert.models:
+                out.append({
+                    "id": m.id, "object": "model", "created": m.created,
+                    "owned_by": m.owned_by or m.kind,
+                    "nvpair": {"engine": m.engine, "engines": list(m.engines), "kind": m.kind,
+                               "node": e.node, "node_url": url,
+                               "state": "stale" if stale else m.state,
+                               "stale": m.stale or stale, "alias_of": m.alias_of,
+                               "peer": state, "routable": state == "fresh", "age_s": heard}})
         return out
 
     def routes(self, model: str, now: float) -> PeerRoutes:
@@ -367,7 +367,7 @@ class PeerTable:
         ready: list[PeerRoute] = []
         others: list[str] = []
         for e in self.entries.values():
-            states = [item["nvpair"]["state"] for item in e.items if item["id"] == model]
+            states = e.states.get(model, ())
             if not states:
                 continue
             peer = self.state(e, now)
@@ -406,7 +406,7 @@ class PeerTable:
                 "changed_age_s": age(now, e.changed_at),
                 "first_seen_age_s": age(now, e.first_seen), "adverts": e.adverts,
                 "bytes_received": e.bytes_received, "left_age_s": age(now, e.left_at),
-                "deleted_age_s": age(now, e.deleted_at), "models": len(e.items),
+                "deleted_age_s": age(now, e.deleted_at), "models": len(e.advert.models),
                 "models_left_out": a.left_out,
                 "engines": [{"name": g.name, "kind": g.kind, "state": g.state,
                              "models": list(g.models)} for g in a.engines],

@@ -21,24 +21,55 @@ class Choice(msgspec.Struct, frozen=True):
 
 
 class Known:
-    """Model names each engine has ever listed, so a restarting engine's model gets a 503
-    (come back soon), not a 404 (no such model)."""
+    """Which engines serve each model now (``serving``: model id or alias -> engines in a
+    listed state), and the model names each engine has ever listed (``names``), so a
+    restarting engine's model gets a 503 (come back soon), not a 404 (no such model).
+
+    Kept once per listing version (``Snapshot.listing``), engine by engine: a request
+    looks its model up, it never scans the engines' models.
+    """
 
     def __init__(self) -> None:
         self.names: dict[str, set[str]] = {}
-        self._version = -1
+        self.serving: dict[str, dict[str, None]] = {}
+        self._listing = -1
+        self._layout: tuple[str, ...] = ()
+        #: by engine position: (models, aliases, listed) as last indexed, and what it serves
+        self._seen: list[tuple[object, object, bool]] = []
+        self._served: list[set[str]] = []
 
     def learn(self, snap: Snapshot) -> None:
-        """Once per snapshot version, not once per request."""
-        if snap.version == self._version:
+        """Once per listing version, not once per request (a snapshot not from a board,
+        listing 0, is looked at every time)."""
+        if snap.listing == self._listing and snap.listing:
             return
-        self._version = snap.version
-        for e in snap.engines:
+        self._listing = snap.listing
+        layout = tuple(e.name for e in snap.engines)
+        if layout != self._layout:
+            self._layout = layout
+            self.serving = {}
+            self._seen = [((), (), False)] * len(layout)
+            self._served = [set() for _ in layout]
+        for pos, e in enumerate(snap.engines):
+            listed = e.state in LISTED_STATES
+            seen = self._seen[pos]
+            if seen[0] is e.models and seen[1] is e.aliases and seen[2] == listed:
+                continue
+            self._seen[pos] = (e.models, e.aliases, listed)
             if e.models:
-                seen = self.names.setdefault(e.name, set())
-                if len(seen) < 10_000:
-                    seen.update(m.id for m in e.models)
-                    seen.update(e.aliases)
+                ever = self.names.setdefault(e.name, set())
+                if len(ever) < 10_000:
+                    ever.update(m.id for m in e.models)
+                    ever.update(e.aliases)
+            served = {m.id for m in e.models} | set(e.aliases) if listed else set()
+            for model in self._served[pos] - served:
+                engines = self.serving[model]
+                del engines[e.name]
+                if not engines:
+                    del self.serving[model]
+            for model in served - self._served[pos]:
+                self.serving.setdefault(model, {})[e.name] = None
+            self._served[pos] = served
 
     def engines_for(self, model: str) -> list[str]:
         return [name for name, models in self.names.items() if model in models]
@@ -52,13 +83,9 @@ def choose(snap: Snapshot, model: str, traffic: Traffic, known: Known, now: floa
     """
     known.learn(snap)
     ready: list[tuple[int, int, float, str]] = []
-    for e in snap.engines:
-        if not any(m.id == model for m in e.models) and model not in e.aliases:
-            continue
-        if effective_state(e, now, e.overdue_after_s) not in LISTED_STATES:
-            continue
-        suspect = 1 if traffic.suspect(e.name, now) else 0
-        ready.append((suspect, traffic.of(e.name).in_flight, rng.random(), e.name))
+    for name in known.serving.get(model, ()):
+        suspect = 1 if traffic.suspect(name, now) else 0
+        ready.append((suspect, traffic.of(name).in_flight, rng.random(), name))
     if ready:
         ready.sort()
         return Choice(engines=tuple(name for *_, name in ready), known=True)
