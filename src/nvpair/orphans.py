@@ -418,8 +418,11 @@ def reap_once(procs: EngineProcs) -> list[int]:
 
 async def reap_strays(procs: EngineProcs, *, task_status: trio.TaskStatus[trio.CancelScope]
                       = trio.TASK_STATUS_IGNORED) -> None:
-    """Reap strays as they end (on SIGCHLD), until its started value (a cancel scope) is
-    cancelled."""
+    """Reap strays as they end (on SIGCHLD), until its started value is cancelled.
+
+    Started value: a cancel scope (cancel it to stop reaping; cancelling the surrounding
+    scope works too), at once. Raises: nothing but Cancelled: a failure to reap is the
+    ``reaper`` part's, logged and retried with backoff."""
     part = Part("reaper")
 
     async def loop() -> None:

@@ -278,8 +278,17 @@ async def serve(app: Any, config: HypercornConfig, limits: Limits, *,
     """Serve the ASGI ``app`` like ``hypercorn.trio.serve`` (plain HTTP, one worker), with
     ``Connection`` for each client and the cap of ``limits`` (see the module).
 
-    ``config.keep_alive_timeout`` is set from ``limits``. Started value: the bound URLs.
-    ``connections`` (for tests) is the registry to count connections in.
+    ``config.keep_alive_timeout`` is set from ``limits``. ``connections`` (for tests) is the
+    registry to count connections in.
+
+    Started value: the bound URLs (``http://HOST:PORT``), once every socket listens.
+    Returns once ``shutdown_trigger`` has returned: the listeners close, idle connections
+    close at once and requests in flight get ``config.graceful_timeout`` to finish.
+    Cancellation ends it at once (connections and requests cancelled with it).
+
+    Raises: OSError when a socket cannot be bound, before the started value; an accept
+    error other than running out of descriptors (those are waited out, evicting idle
+    connections). A request's failure is never the server's (``Api`` answers it a 500).
     """
     config.keep_alive_timeout = limits.keep_alive_s
     config.set_statsd_logger_class(StatsdLogger)

@@ -69,7 +69,21 @@ def hypercorn_config(settings: Settings) -> HypercornConfig:
 
 async def run(settings: Settings, *,
               task_status: trio.TaskStatus[Running] = trio.TASK_STATUS_IGNORED) -> None:
-    """Run nvpair until ``stop()`` is called (or cancelled). Started value: ``Running``."""
+    """Run nvpair until ``stop()`` is called (or cancelled).
+
+    Started value: ``Running``, once the engines' runners and the sweep have started, the
+    API listens and the peers broker (if any) has started; ``Running.url`` is where.
+
+    ``stop()`` (sync) shuts down in order and ``run`` returns when it is done: the API stops
+    accepting and drains its requests (the broker leaves the cluster meanwhile), then every
+    engine stops (each its stop signal, grace period and SIGKILL, in parallel), then the
+    router's connections close. Cancellation ends it all at once, without the drain or a
+    leave; managed engines still stop gracefully (shielded and bounded).
+
+    Raises: an OSError when the API cannot listen (a taken or forbidden address), before
+    the started value, in Trio's exception groups (the CLI unwraps it into one line).
+    Nothing an engine, a peer or a client does ends it: those are their parts' state.
+    """
     board = Board(tuple(initial_state(spec) for spec in settings.engines))
     sweep = Sweep(board, settings.sweep_deadline_s)
     traffic = Traffic(settings.router)

@@ -61,6 +61,13 @@ class Identity(msgspec.Struct, frozen=True):
 
 
 class EngineState(msgspec.Struct, frozen=True):
+    """One engine as the node knows it: its state, models, identity and probe counters.
+
+    Frozen: a change is a new value (``nvpair.state``'s pure transitions build it), put on
+    the board with ``Board.update``. Times are trio times (monotonic) unless named wall
+    times; readers compute ages from them at read time. ``state`` is as last published;
+    the state a reader shows is ``shown_state`` (a ready engine overdue is stale)."""
+
     name: str
     kind: str
     url: str

@@ -33,6 +33,11 @@ def default_url(bound: str) -> str:
 
 
 class Broker:
+    """The peers of one node, built from the ``[cluster]`` settings: the advertiser, the
+    peer table (the API's ``ClusterView`` and the router's ``PeerRouter``), the receiver
+    and one pusher per peer (push backend) or the etcd backend. ``mounts`` are its API
+    routes; ``run`` runs it beside the API, inside its own fault boundary (``part``)."""
+
     def __init__(self, cluster: ClusterSettings, board: Board, node: str) -> None:
         self.cluster = cluster
         self.node = node
@@ -91,8 +96,10 @@ class Broker:
 
         ``bound_url``: where the API listens (the advertised URL unless one is configured).
         Started value: None, once every sender has its client (or once the broker failed:
-        the API starts without peers then). Any failure is the broker's, published and
-        retried with backoff; none leaves this method.
+        the API starts without peers then). Cancellation ends the advertiser, the senders
+        and the etcd loops without a leave (set ``shutdown`` for that). Raises: nothing but
+        Cancelled: any failure is the broker's (``broker.state: failed`` in /v1/peers),
+        published and retried with backoff.
         """
         reported = False
 

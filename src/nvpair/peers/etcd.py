@@ -58,6 +58,11 @@ class Unreachable(NvpairError):
 
 
 class EtcdBackend:
+    """The etcd backend of one node (see the module): the lease owner keeps this node's
+    advert under ``<prefix><node>``, the watcher feeds every node's into the peer table.
+    ``state`` (connecting, ok, unreachable, failed) and ``doc`` are what ``/v1/peers``
+    shows; ``leave`` revokes the lease on a graceful exit."""
+
     def __init__(self, settings: EtcdSettings, advertiser: Advertiser, table: PeerTable, *,
                  transport: httpx2.AsyncBaseTransport | None = None) -> None:
         self.settings = settings
@@ -128,7 +133,14 @@ class EtcdBackend:
             await old.aclose()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Keep this node's key and watch everyone's until cancelled. Started value: None."""
+        """Keep this node's key and watch everyone's until cancelled.
+
+        Started value: None, at once (both loops start; etcd need not answer yet: the
+        state is ``connecting`` until it does). Cancellation ends both loops and closes
+        the owner's client (shielded, at most 1 s); the key's lease is left to expire
+        (``leave`` revokes it first on a graceful exit). Raises: nothing but Cancelled:
+        each loop is its own boundary (``own_part``, ``watch_part``), a failure is the
+        backend's state (``unreachable`` or ``failed``) and is retried with backoff."""
         try:
             async with trio.open_nursery() as nursery:
                 # the loops catch their own failures; supervise is the net for the rest

@@ -44,6 +44,10 @@ def keep_alive_for(interval: float) -> float:
 
 
 class Pusher:
+    """Sends this node's advert to one peer (see the module): on change and on a jittered
+    interval, one request at a time over one connection. The outcomes go to its ``Link``
+    in the peer table; ``leave()`` ends the pushes with one leave advert."""
+
     def __init__(self, target: PeerTarget, advertiser: Advertiser, link: Link, *,
                  interval: float, timeout: float,
                  transport: httpx2.AsyncBaseTransport | None = None,
@@ -83,7 +87,11 @@ class Pusher:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Push until cancelled or until ``leave()``; then send the leave advert.
 
-        Started value: None, once the client exists. Cancellation: closes the connection.
+        Started value: None, once the client exists. After ``leave()``, one leave advert
+        is sent (at most ``LEAVE_BUDGET_S``) and it returns. Cancellation: closes the
+        connection (shielded, at most 1 s) without a leave advert. ``done`` is set when
+        it ends either way. Raises: nothing but Cancelled: a failed push is the link's
+        state, any other failure its ``fault``, retried with backoff.
         """
         self._http = self.client()
         try:

@@ -132,7 +132,13 @@ class Router:
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Own the engines' connection pools until cancelled (then close them)."""
+        """Own the engines' and peers' connection pools until cancelled.
+
+        Started value: None, once requests may be routed (a request before it, or after
+        the end, is a RuntimeError). Every ``REAP_EVERY_S`` the pools no request uses are
+        closed. Cancellation closes every pool (shielded, at most 2 s), after the requests
+        using them have ended (the service cancels it last). Raises: nothing but
+        Cancelled."""
         async with AsyncExitStack() as stack, trio.open_nursery() as nursery:
             self._stack, self._nursery = stack, nursery
             stack.push_async_callback(self._close_all)

@@ -27,6 +27,8 @@ async def run_children(
 
     Started value: their pids. Cancellation: terminates them (killing those still alive
     after a grace period) and waits, unless ``leave`` (they outlive the simulator).
+    Raises: OSError when a child cannot be spawned, before the started value (those
+    already spawned are ended as on cancellation).
     """
     code = child_code(lifetime_s, ignore_sigterm)
     procs: list[trio.Process] = []

@@ -84,7 +84,11 @@ async def serve_control(
     handle: SimHandle, host: str, port: int,
     *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the control routes. Started value: the bound port. Runs until cancelled."""
+    """Serve the control routes until cancelled.
+
+    Started value: the bound port, once it listens. Cancellation closes the listener and
+    every connection. Raises: OSError when the port cannot be bound, before the started
+    value; a bad control request is a 4xx answer, never raised."""
     listener = await open_listener(host, port)
     server = HttpServer(ControlApp(handle))
     task_status.started(listener.socket.getsockname()[1])

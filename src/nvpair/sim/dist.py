@@ -59,7 +59,12 @@ class Rendezvous:
     async def serve(
         self, host: str, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        """Started value: the port workers connect to. Runs until cancelled."""
+        """Take the workers of a multi-node group until cancelled.
+
+        Started value: the port workers connect to, once it listens. Cancellation closes
+        the listener and every worker's link. Raises: OSError when the port cannot be
+        bound, before the started value (a worker's lost link is ``on_loss``, not raised).
+        """
         listener = await open_listener(host, port)
         task_status.started(listener.socket.getsockname()[1])
         await trio.serve_listeners(self._serve_worker, [listener])

@@ -96,6 +96,10 @@ async def _accept(
     listener: trio.SocketListener, server: HttpServer, nursery: trio.Nursery,
     *, task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED,
 ) -> None:
+    """Accept on ``listener`` and serve each connection in ``nursery``.
+
+    Started value: the cancel scope that stops accepting (``EnginePort.unlisten``), at
+    once; the connections stay (they are ``nursery``'s). Raises: what ``accept`` raises."""
     with trio.CancelScope() as scope:
         task_status.started(scope)
         while True:
@@ -109,10 +113,11 @@ async def run_port(
 ) -> None:
     """Keep the port listening exactly while ``want_listening()`` is true.
 
-    Started once the port is in its first wanted state. Connections are served in a nursery
-    of this task. While not listening (for example the ``refuse`` fault) open connections are
-    dropped too, since a real engine that stopped listening has gone away.
-    Cancellation: stops accepting and closes every connection.
+    Started value: None, once the port is in its first wanted state. Connections are served
+    in a nursery of this task. While not listening (for example the ``refuse`` fault) open
+    connections are dropped too, since a real engine that stopped listening has gone away.
+    Cancellation: stops accepting and closes every connection. Raises: OSError when the
+    port cannot be bound again (another process took it while it was released).
     """
     async with trio.open_nursery() as connections:
         started = False

@@ -52,6 +52,10 @@ async def serve_sim(
 
     Cancellation: closes the ports and connections; children are terminated unless
     ``leave_children``.
+
+    Raises: OSError when a port cannot be bound (the engine's, the control port, the
+    rendezvous), before the started value, in Trio's exception groups when a nursery
+    was open. A fault the engine simulates is its behaviour, never an exception here.
     """
     state = SimState(options)
     engine = make_engine(options, state)
