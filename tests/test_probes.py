@@ -168,8 +168,8 @@ def test_more_than_the_cap_keeps_the_first_and_counts_the_rest() -> None:
     got = listing(*({"id": f"m{i}"} for i in range(probes.MAX_MODELS + 5)), {"id": "x\ty"})
     assert len(got.models) == probes.MAX_MODELS
     assert got.models[-1].id == f"m{probes.MAX_MODELS - 1}"
-    assert got.left_out == 6
-    assert got.why is not None and "5 over the cap of 10,000 models" in got.why
+    assert got.left_out == 6  # past the cap, entries are counted without being looked at
+    assert got.why is not None and "6 over the cap of 10,000 models" in got.why
 
 
 def test_identity_names_are_text() -> None:
