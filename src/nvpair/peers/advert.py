@@ -293,7 +293,9 @@ class Advertiser:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Refresh on every listing change, until cancelled. Started value: None, at once.
-        Raises: nothing (a failure is the advertiser's ``fault``, retried with backoff)."""
+        Cancellation: a plain wait is cancelled (the last advert stays, nothing to close).
+        Raises: nothing but Cancelled (a failure is the advertiser's ``fault``, retried
+        with backoff)."""
         task_status.started()
         await self.part.supervise(self._loop)
 
