@@ -87,6 +87,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--doc", choices=("auto", "yes", "no"), default="auto",
                    help="update docs/benchmarks.md (auto: full runs of every scenario only)")
     p.add_argument("--keep", action="store_true", help="keep the work folder (configs, logs)")
+    p.add_argument("--scale-ks", default="", metavar="K,K,...",
+                   help="the scale scenario's engine counts (default: "
+                   f"{','.join(map(str, FULL.scale_ks))}; "
+                   f"--quick {','.join(map(str, QUICK.scale_ks))})")
     p.add_argument("--render", metavar="JSON", default=None,
                    help="run nothing: re-evaluate the targets of a results file, print it "
                    "and (a full run of every scenario) rewrite the doc's results section")
@@ -94,6 +98,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.render:
         return render(Path(args.render), args.doc)
     cfg = QUICK if args.quick else FULL
+    if args.scale_ks:
+        try:
+            ks = tuple(int(k) for k in args.scale_ks.split(","))
+        except ValueError:
+            p.error(f"--scale-ks {args.scale_ks!r}: engine counts separated by commas, as 8,256")
+        if not ks or min(ks) < 1:
+            p.error(f"--scale-ks {args.scale_ks!r}: every count must be >= 1")
+        cfg = msgspec.structs.replace(cfg, scale_ks=ks)
     names = [n for n in args.only.split(",") if n] or list(SCENARIOS)
     unknown = set(names) - set(SCENARIOS)
     if unknown:
@@ -101,7 +113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out) if args.out else (
         ROOT / "benchmarks" / "results" / ("quick.json" if args.quick else "latest.json"))
     command = "python -m benchmarks" + (" --quick" if args.quick else "") + (
-        f" --only {args.only}" if args.only else "")
+        f" --only {args.only}" if args.only else "") + (
+        f" --scale-ks {args.scale_ks}" if args.scale_ks else "")
     workdir = Path(tempfile.mkdtemp(prefix="nvpair-bench-"))
     started = time.monotonic()
     meta: dict[str, Any] = {
@@ -139,7 +152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ts = report.tables(results)
     sys.stdout.write(report.render_text(ts))
     write_doc = args.doc == "yes" or (args.doc == "auto" and not args.quick
-                                      and not args.only and not args.out)
+                                      and not args.only and not args.out
+                                      and not args.scale_ks)
     if write_doc:
         report.update_doc(ROOT / "docs" / "benchmarks.md", report.render_markdown(ts, meta))
         print("\nwrote docs/benchmarks.md (results section)")

@@ -116,7 +116,10 @@ def loop_lag(path: Path, since: float, until: float) -> dict[str, Any]:
     return {"max_ms": worst[-1], "p99_ms": quantile(worst, 0.99), "seconds": len(inside),
             "over_20ms_seconds": sum(1 for w in worst if w > 20),
             # the longest single task step, and whose (the probe's Trio instrument)
-            "step_ms": step.get("step_ms"), "step_task": step.get("step_task")}
+            "step_ms": step.get("step_ms"), "step_task": step.get("step_task"),
+            # the longest garbage collection (a pause inside whichever step allocated)
+            "gc_ms": max((ln.get("gc_ms", 0) for ln in inside), default=None),
+            "gc_gen": max(inside, key=lambda ln: ln.get("gc_ms", 0)).get("gc_gen")}
 
 
 def measure(cfg: BenchConfig, procs: Procs, manager: Proc, url: str, status_engine: str,

@@ -184,7 +184,12 @@ def _longest_step(lag: dict[str, Any]) -> str:
     if not steps:
         return ""
     w = max(steps, key=lambda w: w["step_ms"])
-    return f"; longest task step {w['step_ms']} ms in {w['step_task']}"
+    gc = max((w for w in (lag["load"], lag["idle"]) if w.get("gc_ms") is not None),
+             key=lambda w: w["gc_ms"], default=None)
+    text = f"; longest task step {w['step_ms']} ms in {w['step_task']}"
+    if gc is not None:
+        text += f"; longest garbage collection {gc['gc_ms']} ms (generation {gc['gc_gen']})"
+    return text
 
 
 def _at_scale(scale: dict[str, Any]) -> list[dict[str, Any]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ async def test_a_blocking_step_shows_as_the_longest_gap(tmp_path: Path) -> None:
             nursery.start_soon(looplag.probe, str(path), 0.005, 0.1)
             await trio.sleep(0.15)
             hold_the_loop(0.08)
+            gc.collect()  # a full collection, timed as one
             await trio.sleep(0.15)
             nursery.cancel_scope.cancel()
     lines = [json.loads(line) for line in path.read_text().splitlines()]
@@ -34,6 +36,7 @@ async def test_a_blocking_step_shows_as_the_longest_gap(tmp_path: Path) -> None:
     stalled = max(lines, key=lambda line: line["step_ms"])
     assert stalled["step_ms"] >= 80  # the step that held the loop, and whose it was
     assert "test_a_blocking_step_shows_as_the_longest_gap" in stalled["step_task"]
+    assert stalled["gc_gen"] == 2 and stalled["gc_ms"] > 0
 
 
 async def test_without_the_variable_nothing_runs(monkeypatch: pytest.MonkeyPatch) -> None:

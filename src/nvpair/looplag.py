@@ -4,7 +4,8 @@ With ``NVPAIR_LOOP_LAG_FILE=PATH`` in its environment, ``nvpair serve`` runs a t
 sleeps 5 ms in a loop and measures the gap between its wake-ups, and a Trio instrument
 times every task step. Once a second it appends one JSON line to ``PATH``: ``{"t": <unix
 time>, "max_ms": <longest gap in that second>, "ticks": <wake-ups>, "step_ms": <longest task
-step>, "step_task": <the task that took it>}``. A gap is what any task waiting on the loop
+step>, "step_task": <the task that took it>, "gc_ms": <longest garbage collection>, "gc_gen":
+<its generation>}``. A gap is what any task waiting on the loop
 waited at worst, the timer's own 5 ms included, so an idle loop shows about 5 ms and a step
 that held the loop for 40 ms shows about 45; the step names who held it. Without the
 variable nothing runs. The benchmarks
@@ -13,6 +14,7 @@ variable nothing runs. The benchmarks
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -52,6 +54,30 @@ class _Steps(trio.abc.Instrument):
         return out
 
 
+class _Collections:
+    """The longest garbage collection since the last ``take()`` (a pause inside whatever step
+    allocated at the time), from ``gc.callbacks``."""
+
+    def __init__(self) -> None:
+        self.started = 0.0
+        self.worst = 0.0
+        self.generation = -1
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self.started = time.perf_counter()
+            return
+        took = time.perf_counter() - self.started
+        if took > self.worst:
+            self.worst, self.generation = took, info.get("generation", -1)
+
+    def take(self) -> dict[str, float | int | str]:
+        out: dict[str, float | int | str] = {"gc_ms": round(self.worst * 1000, 3),
+                                             "gc_gen": self.generation}
+        self.worst, self.generation = 0.0, -1
+        return out
+
+
 def _append(fd: int, line: dict[str, float | int | str]) -> None:
     """One short line to a local file opened with O_APPEND: a few microseconds."""
     os.write(fd, (json.dumps(line) + "\n").encode())
@@ -64,8 +90,9 @@ async def probe(path: str, tick_s: float = TICK_S, report_s: float = REPORT_S) -
     Raises OSError only when ``path`` cannot be opened.
     """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    steps = _Steps()
+    steps, collections = _Steps(), _Collections()
     trio.lowlevel.add_instrument(steps)
+    gc.callbacks.append(collections)
     worst, ticks = 0.0, 0
     last = trio.current_time()
     report_at = last + report_s
@@ -77,14 +104,15 @@ async def probe(path: str, tick_s: float = TICK_S, report_s: float = REPORT_S) -
             last = now
             if now >= report_at:
                 _append(fd, {"t": round(time.time(), 3), "max_ms": round(worst * 1000, 3),
-                             "ticks": ticks, **steps.take()})
+                             "ticks": ticks, **steps.take(), **collections.take()})
                 worst, ticks = 0.0, 0
                 report_at = now + report_s
     finally:
         trio.lowlevel.remove_instrument(steps)
+        gc.callbacks.remove(collections)
         if ticks:
             _append(fd, {"t": round(time.time(), 3), "max_ms": round(worst * 1000, 3),
-                         "ticks": ticks, **steps.take()})
+                         "ticks": ticks, **steps.take(), **collections.take()})
         os.close(fd)
 
 
