@@ -360,3 +360,18 @@ async def test_a_cross_site_stop_over_the_network_stops_nothing(nursery, tmp_pat
             r = await c.post("/v1/engines/x/stop", headers={"Host": f"localhost:{port}"})
             assert r.status_code == 202, r.text
         await wait_state(running.board, "x", "stopped")
+
+
+async def test_a_large_model_list_is_sent_in_pieces_with_the_same_bytes(autojump_clock) -> None:
+    from nvpair import views
+    from nvpair.asgi import encoder
+    big = tuple(f"org/model-{i:05d}-" + "x" * 60 for i in range(3000))  # > 256 KiB
+    board = board_with(engine("a", "ready", ("m1",)), engine("big", "ready", big),
+                       engine("c", "stale", ("m1", "m2")))
+    api = Api(board, node="n1")
+    chunks = api.models_chunks(False)
+    assert len(chunks) == 3 and len(chunks[1]) > 256 * 1024  # the big part is not copied
+    want = encoder.encode(views.models_doc(board.current, trio.current_time(), "n1"))
+    async with client(api) as c:
+        r = await c.get("/v1/models")
+    assert r.content == want and r.headers["content-length"] == str(len(want))

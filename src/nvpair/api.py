@@ -17,6 +17,7 @@ import trio
 from nvpair import views
 from nvpair.asgi import (
     FORWARDED_BY,
+    JSON,
     Mount,
     Receive,
     Scope,
@@ -37,6 +38,17 @@ log = logging.getLogger("nvpair.api")
 
 #: Ages in cached answers are at most this old; the cache also turns over with each version.
 AGE_RESOLUTION_S = 0.5
+#: pieces of an answer this large are sent as they are, never joined (see models_chunks)
+CHUNK_BYTES = 256 * 1024
+
+
+async def send_chunks(send: Send, status: int, chunks: Sequence[bytes]) -> None:
+    """A JSON answer sent in pieces (one Content-Length; the bytes as if sent at once)."""
+    headers = [*JSON, (b"content-length", str(sum(map(len, chunks))).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    for chunk in chunks[:-1]:
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    await send({"type": "http.response.body", "body": chunks[-1] if chunks else b""})
 
 
 class Controller(Protocol):
@@ -59,6 +71,14 @@ class ClusterView(Protocol):
 
 
 class Api:
+    """The ASGI app of nvpair's HTTP API: ``/healthz``, ``/v1/models``, ``/v1/engines`` and
+    the mounts (router, peers, ``/v1/router``), behind the bearer token or, without one,
+    the browser checks (``browser_refusal``).
+
+    Reads take ``board.current`` once and answer from it without awaiting; writes go to
+    the ``controller``. Any exception while answering is a 500 for that request (logged
+    with its traceback), never the server's."""
+
     def __init__(self, board: Board, *, node: str, token: str | None = None,
                  controller: Controller | None = None, mounts: Sequence[Mount] = (),
                  cluster: ClusterView | None = None, cluster_token: str | None = None,
@@ -73,6 +93,7 @@ class Api:
         self.mounts = tuple(mounts)
         self.cluster = cluster
         self._cache: dict[str, tuple[tuple[int, int], int, bytes]] = {}
+        self._chunks: dict[str, tuple[tuple[int, int], int, tuple[bytes, ...]]] = {}
         #: this node's /v1/models, encoded per engine (see nvpair.listing)
         self._models = ModelsBody(node)
 
@@ -89,26 +110,39 @@ class Api:
         return body
 
     def models_body(self, cluster: bool) -> bytes:
-        """``/v1/models`` (with the peers' models when ``cluster``), cached per listing
-        version and age bucket: probe counters do not re-encode it, and a changed engine
-        re-encodes only its own items."""
+        """``/v1/models`` (with the peers' models when ``cluster``), in one piece."""
+        return b"".join(self.models_chunks(cluster))
+
+    def models_chunks(self, cluster: bool) -> tuple[bytes, ...]:
+        """``/v1/models`` as the pieces it is sent in, cached per listing version and age
+        bucket: probe counters do not re-encode it, and a changed engine re-encodes only its
+        own items. An engine's part of 256 KiB or more stays a piece of its own, so a list
+        of tens of MB is never copied into one buffer on the event loop."""
         now = trio.current_time()
         version = (self.board.listed(now),
                    self.cluster.version if cluster and self.cluster else 0)
         bucket = int(now / AGE_RESOLUTION_S)
         key = "cluster-models" if cluster else "models"
-        hit = self._cache.get(key)
+        hit = self._chunks.get(key)
         if hit is not None and hit[0] == version and hit[1] == bucket:
             return hit[2]
         parts = self._models.parts(self.board, now)
         if cluster and self.cluster is not None and (peers := self.cluster.models(now)):
             parts.append(encoder.encode(peers)[1:-1])
-        out = [b'{"object":"list","data":[']
-        for part in parts:  # one copy of a body that may be tens of MB, not three
-            out += (part, b",")
-        out[-1:] = [out[-1], b"]}"] if len(out) == 1 else [b"]}"]
-        body = b"".join(out)
-        self._cache[key] = (version, bucket, body)
+        chunks: list[bytes] = []
+        small = [b'{"object":"list","data":[']
+        for i, part in enumerate(parts):
+            if i:
+                small.append(b",")
+            if len(part) < CHUNK_BYTES:
+                small.append(part)
+                continue
+            chunks += (b"".join(small), part)
+            small = []
+        small.append(b"]}")
+        chunks.append(b"".join(small))
+        body = tuple(chunks)
+        self._chunks[key] = (version, bucket, body)
         return body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -157,7 +191,7 @@ class Api:
                 return
             query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
             cluster = path == "/v1/cluster/models" or "cluster" in query.get("scope", ())
-            await send_bytes(send, 200, self.models_body(cluster))
+            await send_chunks(send, 200, self.models_chunks(cluster))
             return
         if len(parts) >= 4 and parts[:3] == ["", "v1", "models"] and path != "/v1/models/":
             await self.model_route(scope, send, path.removeprefix("/v1/models/"))
