@@ -190,3 +190,30 @@ def test_the_link_check_finds_links_outside() -> None:
     assert outside(doc, "../../shared/reference/structure-review.md") is not None
     assert outside(doc, "../../elsewhere.md") == "../../elsewhere.md: outside the repository"
     assert outside(doc, "nosuch.md") == "nosuch.md: no such file in the repository"
+
+
+def startables() -> list[tuple[str, ast.AsyncFunctionDef]]:
+    """Every coroutine of the package that takes ``task_status`` (for ``nursery.start``)."""
+    found = []
+    for name, path in modules().items():
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.AsyncFunctionDef) and any(
+                    a.arg == "task_status" for a in (*node.args.args, *node.args.kwonlyargs)):
+                found.append((f"{name}:{node.lineno} {node.name}", node))
+    return found
+
+
+def test_every_startable_says_its_started_value_cancellation_and_raises() -> None:
+    """What ``nursery.start`` hands back, how it ends when cancelled and what it raises."""
+    found = startables()
+    assert len(found) > 15
+    missing = []
+    for where, node in found:
+        doc = (ast.get_docstring(node) or "").lower()
+        lacks = [what for what, words in (("started value", ("started value",)),
+                                           ("cancellation", ("cancellation", "cancelling")),
+                                           ("raises", ("raises",)))
+                 if not any(w in doc for w in words)]
+        if lacks:
+            missing.append(f"{where}: no {', '.join(lacks)} in its docstring")
+    assert missing == []

@@ -98,8 +98,9 @@ async def _accept(
 ) -> None:
     """Accept on ``listener`` and serve each connection in ``nursery``.
 
-    Started value: the cancel scope that stops accepting (``EnginePort.unlisten``), at
-    once; the connections stay (they are ``nursery``'s). Raises: what ``accept`` raises."""
+    Started value: its cancel scope (``EnginePort.unlisten`` cancels it), at once.
+    Cancellation stops accepting; the connections stay (they are ``nursery``'s). Raises:
+    what ``accept`` raises."""
     with trio.CancelScope() as scope:
         task_status.started(scope)
         while True:
