@@ -126,7 +126,9 @@ class Api:
         hit = self._chunks.get(key)
         if hit is not None and hit[0] == version and hit[1] == bucket:
             return hit[2]
-        parts = self._models.parts(self.board, now)
+        # ages as at the start of the bucket (so at most AGE_RESOLUTION_S old, as before):
+        # an engine neither changed nor probed since the last answer is not joined again
+        parts = self._models.parts(self.board, now, ages_at=bucket * AGE_RESOLUTION_S)
         if cluster and self.cluster is not None and (peers := self.cluster.models(now)):
             parts.append(encoder.encode(peers)[1:-1])
         chunks: list[bytes] = []

@@ -243,16 +243,22 @@ class ModelsBody:
         #: by engine position: (the catalog version its items changed at, the encoded
         #: items split where each item's checked_age_s goes)
         self._parts: dict[int, tuple[int, list[bytes]]] = {}
+        #: by engine position: the part and age last joined, and the joined bytes
+        self._joined: dict[int, tuple[tuple[int, list[bytes]], bytes, bytes]] = {}
 
     def data(self, board: Board, now: float) -> bytes:
         """The items of ``/v1/models``, encoded and comma-separated (no brackets)."""
         return b",".join(self.parts(board, now))
 
-    def parts(self, board: Board, now: float) -> list[bytes]:
-        """Each engine's items, encoded (to be joined with commas)."""
+    def parts(self, board: Board, now: float, ages_at: float | None = None) -> list[bytes]:
+        """Each engine's items, encoded (to be joined with commas), with ages as at
+        ``ages_at`` (default ``now``). An engine's part with the same items and the same
+        age is the one joined last time (with ages at a fixed moment, only engines whose
+        items changed or that were probed since are joined again)."""
         cat = catalog(board, now)
         if cat.layout != self._layout:
-            self._parts, self._layout = {}, cat.layout
+            self._parts, self._layout, self._joined = {}, cat.layout, {}
+        at = now if ages_at is None else ages_at
         engines = board.current.engines
         out = []
         for pos in cat.order:
@@ -263,7 +269,11 @@ class ModelsBody:
                 items = [wire(cat.items[m], self.node, None) for m in cat.owned[pos]]
                 part = (cat.changed_at[pos], _encoder.encode(items)[1:-1].split(_PLACEHOLDER))
                 self._parts[pos] = part
-            out.append((_AGE + _encoder.encode(age(now, engines[pos].checked_at))).join(part[1]))
+            checked = _encoder.encode(age(at, engines[pos].checked_at))
+            joined = self._joined.get(pos)
+            if joined is None or joined[0] is not part or joined[1] != checked:
+                joined = self._joined[pos] = (part, checked, (_AGE + checked).join(part[1]))
+            out.append(joined[2])
         return out
 
     def item(self, board: Board, now: float, model: str) -> _Item | None:
