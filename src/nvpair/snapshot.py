@@ -108,11 +108,13 @@ class EngineState(msgspec.Struct, frozen=True):
         return None
 
 
-def shown_state(e: EngineState, now: float) -> State:
+def shown_state(e: EngineState, now: float, overdue_after: float | None = None) -> State:
     """The state an engine is listed in: ``ready`` turns ``stale`` when no successful
-    health probe came for ``overdue_after_s`` (as ``state.effective_state``)."""
+    health probe came for ``overdue_after`` (by default the engine's ``overdue_after_s``).
+    The one place of this rule (``state.effective_state`` calls it)."""
+    overdue = e.overdue_after_s if overdue_after is None else overdue_after
     if (e.state == "ready" and e.checked_at is not None
-            and now - e.checked_at > e.overdue_after_s):
+            and now - e.checked_at > overdue):
         return "stale"
     return e.state
 

@@ -16,7 +16,7 @@ import trio
 
 from nvpair.config import EngineSpec
 from nvpair.manifest import ProbeSpec
-from nvpair.snapshot import EngineState, Identity, Model, ProbeStats, State
+from nvpair.snapshot import EngineState, Identity, Model, ProbeStats, State, shown_state
 
 LivenessProbe = Literal["ready", "health"]
 #: who found a mismatch (and so alone may clear it)
@@ -122,11 +122,9 @@ def after_liveness(
 
 
 def effective_state(engine: EngineState, now: float, overdue_after: float) -> State:
-    """``ready`` turns ``stale`` when no successful health probe came for too long."""
-    if (engine.state == "ready" and engine.checked_at is not None
-            and now - engine.checked_at > overdue_after):
-        return "stale"
-    return engine.state
+    """``ready`` turns ``stale`` when no successful health probe came for too long
+    (``snapshot.shown_state``'s rule, which the listing uses too)."""
+    return shown_state(engine, now, overdue_after)
 
 
 def with_auth_notice(engine: EngineState, outcome: Outcome, path: str) -> EngineState:
