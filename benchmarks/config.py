@@ -1,4 +1,4 @@
-"""How long and how big each scenario runs: the full run and ``--quick`` (CI, under 2 min)."""
+"""How long and how big each scenario runs: the full run and ``--quick`` (CI, about 90 s)."""
 
 from __future__ import annotations
 
