@@ -8,19 +8,17 @@ from __future__ import annotations
 from functools import partial
 
 import trio
+from tests.raw_http import read_request
 
 
 async def _handle(stream: trio.SocketStream, body: bytes | None = None) -> None:
     buffer = b""
     try:
         while True:
-            while b"\r\n\r\n" not in buffer:
-                data = await stream.receive_some(65536)
-                if not data:
-                    return
-                buffer += data
-            head, _, buffer = buffer.partition(b"\r\n\r\n")
-            path = head.split(b" ", 2)[1].decode()
+            request, buffer = await read_request(stream, buffer)
+            if request is None:
+                return
+            path = request.path
             if path == "/hang":  # never answer; close when the client goes
                 while await stream.receive_some(65536):
                     pass

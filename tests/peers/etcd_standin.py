@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 
 import httpx2
 import trio
+from tests.raw_http import read_request
 
 GARBAGE = ("html", "truncated", "types", "missing", "base64", "nested", "message")
 LEASE = "7587"
@@ -128,25 +129,10 @@ class FakeEtcd:
         buffer = b""
         try:
             while True:
-                while b"\r\n\r\n" not in buffer:
-                    data = await stream.receive_some(65536)
-                    if not data:
-                        return
-                    buffer += data
-                head, _, buffer = buffer.partition(b"\r\n\r\n")
-                lines = head.decode("latin-1").split("\r\n")
-                path = lines[0].split(" ")[1]
-                length = 0
-                for line in lines[1:]:
-                    name, _, value = line.partition(":")
-                    if name.strip().lower() == "content-length":
-                        length = int(value)
-                while len(buffer) < length:
-                    data = await stream.receive_some(65536)
-                    if not data:
-                        return
-                    buffer += data
-                body, buffer = buffer[:length], buffer[length:]
+                request, buffer = await read_request(stream, buffer)
+                if request is None:
+                    return
+                path, body = request.path, request.body
                 if path == "/v3/watch" and self.streams_watch():
                     self.requests.append(path)
                     await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json"

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import msgspec
 import trio
+from tests.raw_http import read_request
 
 Script = list[tuple[float, bytes]]
 #: what a client of the router sends (it refuses a POST whose body is not said to be JSON)
@@ -79,19 +80,10 @@ class ScriptEngine:
         self.connections += 1
         buffer = b""
         try:
-            while b"\r\n\r\n" not in buffer:
-                data = await stream.receive_some(65536)
-                if not data:
-                    return
-                buffer += data
-            head, _, rest = buffer.partition(b"\r\n\r\n")
-            lines = head.decode("latin-1").split("\r\n")
-            method, path, _ = lines[0].split(" ", 2)
-            headers = {k.strip().lower(): v.strip()
-                       for k, v in (line.split(":", 1) for line in lines[1:] if ":" in line)}
-            length = int(headers.get("content-length", "0"))
-            while len(rest) < length:
-                rest += await stream.receive_some(65536)
+            request, _ = await read_request(stream, buffer)
+            if request is None:
+                return
+            method, path, headers, rest = request
             if method == "GET" and path.startswith("/v1/models"):
                 doc = {"object": "list", "data": [{"id": self.model, "object": "model",
                                                    "created": 1, "owned_by": "script"}]}
