@@ -12,7 +12,7 @@ import trio.testing
 from tests.fakes import FakeEngine, engine_spec, vllm_routes
 from tests.managed import wait_state
 
-from nvpair.prober import run_probes
+from nvpair.prober import ProbeMemory, run_probes
 from nvpair.probes import MAX_BODY
 from nvpair.snapshot import Board
 from nvpair.state import effective_state, initial_state
@@ -463,3 +463,34 @@ async def test_the_prober_is_enrolled_in_the_sweep_while_its_probes_run(
     scopes[1].cancel()
     await trio.testing.wait_all_tasks_blocked()
     assert "e" not in sweep.probers
+
+
+async def test_a_generating_request_cut_short_still_counts_against_the_budget(
+        nursery, autojump_clock) -> None:
+    """A generating request cancelled in flight (the engine's probes restart) may have
+    reached the engine: the restarted probes send none for 30 s after it (before, the cut
+    request was never recorded and the restarted prober sent the next one at once)."""
+    spec = engine_spec("sglang", allow_generating_probes=True)
+    fake = FakeEngine({"/health": (200, ""), "/model_info": (200, {
+        "model_path": "m", "is_generation": True})})
+    fake.hang.add("/health")  # it generates, slowly
+    board = Board((initial_state(spec),))
+    memory = ProbeMemory()
+
+    async def probing(task_status) -> None:
+        async with trio.open_nursery() as own:
+            await own.start(partial(run_probes, spec, board, transport=fake.transport(),
+                                    memory=memory))
+            task_status.started(own.cancel_scope)
+
+    scope = await nursery.start(probing)
+    while fake.counts["/health"] == 0:
+        await board.wait_changed(board.current.version)
+    sent_at = fake.times["/health"][0]
+    scope.cancel()  # the probes restart (an engine restart does the same)
+    await trio.testing.wait_all_tasks_blocked()
+    fake.hang.discard("/health")
+    await nursery.start(probing)
+    await trio.sleep(60)
+    times = fake.times["/health"]
+    assert len(times) >= 2 and times[1] >= sent_at + 30 - 1e-9, times

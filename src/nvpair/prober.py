@@ -191,6 +191,10 @@ class Prober:
         if self._generated is not None and now < self._generated[0] + GENERATING_MIN_INTERVAL_S:
             last = self._generated[1]
             return (msgspec.structs.replace(last, kind="passive") if last.ok else last), None
+        # counted before it is sent: one cut short (a restart) may have reached the engine
+        self._generated = (now, Outcome(ok=False, kind="timeout", path=path, error=(
+            f"GET {path} generates; the last one, sent under {GENERATING_MIN_INTERVAL_S:g} s "
+            "ago, was cut short")))
         outcome, answer = await self._attempt(spec, path)
         self._generated = (now, outcome)
         return outcome, answer
