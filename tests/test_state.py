@@ -230,6 +230,25 @@ def test_a_failing_listing_makes_the_engine_unhealthy_with_the_reason() -> None:
     assert listing_failed(stopped, VLLM.probes.models, "x", 2.0).state == "stopped"
 
 
+def test_a_failing_listing_holds_until_a_listing_works() -> None:
+    """Good health probes do not make it ready while its listing fails (it flapped at every
+    listing before); a good listing clears it, and the next good health probe recovers it.
+    An identity mismatch found meanwhile is not the listing's to clear."""
+    listed = after_models(ready(VLLM), VLLM, LISTED, 1.0, listing=Listing((Model("want"),)))
+    e = listing_failed(listed, VLLM.probes.models, "internal error in nvpair (TypeError)", 2.0)
+    for i in range(3):
+        e = after_liveness(e, "health", HEALTH, OK, now=3.0 + i)
+    assert (e.state, e.error) == ("unhealthy", "internal error in nvpair (TypeError)")
+    e = after_models(e, VLLM, LISTED, 6.0, listing=Listing((Model("want"),)))
+    e = after_liveness(e, "health", HEALTH, OK, now=7.0)
+    assert (e.state, e.error, e.mismatch) == ("ready", None, None)
+    found = after_identity(listed, VLLM, IDENT_OK, 2.0, wrong="does not look like vllm")
+    e = listing_failed(found, VLLM.probes.models, "x", 3.0)
+    e = after_models(e, VLLM, LISTED, 4.0, listing=Listing((Model("want"),)))
+    e = after_liveness(e, "health", HEALTH, OK, now=5.0)
+    assert (e.state, e.mismatch_by) == ("unhealthy", "identity")
+
+
 def test_a_failing_loop_makes_the_engine_unhealthy_unless_stopped() -> None:
     e = part_failed(ready(), "internal error in nvpair (KeyError: 'x')", 3.0)
     assert (e.state, e.error, e.since) == ("unhealthy", "internal error in nvpair (KeyError: 'x')",

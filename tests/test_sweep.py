@@ -168,3 +168,34 @@ async def test_a_failing_listing_keeps_the_batch_and_the_sweep(nursery, autojump
     bad = board.current.engine("bad")
     assert fakes["bad"].counts["/v1/models"] == 2
     assert bad.state == "ready" and [m.id for m in bad.models] == ["m-bad"]
+
+
+async def test_a_listing_that_keeps_failing_keeps_the_engine_unhealthy(
+        nursery, autojump_clock, monkeypatch) -> None:
+    """While its listing keeps raising, the engine stays unhealthy: a good health probe
+    alone does not make it ready until the next listing fails again (before, it flapped
+    unhealthy/ready at every listing). A listing that works again recovers it."""
+    real = probes.parse_listing
+    broken = True
+
+    def parse(body: bytes, fmt, path):  # a parser bug this engine's answer keeps hitting
+        if broken:
+            raise TypeError("unhashable type: 'dict'")
+        return real(body, fmt, path)
+
+    monkeypatch.setattr(probes, "parse_listing", parse)
+    fake = FakeEngine(vllm_routes("m"))
+    board, _ = await start_all(nursery, {"e": fake})
+    await wait_state(board, "e", "unhealthy")
+    states: list[str] = []
+    version = board.current.version
+    with trio.move_on_after(120):
+        while True:
+            snap = await board.wait_changed(version)
+            version = snap.version
+            states.append(snap.engines[0].state)
+    assert fake.counts["/v1/models"] >= 4 and fake.counts["/health"] >= 20
+    assert set(states) == {"unhealthy"}, states
+    broken = False
+    e = await wait_state(board, "e", "ready", within=40)
+    assert [m.id for m in e.models] == ["m"] and e.error is None

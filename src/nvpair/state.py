@@ -303,9 +303,15 @@ def part_failed(engine: EngineState, reason: str, now: float) -> EngineState:
 def listing_failed(engine: EngineState, spec: ProbeSpec | None, reason: str, now: float
                    ) -> EngineState:
     """The engine's listing raised: counted as an error of its models probe (``spec``,
-    when known), the earlier list kept, marked stale, and the engine unhealthy."""
+    when known), the earlier list kept, marked stale, and the engine unhealthy until a
+    listing works again (the model list's finding, as with ``with_mismatch``: a good
+    health probe alone does not clear it, or the engine would flap at every listing)."""
     if spec is not None:
         engine = count(engine, "models", spec.path,
                        Outcome(ok=False, kind="error", error=reason), now)
     engine = msgspec.structs.replace(engine, models_stale=bool(engine.models))
-    return part_failed(engine, reason, now)
+    if engine.state == "stopped":
+        return engine
+    if engine.mismatch is not None and engine.mismatch_by != "models":
+        return part_failed(engine, reason, now)  # the identity's finding stays its own
+    return with_mismatch(engine, "models", reason, now)
