@@ -28,6 +28,7 @@ import trio
 from nvpair import probes
 from nvpair.boundary import Part
 from nvpair.errors import ProbeError
+from nvpair.histogram import SWEEP_BUCKETS_S, Histogram
 from nvpair.prober import Prober
 from nvpair.snapshot import LISTED_STATES, Board
 from nvpair.state import Outcome, after_models, listing_failed, models_missed
@@ -55,6 +56,8 @@ class Sweep:
         self.part = Part("model-list sweep", logger=log)
         #: the loop's wait (for the listing, or the next due time); cancelled to wake it
         self._waiting = trio.CancelScope()
+        #: how long each batch took, from its start to its last answer or the deadline
+        self.durations = Histogram(SWEEP_BUCKETS_S)
 
     @contextmanager
     def enrolled(self, prober: Prober) -> Iterator[None]:
@@ -142,6 +145,7 @@ class Sweep:
                         nursery.start_soon(self._list_one, prober, done)
         finally:
             now = trio.current_time()
+            self.durations.observe(now - started)
             self._waiting.cancel()  # the loop recomputes when these are due
             for name in names:  # each engine's bookkeeping in its boundary: all of it runs
                 self._in_flight.discard(name)

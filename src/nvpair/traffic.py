@@ -16,6 +16,7 @@ import msgspec
 import trio
 
 from nvpair.config import RouterConfig
+from nvpair.histogram import ROUTER_BUCKETS_S, Histogram
 
 
 def peer_key(node: str) -> str:
@@ -41,6 +42,11 @@ class Traffic:
     def __init__(self, config: RouterConfig | None = None) -> None:
         self.config = config or RouterConfig()
         self.engines: dict[str, EngineTraffic] = {}
+        #: every answer the router sent (/metrics): its time to the first byte of the body
+        #: and in total, from the request's start, and its status by (engine, code)
+        self.first_byte = Histogram(ROUTER_BUCKETS_S)
+        self.duration = Histogram(ROUTER_BUCKETS_S)
+        self.codes: dict[tuple[str, int], int] = {}
 
     def of(self, name: str) -> EngineTraffic:
         entry = self.engines.get(name)
@@ -77,6 +83,18 @@ class Traffic:
             entry.rejected += 1
         else:
             entry.client_gone += 1
+
+    def answered(self, name: str, status: int | None, started: float,
+                 first_byte_at: float | None) -> None:
+        """Count an answer sent to the client with ``status`` (None: none was sent)."""
+        if status is None:
+            return
+        key = (name, status)
+        self.codes[key] = self.codes.get(key, 0) + 1
+        now = trio.current_time()
+        self.duration.observe(now - started)
+        if first_byte_at is not None:
+            self.first_byte.observe(first_byte_at - started)
 
     def proves_healthy(self, name: str, now: float, interval: float) -> bool:
         """A real request succeeded within the last probe interval."""

@@ -85,6 +85,10 @@ class Result:
         self.outcome = "failed"
         self.error: str | None = None
         self.done = False
+        #: for /metrics: the status sent to the client (None: none yet), and when
+        self.status: int | None = None
+        self.started = trio.current_time()
+        self.first_byte_at: float | None = None
 
     def finish(self, outcome: str, error: str | None) -> None:
         self.outcome, self.error, self.done = outcome, error, True
@@ -292,6 +296,8 @@ class Router:
                     raise
                 finally:
                     self.traffic.finished(target.key, result.outcome, result.error)
+                    self.traffic.answered(target.key, result.status, result.started,
+                                          result.first_byte_at)
                 return
         finally:
             now = trio.current_time()
@@ -318,11 +324,13 @@ class Router:
                 failed = f"{target.what} failed before answering: {exc}"
         if failed is not None:  # answered outside the first-byte scope: one answer only
             result.finish("failed", failed)
+            result.status = 502
             await send_error(send, 502, failed, "engine_error")
             return
         if first.cancelled_caught:
             result.finish("failed", f"{target.what} sent nothing within "
                                     f"{self.config.first_byte_timeout_s:g} s")
+            result.status = 504
             await send_error(send, 504, result.error or "", "engine_timeout")
             return
         try:
@@ -334,12 +342,15 @@ class Router:
                     out.append((key, value))
                     sse = sse or (key == b"content-type"
                                   and value.startswith(b"text/event-stream"))
+            result.status = response.status
             await send({"type": "http.response.start", "status": response.status,
                         "headers": out})
             chunks = _Chunks(response, first_by, self.config)
             gone: EngineGone | None = None
             try:
                 while (chunk := await chunks.next()) is not None:
+                    if result.first_byte_at is None:
+                        result.first_byte_at = trio.current_time()
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except EngineGone as exc:
                 gone = exc
