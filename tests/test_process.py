@@ -203,3 +203,34 @@ async def test_terminate_reaps_a_process_that_heeds_the_signal(autojump_clock) -
     (-15, "killed by SIGTERM"), (-200, "killed by signal 200"), (None, "is still running")])
 def test_describe_exit(code: int | None, words: str) -> None:
     assert describe_exit(code) == words
+
+
+async def test_the_stray_reaper_never_takes_an_engine_that_is_being_spawned(
+        nursery, tmp_path) -> None:
+    """The reaper (on SIGCHLD) runs while a spawn waits for its thread; an engine that has
+    already exited then is not on record yet. It must not be reaped as a stray: before, it
+    was, and the engine's exit code was lost (reported as 0)."""
+    from nvpair.orphans import reap_once
+    from nvpair.process import spawn_process
+
+    log = EngineLog(None)
+    procs = EngineProcs(tmp_path)
+
+    async def spawn(argv: Sequence[str], env: Mapping[str, str]):  # type: ignore[no-untyped-def]
+        proc = await spawn_process(argv, env)
+        fd = os.pidfd_open(proc.pid)  # readable once it has exited
+        try:
+            await trio.lowlevel.wait_readable(fd)
+        finally:
+            os.close(fd)
+        reap_once(procs)  # what a SIGCHLD meanwhile makes the reaper do
+        return proc
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as lifetime:
+            proc: EngineProcess = await lifetime.start(_run(
+                [sys.executable, "-c", "import sys; sys.exit(3)"], log, procs, nursery,
+                spawn=spawn))
+            assert await proc.wait() == 3
+    assert log.tail(10).lines[-1] == f"[nvpair] process {proc.pid} ended: exited with code 3"
+    assert procs.live == {} and list((tmp_path / "engines").iterdir()) == []

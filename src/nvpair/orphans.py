@@ -192,10 +192,27 @@ class EngineProcs:
         self._me = stat(os.getpid())
         self._boot = boot_id()
         self._part = Part("state files")
+        #: spawns under way: their process may have exited before it is on record
+        self._spawning = 0
+        self._reap_deferred = False
 
     def _path(self, engine: str, pid: int) -> Path:
         assert self.dir is not None
         return self.dir / f"{engine}.{pid}.json"
+
+    @contextlib.contextmanager
+    def spawning(self) -> Iterator[None]:
+        """Around a spawn and its ``record``: strays are not reaped meanwhile (the new
+        process is our child before it is on record, and may already have exited: reaped
+        as a stray, its exit status would be lost), but once the block ends."""
+        self._spawning += 1
+        try:
+            yield
+        finally:
+            self._spawning -= 1
+            if self._spawning == 0 and self._reap_deferred:
+                self._reap_deferred = False
+                reap_once(self)
 
     def record(self, engine: str, pid: int, argv: Iterable[str]) -> None:
         """Write the state file of a process just started (atomically). Never raises: an
@@ -403,7 +420,11 @@ def strays(procs: EngineProcs) -> list[tuple[int, Stat]]:
 
 
 def reap_once(procs: EngineProcs) -> list[int]:
-    """Reap the strays that have ended (zombies); return their pids."""
+    """Reap the strays that have ended (zombies); return their pids. During a spawn
+    (``EngineProcs.spawning``) nothing is reaped until it ends."""
+    if procs._spawning:
+        procs._reap_deferred = True
+        return []
     reaped = []
     for pid, s in strays(procs):
         if s.state == "Z":

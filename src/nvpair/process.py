@@ -167,8 +167,9 @@ async def run_engine_process(
     Copying the output never raises: ``output`` is its fault boundary (on a failure the
     output is read and dropped for the backoff, then copied again).
     """
-    proc = await spawn(argv, env)
-    procs.record(name, proc.pid, argv)  # until reaped: docs/deploy.md
+    with procs.spawning():  # not a stray before it is on record
+        proc = await spawn(argv, env)
+        procs.record(name, proc.pid, argv)  # until reaped: docs/deploy.md
     handle = EngineProcess(proc)
     try:
         async with trio.open_nursery() as pumping:
