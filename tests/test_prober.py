@@ -494,3 +494,40 @@ async def test_a_generating_request_cut_short_still_counts_against_the_budget(
     await trio.sleep(60)
     times = fake.times["/health"]
     assert len(times) >= 2 and times[1] >= sent_at + 30 - 1e-9, times
+
+
+async def test_an_identity_loop_that_keeps_raising_keeps_the_engine_unhealthy(
+        nursery, autojump_clock, monkeypatch) -> None:
+    """Once ready, an identity loop that raises at each check (a bug) holds the engine
+    unhealthy until an identity check works again; good health probes alone do not make it
+    ready meanwhile (before, it flapped: unhealthy at each check, ready at the next health
+    probe)."""
+    from nvpair import probes
+
+    real = probes.parse_identity
+    broken = False
+
+    def parse(body, spec, kind):  # type: ignore[no-untyped-def]
+        if broken:
+            raise TypeError("unhashable type: 'dict'")
+        return real(body, spec, kind)
+
+    monkeypatch.setattr(probes, "parse_identity", parse)
+    spec = engine_spec("vllm")
+    fake = FakeEngine(vllm_routes())
+    board = await start(nursery, spec, fake)
+    await wait_state(board, "e", "ready")
+    broken = True
+    await wait_state(board, "e", "unhealthy", within=70)
+    states: list[str] = []
+    version = board.current.version
+    with trio.move_on_after(300):
+        while True:
+            snap = await board.wait_changed(version)
+            version = snap.version
+            states.append(snap.engines[0].state)
+    assert fake.counts["/version"] >= 4 and fake.counts["/health"] >= 50
+    assert set(states) == {"unhealthy"}, states
+    broken = False
+    e = await wait_state(board, "e", "ready", within=130)
+    assert e.error is None

@@ -34,6 +34,7 @@ from nvpair.errors import ProbeError
 from nvpair.manifest import GENERATING_MIN_INTERVAL_S, PROBE_NAMES, ProbeSpec
 from nvpair.snapshot import Board, EngineState
 from nvpair.state import (
+    Finder,
     Outcome,
     after_identity,
     after_liveness,
@@ -357,14 +358,17 @@ def _ms(started: float) -> float:
 
 # -- one engine's probe loops, each in its fault boundary ------------------------------------
 
-def unhealthy_with(board: Board, name: str) -> Callable[[str | None], None]:
+def unhealthy_with(board: Board, name: str, by: Finder | None = None
+                   ) -> Callable[[str | None], None]:
     """A part's ``publish``: its failure makes engine ``name`` unhealthy with the reason.
     A recovery publishes nothing: the next good probe moves the engine on by the usual
-    rules (and clears the error)."""
+    rules (and clears the error). With ``by``, the failure holds until ``by``'s probe
+    clears it (``state.part_failed``)."""
 
     def publish(reason: str | None) -> None:
         if reason is not None:
-            board.update(name, partial(part_failed, reason=reason, now=trio.current_time()))
+            board.update(name, partial(part_failed, reason=reason, now=trio.current_time(),
+                                       by=by))
 
     return publish
 
@@ -373,8 +377,9 @@ class LoopPart(Part):
     """A probe loop's boundary. It works again once one of its probes has recorded a
     result after the failure (a loop that never returns says so no other way)."""
 
-    def __init__(self, name: str, board: Board, engine: str, probes: tuple[str, ...]) -> None:
-        super().__init__(name, unhealthy_with(board, engine))
+    def __init__(self, name: str, board: Board, engine: str, probes: tuple[str, ...],
+                 by: Finder | None = None) -> None:
+        super().__init__(name, unhealthy_with(board, engine, by))
         self.board, self.engine, self.probes = board, engine, probes
         self.failed_at = float("-inf")
         self._failing = trio.Event()
@@ -433,12 +438,15 @@ async def run_probes(
     async with open_client(spec, transport) as client, trio.open_nursery() as nursery:
         prober = Prober(spec, board, client, traffic, memory)
         with sweep.enrolled(prober) if sweep is not None else nullcontext():
-            loops: list[tuple[str, tuple[str, ...], Callable[[], Awaitable[None]]]] = [
-                ("health probes", ("ready", "health"), prober.run_liveness),
-                ("identity probe", ("identity",), prober.run_identity),
+            # (the identity loop's failure holds until an identity check clears it: good
+            # health probes alone would make the engine ready between its failures)
+            loops: list[tuple[str, tuple[str, ...], Finder | None,
+                              Callable[[], Awaitable[None]]]] = [
+                ("health probes", ("ready", "health"), None, prober.run_liveness),
+                ("identity probe", ("identity",), "identity", prober.run_identity),
             ]
-            for what, names, loop in loops:
-                part = LoopPart(f"engine {spec.name}: {what}", board, spec.name, names)
+            for what, names, by, loop in loops:
+                part = LoopPart(f"engine {spec.name}: {what}", board, spec.name, names, by)
                 nursery.start_soon(part.watch_recovery)
                 nursery.start_soon(partial(part.supervise, loop))
             task_status.started(prober)

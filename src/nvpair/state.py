@@ -291,12 +291,20 @@ def models_missed(engine: EngineState, spec: ProbeSpec, deadline_s: float, now: 
 
 # -- a fault boundary's failure ---------------------------------------------------------------
 
-def part_failed(engine: EngineState, reason: str, now: float) -> EngineState:
+def part_failed(engine: EngineState, reason: str, now: float, by: Finder | None = None
+                ) -> EngineState:
     """A part of this engine's supervision failed (a probe loop or its listing raised):
     unhealthy with the reason, unless stopped on purpose (that stays what it shows). A good
-    probe afterwards moves the engine on by the usual rules (and clears the error)."""
+    probe afterwards moves the engine on by the usual rules (and clears the error).
+
+    With ``by`` (the identity loop, the listing), the failure is that finder's, as with
+    ``with_mismatch``: the engine stays unhealthy until ``by`` works again, so a part that
+    keeps failing does not flap the engine ready at each good health probe. A mismatch
+    another finder found stays its own."""
     if engine.state == "stopped":
         return engine
+    if by is not None and (engine.mismatch is None or engine.mismatch_by == by):
+        return with_mismatch(engine, by, reason, now)
     return enter(engine, "unhealthy", now, error=reason)
 
 
@@ -310,8 +318,4 @@ def listing_failed(engine: EngineState, spec: ProbeSpec | None, reason: str, now
         engine = count(engine, "models", spec.path,
                        Outcome(ok=False, kind="error", error=reason), now)
     engine = msgspec.structs.replace(engine, models_stale=bool(engine.models))
-    if engine.state == "stopped":
-        return engine
-    if engine.mismatch is not None and engine.mismatch_by != "models":
-        return part_failed(engine, reason, now)  # the identity's finding stays its own
-    return with_mismatch(engine, "models", reason, now)
+    return part_failed(engine, reason, now, by="models")
