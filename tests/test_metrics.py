@@ -266,3 +266,14 @@ async def test_the_route_behind_the_token_and_the_counts() -> None:
 async def test_without_metrics_the_route_is_not_found() -> None:
     async with client(Api(Board(()), node="n")) as c:
         assert (await c.get("/metrics")).status_code == 404
+
+
+async def test_timestamps_follow_a_wall_clock_step() -> None:
+    """Lines kept for an unchanged engine are rebuilt when the wall clock steps (NTP)."""
+    now = trio.current_time()
+    wall = [1_000_000.0]
+    m = Metrics(Board((engine("a", checked_at=now - 2.0),)), node="n", wall=lambda: wall[0])
+    snap = m.board.current
+    assert b"} 999998.000\n" in m.render(snap, now, wall[0])
+    assert b"} 999998.000\n" in m.render(snap, now, wall[0] + 0.001)  # jitter: kept
+    assert b"} 1000058.000\n" in m.render(snap, now, wall[0] + 60.0)

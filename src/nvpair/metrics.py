@@ -18,7 +18,7 @@ from __future__ import annotations
 import platform
 import time
 from collections.abc import Callable, Mapping
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import trio
 
@@ -82,6 +82,9 @@ class Metrics:
         #: (route, status code) -> requests answered (the API counts them)
         self.api: dict[tuple[str, int], int] = {}
         self._cache: tuple[tuple[int, int, int], bytes] | None = None
+        #: per engine name: its lines as of the last render (see ``_lines``)
+        self._frags: dict[str, _Engine] = {}
+        self._offset = 0.0
         self._build = (f'nvpair_build_info{{version="{escape(__version__)}",'
                        f'python="{escape(platform.python_version())}",'
                        f'node="{escape(node)}"}} 1\n')
@@ -103,7 +106,19 @@ class Metrics:
         out: list[str] = []
         add = out.append
         engines = snap.engines
-        names = [f'engine="{escape(e.name)}"' for e in engines]
+        offset = self._offset  # trio time to Unix time, kept while it moves under 10 ms
+        if abs(wall_now - now - offset) > 0.01:  # (the clocks' jitter, a wall clock step)
+            offset = self._offset = wall_now - now
+        old, frags = self._frags, {}
+        for e in engines:  # an engine unchanged since the last render: its lines as they were
+            state = shown_state(e, now)
+            hit = old.get(e.name)
+            if hit is None or hit.engine is not e or hit.state != state or hit.offset != offset:
+                hit = _lines(e, state, offset)
+            frags[e.name] = hit
+        self._frags = frags
+        parts = list(frags.values())
+        names = [f.label for f in parts]
 
         def family(name: str, kind: str, text: str) -> None:
             add(f"# HELP {name} {text}\n# TYPE {name} {kind}\n")
@@ -112,26 +127,32 @@ class Metrics:
         add(self._build)
         family("nvpair_engine_up", "gauge",
                "1 when the engine is listed as serving (ready or stale), else 0.")
-        shown = [shown_state(e, now) for e in engines]
-        for lbl, state in zip(names, shown, strict=True):
-            add(f"nvpair_engine_up{{{lbl}}} {int(state in ('ready', 'stale'))}\n")
+        out += [f.up for f in parts]
         family("nvpair_engine_state", "gauge",
                "1 for the state the engine is in, 0 for the others.")
-        for e, lbl, state in zip(engines, names, shown, strict=True):
-            head = f'nvpair_engine_state{{{lbl},kind="{escape(e.kind)}",state="'
-            for s in ENGINE_STATES:
-                add(f'{head}{s}"}} {int(s == state)}\n')
+        out += [f.states for f in parts]
         family("nvpair_engine_last_ok_timestamp_seconds", "gauge",
                "Unix time of the engine's last good health or ready probe.")
-        for e, lbl in zip(engines, names, strict=True):
-            if e.checked_at is not None:
-                at = wall_now - (now - e.checked_at)
-                add(f"nvpair_engine_last_ok_timestamp_seconds{{{lbl}}} {at:.3f}\n")
+        out += [f.last_ok for f in parts]
         family("nvpair_engine_restarts_total", "counter",
                "Times nvpair restarted the engine's process.")
-        for e, lbl in zip(engines, names, strict=True):
-            add(f"nvpair_engine_restarts_total{{{lbl}}} {e.restarts}\n")
-        self._probes(engines, names, family, add)
+        out += [f.restarts for f in parts]
+        family("nvpair_probe_requests_total", "counter",
+               "Probe requests nvpair sent the engine, by probe and outcome "
+               "(ok, error, timeout; error and timeout once they happened).")
+        out += [f.probes for f in parts]
+        by_kind: dict[tuple[str, str], list[float]] = {}
+        for f in parts:
+            for key, total_ms, count in f.durations:
+                acc = by_kind.setdefault(key, [0.0, 0])
+                acc[0] += total_ms
+                acc[1] += count
+        family("nvpair_probe_duration_seconds", "summary",
+               "Time of probe requests, answered or not, by engine kind and probe.")
+        for (kind, probe), (ms, n) in sorted(by_kind.items()):
+            lbl = f'kind="{escape(kind)}",probe="{escape(probe)}"'
+            add(f"nvpair_probe_duration_seconds_sum{{{lbl}}} {number(ms / 1000)}\n"
+                f"nvpair_probe_duration_seconds_count{{{lbl}}} {int(n)}\n")
         self._sweep(family, add)
         self._peers(now, family, add)
         self._router(engines, names, family, add)
@@ -140,30 +161,6 @@ class Metrics:
             family("nvpair_events_streams", "gauge", "Open /v1/events streams.")
             add(f"nvpair_events_streams {self.streams()}\n")
         return "".join(out).encode()
-
-    def _probes(self, engines: tuple[EngineState, ...], names: list[str],
-                family: Callable[[str, str, str], None], add: Callable[[str], None]) -> None:
-        family("nvpair_probe_requests_total", "counter",
-               "Probe requests nvpair sent the engine, by probe and outcome "
-               "(ok, error, timeout; error and timeout once they happened).")
-        by_kind: dict[tuple[str, str], list[float]] = {}
-        for e, lbl in zip(engines, names, strict=True):
-            for probe, stats in e.probes:
-                head = f'nvpair_probe_requests_total{{{lbl},probe="{escape(probe)}",outcome="'
-                add(f'{head}ok"}} {stats.requests - stats.failures}\n')
-                if stats.failures > stats.timeouts:
-                    add(f'{head}error"}} {stats.failures - stats.timeouts}\n')
-                if stats.timeouts:
-                    add(f'{head}timeout"}} {stats.timeouts}\n')
-                acc = by_kind.setdefault((e.kind, probe), [0.0, 0])
-                acc[0] += stats.latency_ms_total
-                acc[1] += stats.requests
-        family("nvpair_probe_duration_seconds", "summary",
-               "Time of probe requests, answered or not, by engine kind and probe.")
-        for (kind, probe), (total_ms, count) in sorted(by_kind.items()):
-            lbl = f'kind="{escape(kind)}",probe="{escape(probe)}"'
-            add(f"nvpair_probe_duration_seconds_sum{{{lbl}}} {number(total_ms / 1000)}\n"
-                f"nvpair_probe_duration_seconds_count{{{lbl}}} {int(count)}\n")
 
     def _sweep(self, family: Callable[[str, str, str], None],
                add: Callable[[str], None]) -> None:
@@ -208,6 +205,44 @@ class Metrics:
                "Requests nvpair's API answered, by route and status code.")
         for (route, code), n in sorted(self.api.items()):
             add(f'nvpair_api_requests_total{{route="{escape(route)}",code="{code}"}} {n}\n')
+
+
+class _Engine(NamedTuple):
+    """One engine's lines of each family, kept while the engine's state is the same."""
+
+    engine: EngineState
+    state: str
+    offset: float
+    label: str
+    up: str
+    states: str
+    last_ok: str
+    restarts: str
+    probes: str
+    #: ((kind, probe), latency ms in total, requests) per probe
+    durations: tuple[tuple[tuple[str, str], float, int], ...]
+
+
+def _lines(e: EngineState, state: str, offset: float) -> _Engine:
+    lbl = f'engine="{escape(e.name)}"'
+    head = f'nvpair_engine_state{{{lbl},kind="{escape(e.kind)}",state="'
+    probes = []
+    for probe, stats in e.probes:
+        ph = f'nvpair_probe_requests_total{{{lbl},probe="{escape(probe)}",outcome="'
+        probes.append(f'{ph}ok"}} {stats.requests - stats.failures}\n')
+        if stats.failures > stats.timeouts:
+            probes.append(f'{ph}error"}} {stats.failures - stats.timeouts}\n')
+        if stats.timeouts:
+            probes.append(f'{ph}timeout"}} {stats.timeouts}\n')
+    return _Engine(
+        e, state, offset, lbl,
+        f"nvpair_engine_up{{{lbl}}} {int(state in ('ready', 'stale'))}\n",
+        "".join(f'{head}{s}"}} {int(s == state)}\n' for s in ENGINE_STATES),
+        "" if e.checked_at is None else
+        f"nvpair_engine_last_ok_timestamp_seconds{{{lbl}}} {e.checked_at + offset:.3f}\n",
+        f"nvpair_engine_restarts_total{{{lbl}}} {e.restarts}\n",
+        "".join(probes),
+        tuple(((e.kind, p), st.latency_ms_total, st.requests) for p, st in e.probes))
 
 
 def histogram(add: Callable[[str], None], name: str, labels: str, h: Histogram) -> None:
