@@ -132,3 +132,19 @@ async def test_a_model_that_turns_odd_is_checked_again() -> None:
         board.publish((engine(Model(id="m", created=odd)),))  # type: ignore[arg-type]
         adv.refresh(trio.current_time())
         assert decode(adv.body).left_out == 1 and decode(adv.body).models == ()
+
+
+async def test_left_out_follows_the_odd_models_when_the_good_ones_stay() -> None:
+    """The count of models left out is part of the advert: one more odd model (or one less)
+    beside the same good ones is a new advert. Before, the content compared only what was
+    sent, so peers kept ``left_out: 1`` after a second odd model came and after both went."""
+    board = Board((engine(Model(id="good"), Model(id="x" * 600)),))
+    adv = Advertiser(board, "me", ttl_s=15, url="http://me:1")
+    assert decode(adv.body).left_out == 1
+    board.publish((engine(Model(id="good"), Model(id="x" * 600), Model(id="y" * 600)),))
+    assert adv.refresh(trio.current_time())
+    assert decode(adv.body).left_out == 2
+    board.publish((engine(Model(id="good")),))
+    assert adv.refresh(trio.current_time())
+    sent = decode(adv.body)
+    assert sent.left_out == 0 and [m.id for m in sent.models] == ["good"]

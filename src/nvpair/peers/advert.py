@@ -248,7 +248,7 @@ class Advertiser:
         if self._advert.seq and built == self._built:
             return False
         engines, models, unfit, why, beyond = describe(self.board, self.node, now)
-        content = (self.url, engines, _stable(models), beyond)
+        content = (self.url, engines, _stable(models), beyond, unfit)  # unfit: left_out
         self._built = built
         if self._advert.seq and content == self._content:
             return False
