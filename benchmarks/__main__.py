@@ -27,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-from benchmarks import models, replay, report, scale, soak, throughput
+from benchmarks import metrics, models, replay, report, scale, soak, throughput
 from benchmarks.config import FULL, QUICK, BenchConfig
 from benchmarks.procs import ROOT, machine
 from benchmarks.targets import evaluate
@@ -41,6 +41,7 @@ SCENARIOS: dict[str, Scenario] = {
     "models": models.run,
     "throughput": throughput.run,
     "soak": soak.run,
+    "metrics": metrics.run,
 }
 
 
