@@ -575,3 +575,19 @@ async def test_a_restart_during_the_backoff_starts_at_once(nursery, autojump_clo
     assert runner.request("restart") == Accepted("restarting")
     await spawn.wait_started(4)
     assert trio.current_time() == asked
+
+
+async def test_a_ready_engine_outlives_its_startup_budget(nursery, autojump_clock) -> None:
+    """The budget bounds the start only: an engine that became ready keeps running past it."""
+    from tests.fakes import FakeEngine, vllm_routes
+    from tests.test_process import FakeSpawn
+
+    spawn = FakeSpawn()  # runs until stopped
+    runner = _fake_runner(spawn, FakeEngine(vllm_routes()))
+    await nursery.start(runner.run)
+    first = await spawn.wait_started(1)
+    await wait_state(runner.board, "e", "ready")
+    await trio.sleep(runner.spec.startup_budget_s * 2)
+    e = runner.board.current.engine("e")
+    assert e is not None and (e.state, e.pid, e.error) == ("ready", first.pid, None)
+    assert len(spawn.started) == 1 and first.returncode is None

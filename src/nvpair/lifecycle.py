@@ -338,11 +338,14 @@ class EngineRunner:
         return "exited"
 
     async def _budget(self) -> Why:
-        with trio.move_on_after(self.spec.startup_budget_s):
+        """"budget" if the process is not ready within its startup budget; once ready, it
+        never returns (the budget bounds the start only)."""
+        with trio.move_on_after(self.spec.startup_budget_s) as budget:
             await self._until_ready()
-            self._ready_at = trio.current_time()
-            await trio.sleep_forever()
-        return "budget"
+        if budget.cancelled_caught:
+            return "budget"
+        self._ready_at = trio.current_time()
+        await trio.sleep_forever()
 
     async def _asked(self) -> Why:
         await self._until(self._wanted_off)
