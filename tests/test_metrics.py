@@ -11,14 +11,19 @@ import httpx2
 import msgspec
 import pytest
 import trio
+import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
+from tests.managed import wait_state
 
+from nvpair import service
 from nvpair.api import Api, route_label
 from nvpair.asgi import Mount
+from nvpair.config import load_settings
 from nvpair.histogram import SWEEP_BUCKETS_S, Histogram
 from nvpair.metrics import ENGINE_STATES, PEER_STATES, Metrics, escape, number
 from nvpair.peers.table import PeerState
+from nvpair.sim import SimOptions, serve_sim
 from nvpair.snapshot import Board, EngineState, ProbeStats, State
 from nvpair.traffic import Traffic
 
@@ -277,3 +282,33 @@ async def test_timestamps_follow_a_wall_clock_step() -> None:
     assert b"} 999998.000\n" in m.render(snap, now, wall[0])
     assert b"} 999998.000\n" in m.render(snap, now, wall[0] + 0.001)  # jitter: kept
     assert b"} 1000058.000\n" in m.render(snap, now, wall[0] + 60.0)
+
+
+async def test_a_running_nvpair_counts_a_routed_request(nursery, tmp_path) -> None:
+    """Over real sockets: a chat completion through the router to a simulator shows in the
+    router's counters and histograms, the API's counts and the sweep's durations."""
+    sim = await nursery.start(serve_sim, SimOptions(kind="vllm", model="m"))
+    conf = tmp_path / "nvpair.toml"
+    conf.write_text(f"listen = '127.0.0.1:0'\n[[engines]]\nname = 'e'\nkind = 'vllm'\n"
+                    f"port = {sim.port}\n")
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, load_settings(str(conf)))
+        await wait_state(running.board, "e", "ready", where=lambda e: bool(e.models))
+        async with httpx2.AsyncClient(base_url=running.url) as c:
+            r = await c.post("/v1/chat/completions", json={
+                "model": "m", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            await trio.testing.wait_all_tasks_blocked(0.01)  # the listing's batch has ended
+            assert running.sweep.durations.count >= 1
+            text = (await c.get("/metrics")).text
+    assert value(text, "nvpair_router_requests_total", engine="e", code="200") == "1"
+    assert value(text, "nvpair_router_in_flight", engine="e") == "0"
+    assert value(text, "nvpair_router_first_byte_seconds_count") == "1"
+    assert value(text, "nvpair_router_request_duration_seconds_count") == "1"
+    assert value(text, "nvpair_api_requests_total", route="/v1/chat/completions",
+                 code="200") == "1"
+    assert int(value(text, "nvpair_sweep_duration_seconds_count")) >= 1
+    assert value(text, "nvpair_engine_up", engine="e") == "1"
+    assert int(value(text, "nvpair_probe_requests_total", engine="e", probe="models",
+                     outcome="ok")) >= 1
