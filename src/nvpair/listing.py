@@ -32,7 +32,7 @@ Text = Annotated[str, msgspec.Meta(max_length=TEXT_MAX)]
 Name = Annotated[str, msgspec.Meta(max_length=NAME_MAX)]
 
 
-class ModelItem(msgspec.Struct, frozen=True):
+class ModelItem(msgspec.Struct, frozen=True, gc=False):
     """One listed model: built once per listing, served in ``/v1/models`` (with the node
     and the owner's age), advertised to peers and stored by them as it is."""
 

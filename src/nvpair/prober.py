@@ -50,6 +50,8 @@ __all__ = ["Enrolment", "ProbeMemory", "Prober", "open_client", "overdue_after",
 
 Change = Callable[[EngineState], EngineState]
 
+#: one generator for every prober's jitter (a Random holds 2.5 KB of state).
+_RNG = random.Random()
 JITTER = 0.05  # fraction of the interval added at random to each tick
 #: health ticks skipped in a row at most while real requests prove the engine healthy.
 PASSIVE_MAX_IN_A_ROW = 3
@@ -111,7 +113,7 @@ class Prober:
         self._locks: dict[str, trio.Lock] = {n: trio.Lock() for n in PROBE_NAMES}
         #: per probe, the paths that answered 404 when last asked
         self._missing: dict[str, set[str]] = self.memory.missing
-        self._rng = random.Random()
+        self._rng = _RNG
         #: while identity is unconfirmed, good ready probes ask it again only after this
         #: backoff (up to the identity interval), never at each one
         self._identity_backoff = self._new_identity_backoff()

@@ -28,8 +28,12 @@ State = Literal["starting", "ready", "stale", "unhealthy", "down", "stopped"]
 #: States whose models are listed (a stale engine is last known good).
 LISTED_STATES: frozenset[str] = frozenset({"ready", "stale"})
 
+# The snapshot's structs hold only immutable values, never a reference back, so they can
+# have no cycles: ``gc=False`` keeps them out of the cyclic collector, which at 1,024
+# engines spent 30-225 ms per full collection walking them (and every other object).
 
-class ProbeStats(msgspec.Struct, frozen=True):
+
+class ProbeStats(msgspec.Struct, frozen=True, gc=False):
     """What one probe of one engine has done: the last result and counters since start."""
 
     path: str
@@ -49,18 +53,18 @@ class ProbeStats(msgspec.Struct, frozen=True):
     passive: int = 0
 
 
-class Model(msgspec.Struct, frozen=True):
+class Model(msgspec.Struct, frozen=True, gc=False):
     id: str
     created: int = 0
     owned_by: str = ""
 
 
-class Identity(msgspec.Struct, frozen=True):
+class Identity(msgspec.Struct, frozen=True, gc=False):
     model: str | None = None
     version: str | None = None
 
 
-class EngineState(msgspec.Struct, frozen=True):
+class EngineState(msgspec.Struct, frozen=True, gc=False):
     """One engine as the node knows it: its state, models, identity and probe counters.
 
     Frozen: a change is a new value (``nvpair.state``'s pure transitions build it), put on
@@ -148,7 +152,7 @@ def _now() -> float:
         return float("-inf")
 
 
-class Snapshot(msgspec.Struct, frozen=True):
+class Snapshot(msgspec.Struct, frozen=True, gc=False):
     """Every engine's state at one moment. ``version`` moves with every change;
     ``listing`` is the board's listing version when this snapshot was published (time
     alone can move the board's further: see ``Board.listed``)."""

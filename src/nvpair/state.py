@@ -23,7 +23,7 @@ LivenessProbe = Literal["ready", "health"]
 Finder = Literal["identity", "models"]
 
 
-class Outcome(msgspec.Struct, frozen=True):
+class Outcome(msgspec.Struct, frozen=True, gc=False):
     """The result of one probe request as the loop saw it."""
 
     ok: bool
