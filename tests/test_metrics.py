@@ -310,5 +310,6 @@ async def test_a_running_nvpair_counts_a_routed_request(nursery, tmp_path) -> No
                  code="200") == "1"
     assert int(value(text, "nvpair_sweep_duration_seconds_count")) >= 1
     assert value(text, "nvpair_engine_up", engine="e") == "1"
+    assert value(text, "nvpair_events_streams") == "0"
     assert int(value(text, "nvpair_probe_requests_total", engine="e", probe="models",
                      outcome="ok")) >= 1
