@@ -191,3 +191,26 @@ async def test_a_bug_in_the_loop_is_this_links_failure_retried_not_a_crash(
             await trio.sleep(0.1)
     assert link.doc(trio.current_time())["state"] == "ok"
     assert [m.id for m in peer.pushes[-1][1].models] == ["m", "n"]
+
+
+async def test_a_pusher_run_again_pushes_again_and_leaves(nursery, autojump_clock) -> None:
+    """The broker retries its whole run after a failure, running each pusher again: the
+    second run pushes, and a leave then sends the leave advert and ends it. Before, the
+    second run raised RuntimeError (its loop's cancel scope was made once, in __init__, and
+    a scope is entered once), so after any broker retry no advert was pushed again."""
+    board, peer = Board((engine("m"),)), Peer()
+    advertiser = Advertiser(board, "me", ttl_s=3 * INTERVAL, url="http://me:1")
+    nursery.start_soon(advertiser.run)
+    pusher = Pusher(PeerTarget(url="http://peer:1", token="t0ken"), advertiser,
+                    Link("http://peer:1", "peer"), interval=INTERVAL, timeout=2.0,
+                    transport=httpx2.MockTransport(peer.handle), rng=random.Random(1))
+    async with trio.open_nursery() as first:
+        await first.start(pusher.run)
+        await peer.wait_pushes(1)
+        first.cancel_scope.cancel()
+    async with trio.open_nursery() as second:
+        await second.start(pusher.run)
+        await peer.wait_pushes(2)
+        pusher.leave()
+        await pusher.done.wait()
+    assert [a.leaving for _, a in peer.pushes] == [False, False, True]

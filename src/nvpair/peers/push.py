@@ -94,6 +94,13 @@ class Pusher:
         state, any other failure its ``fault``, retried with backoff.
         """
         self._http = self.client()
+        # new for each run (the broker runs its senders again after a failure; a scope is
+        # entered once); a leave() asked for before still counts
+        self._loop_scope = trio.CancelScope()
+        if self._leaving:
+            self._loop_scope.cancel(reason="nvpair is leaving the cluster")
+        if self.done.is_set():
+            self.done = trio.Event()
         try:
             task_status.started()
             with self._loop_scope:
