@@ -4,12 +4,17 @@ rising ``nvpair_probe_requests_total``. Skipped where Debian's ``prometheus`` is
 
 Prometheus is held to loopback: it listens on 127.0.0.1, its only target is nvpair's
 127.0.0.1 port, and its config has no alerting, remote write or service discovery (it
-has no update check or telemetry of its own)."""
+has no update check or telemetry of its own); the test reads the sockets it holds
+from /proc and finds only loopback addresses."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import socket
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -84,10 +89,13 @@ async def test_prometheus_scrapes_engine_up_and_rising_probe_counts(nursery, tmp
                 f"--storage.tsdb.path={tmp_path / 'data'}",
                 f"--web.listen-address=127.0.0.1:{web}", "--log.level=warn"]
         prom = trio.CancelScope()
+        started: list[trio.Process] = []
 
         async def run_prometheus() -> None:
             with prom:
-                await trio.run_process(argv, stdout=log, stderr=log, check=False)
+                async with trio.open_nursery() as inner:
+                    started.append(await inner.start(partial(
+                        trio.run_process, argv, stdout=log, stderr=log, check=False)))
 
         nursery.start_soon(run_prometheus)
         try:
@@ -109,8 +117,37 @@ async def test_prometheus_scrapes_engine_up_and_rising_probe_counts(nursery, tmp
                             break
                     await trio.sleep(0.2)  # Prometheus' own pace: one scrape a second
                 targets = (await client.get("/api/v1/targets")).json()["data"]["activeTargets"]
+                sockets = inet_sockets(started[0].pid)
         finally:
             prom.cancel()
             log.close()
     assert [(t["health"], t["scrapeUrl"]) for t in targets] == [
         ("up", f"http://{target}/metrics")]
+    assert sockets and all(ip.startswith("127.") or ip in ("0.0.0.0", "::", "::1")
+                           for ip in sockets), sockets  # loopback only (0.0.0.0: unconnected)
+
+
+def _ip(hexaddr: str) -> str:
+    raw = bytes.fromhex(hexaddr.split(":")[0])
+    if len(raw) == 4:
+        return socket.inet_ntop(socket.AF_INET, raw[::-1])
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+    ip = socket.inet_ntop(socket.AF_INET6, words)
+    return ip.removeprefix("::ffff:")
+
+
+def inet_sockets(pid: int) -> list[str]:
+    """The local and remote addresses of every TCP and UDP socket ``pid`` holds."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            link = os.readlink(fd)
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    found = []
+    for table in ("tcp", "tcp6", "udp", "udp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[9] in inodes:
+                found += [_ip(cols[1]), _ip(cols[2])]
+    return found
