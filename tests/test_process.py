@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import pytest
 import trio
+import trio.testing
 
 from nvpair.boundary import Part
 from nvpair.logs import EngineLog
@@ -21,6 +22,7 @@ from nvpair.process import (
     EngineProcess,
     Stopping,
     describe_exit,
+    pump_output,
     run_engine_process,
     terminate,
 )
@@ -234,3 +236,37 @@ async def test_the_stray_reaper_never_takes_an_engine_that_is_being_spawned(
             assert await proc.wait() == 3
     assert log.tail(10).lines[-1] == f"[nvpair] process {proc.pid} ended: exited with code 3"
     assert procs.live == {} and list((tmp_path / "engines").iterdir()) == []
+
+
+async def test_the_output_works_again_once_its_lines_are_logged_again(
+        autojump_clock, monkeypatch) -> None:
+    """After a failure of the pump, the output is dropped for the backoff, then copied again;
+    once a line has been copied, the part says so (its notice goes). Before, the notice
+    'engine output is not logged' stayed for the life of the process."""
+    real = EngineLog.pump
+    calls = 0
+
+    async def pump(self, stream):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("pump bug")
+        await real(self, stream)
+
+    monkeypatch.setattr(EngineLog, "pump", pump)
+    published: list[str | None] = []
+    part = Part("engine e: output", published.append)
+    send, receive = trio.testing.memory_stream_one_way_pair()
+    log = EngineLog(None)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pump_output, receive, log, part)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(published) == 1 and "pump bug" in (published[0] or "")
+        await trio.sleep(2)  # past the backoff (1 s and its jitter)
+        await send.send_all(b"logged again\nand on\n")
+        while "and on" not in log.tail(10).lines:
+            await log.changed.wait()
+        await trio.testing.wait_all_tasks_blocked()
+        assert published[-1] is None and part.failure is None
+        await send.aclose()
+    assert log.tail(10).lines == ["logged again", "and on"]

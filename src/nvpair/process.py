@@ -246,7 +246,7 @@ async def pump_output(stream: trio.abc.ReceiveStream, log_to: EngineLog, part: P
     pipe), then copied again. Ends at EOF; raises nothing but Cancelled."""
     while True:
         try:
-            await log_to.pump(stream)
+            await log_to.pump(_Copying(stream, part))
             return
         except Exception as exc:
             part.failed(exc)
@@ -257,6 +257,25 @@ async def pump_output(stream: trio.abc.ReceiveStream, log_to: EngineLog, part: P
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
             return  # the end of the output came while dropping it
+
+
+class _Copying(trio.abc.ReceiveStream):
+    """``stream`` as the pump reads it: each time the pump asks for more, it has copied
+    what it got before, so ``part`` works (again: its notice goes, its backoff resets)."""
+
+    def __init__(self, stream: trio.abc.ReceiveStream, part: Part) -> None:
+        self.stream, self.part = stream, part
+        self._got = False
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        if self._got:
+            self.part.ok()
+        data = await self.stream.receive_some(max_bytes)
+        self._got = True
+        return data
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
 
 
 def killpg(pgid: int, sig: int) -> None:
