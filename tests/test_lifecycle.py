@@ -591,3 +591,41 @@ async def test_a_ready_engine_outlives_its_startup_budget(nursery, autojump_cloc
     e = runner.board.current.engine("e")
     assert e is not None and (e.state, e.pid, e.error) == ("ready", first.pid, None)
     assert len(spawn.started) == 1 and first.returncode is None
+
+
+async def test_a_port_check_that_keeps_failing_is_logged_once(
+        nursery, autojump_clock, monkeypatch, caplog) -> None:
+    """A port taken by a server whose check raises (a bug): the engine is down with the
+    reason at each retry, and the failure is logged once, not once per retry with a 'works
+    again' between (before, every retry logged the traceback and a recovery)."""
+    import logging
+
+    from tests.test_process import FakeSpawn
+
+    from nvpair import lifecycle
+
+    caplog.set_level(logging.INFO, logger="nvpair")
+    tries = 0
+
+    async def identify(spec):  # type: ignore[no-untyped-def]
+        nonlocal tries
+        tries += 1
+        raise RuntimeError("identify bug")
+
+    monkeypatch.setattr(lifecycle, "_identify", identify)
+    spawn = FakeSpawn()
+    runner = _fake_runner(spawn, _refusing())
+    listeners = await trio.open_tcp_listeners(runner.spec.port, host="127.0.0.1")
+    try:
+        await nursery.start(runner.run)
+        e = await wait_state(runner.board, "e", "down")
+        assert "could not identify" in (e.error or "") and "identify bug" in (e.error or "")
+        while tries < 5:
+            await trio.sleep(1)
+        assert spawn.started == []
+        messages = [r.getMessage() for r in caplog.records if r.name.startswith("nvpair")]
+        assert sum("unexpected error" in m for m in messages) == 1, messages
+        assert not any("works again" in m for m in messages), messages
+    finally:
+        for listener in listeners:
+            await listener.aclose()

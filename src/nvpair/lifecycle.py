@@ -267,11 +267,9 @@ class EngineRunner:
     async def _run_process(self) -> None:
         spec = self.spec
         try:
-            taken = await self._port_taken()
+            taken = await self._port_taken()  # (it says when the check worked)
         except Exception as exc:  # the check itself failed: no start, the reason shown
             taken = self._port_part.failed(exc)
-        else:
-            self._port_part.ok()
         if taken:
             self._set(state="down", pid=None, error=taken)
             self.operation = None
@@ -410,6 +408,7 @@ class EngineRunner:
             try:
                 stream = await trio.open_tcp_stream(spec.host, spec.port)
             except OSError:
+                self._port_part.ok()
                 return None
             await stream.aclose()
         where = f"port {spec.port}"
@@ -417,6 +416,8 @@ class EngineRunner:
             answer = await _identify(spec)
         except Exception as exc:  # whatever answers there, it is taken: say what we know
             answer = f"a server nvpair could not identify ({self._port_part.failed(exc)})"
+        else:
+            self._port_part.ok()
         return f"{where} is taken by {answer}; nvpair will not start a second engine there"
 
 
