@@ -606,10 +606,13 @@ async def test_a_port_check_that_keeps_failing_is_logged_once(
 
     caplog.set_level(logging.INFO, logger="nvpair")
     tries = 0
+    fifth = trio.Event()
 
     async def identify(spec):  # type: ignore[no-untyped-def]
         nonlocal tries
         tries += 1
+        if tries == 5:
+            fifth.set()
         raise RuntimeError("identify bug")
 
     monkeypatch.setattr(lifecycle, "_identify", identify)
@@ -620,8 +623,7 @@ async def test_a_port_check_that_keeps_failing_is_logged_once(
         await nursery.start(runner.run)
         e = await wait_state(runner.board, "e", "down")
         assert "could not identify" in (e.error or "") and "identify bug" in (e.error or "")
-        while tries < 5:
-            await trio.sleep(1)
+        await fifth.wait()
         assert spawn.started == []
         messages = [r.getMessage() for r in caplog.records if r.name.startswith("nvpair")]
         assert sum("unexpected error" in m for m in messages) == 1, messages
