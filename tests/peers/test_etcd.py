@@ -376,3 +376,27 @@ async def test_a_node_whose_etcd_answers_garbage_keeps_serving(nursery, tmp_path
                 etcd.set_garbage(None)
                 await peers_until(lambda d: d["etcd"]["state"] == "ok" and states(d) == {
                     "peer": "fresh"})
+
+
+async def test_a_backend_run_again_keeps_its_key(autojump_clock: trio.testing.MockClock) -> None:
+    """The broker runs the backend again after a failure of its run: the second run renews
+    this node's lease and keeps its key. Before, the first run's end closed both clients
+    for good: the watcher made a new one after its first failure, but the owner's loop
+    retried the closed client forever ('renewing the lease: RuntimeError: Cannot send a
+    request, as the client has been closed'), so the node's key expired."""
+    etcd = FakeEtcd(ttl=TTL)
+    advertiser = Advertiser(Board(()), "me", ttl_s=TTL, url="http://127.0.0.1:1")
+    table = PeerTable("me", gone_factor=3.0, min_ttl=TTL)
+    settings = EtcdSettings(url="http://etcd", prefix=PREFIX, lease_ttl_s=TTL,
+                            debounce_s=DEBOUNCE)
+    backend = EtcdBackend(settings, advertiser, table, transport=etcd.transport())
+    for _ in range(2):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(backend.run)
+            await until(lambda: backend.state == "ok")
+            keepalives = backend.counts["keepalives"]
+            await trio.sleep(3 * TTL)
+            assert backend.counts["keepalives"] > keepalives
+            assert backend.state == "ok" and backend.counts["failures"] == 0, backend.doc(
+                trio.current_time())["last_error"]
+            nursery.cancel_scope.cancel()

@@ -141,6 +141,11 @@ class EtcdBackend:
         (``leave`` revokes it first on a graceful exit). Raises: nothing but Cancelled:
         each loop is its own boundary (``own_part``, ``watch_part``), a failure is the
         backend's state (``unreachable`` or ``failed``) and is retried with backoff."""
+        # a run again (the broker retries its own run) needs clients: the last run's end
+        # closed them (the gateways keep their auth tokens)
+        for gw, streaming in ((self._owner, False), (self._watcher, True)):
+            if gw.client.is_closed:
+                gw.client = self._client(streaming=streaming)
         try:
             async with trio.open_nursery() as nursery:
                 # the loops catch their own failures; supervise is the net for the rest
