@@ -38,7 +38,7 @@ async def test_accepted_is_202_with_the_engines_status_and_the_operation() -> No
     assert doc.pop("operation") == "stopping"
     assert doc["node"] == "node-1" and doc["name"] == "e" and "note" not in doc
     expected = status.json()
-    for age in ("since_age_s", "checked_age_s"):  # read a moment apart
+    for age in ("since_age_s", "checked_age_s", "state_age_s"):  # read a moment apart
         doc.pop(age, None)
         expected.pop(age, None)
     assert doc == expected  # the same status object as GET /v1/engines/e
