@@ -631,3 +631,33 @@ async def test_a_port_check_that_keeps_failing_is_logged_once(
     finally:
         for listener in listeners:
             await listener.aclose()
+
+
+async def test_a_start_request_ends_the_runners_backoff(nursery, autojump_clock,
+                                                        monkeypatch) -> None:
+    """After a bug in the runner, a start request (like stop and restart) ends the wait
+    before the next try, as docs/lifecycle.md says; before, a start for an engine that is
+    meant to run anyway was a no-op and the backoff (up to 60 s) ran out first."""
+    from tests.test_process import FakeSpawn
+
+    from nvpair import lifecycle
+    from nvpair.errors import CommandError
+    from nvpair.lifecycle import Accepted
+
+    tries: list[float] = []
+    fourth = trio.Event()
+
+    def build(*args):  # type: ignore[no-untyped-def]
+        tries.append(trio.current_time())
+        if len(tries) == 4:
+            fourth.set()
+        raise CommandError("start.args.x needs a value for {no_such_value}")
+
+    monkeypatch.setattr(lifecycle, "build_command", build)
+    runner = _fake_runner(FakeSpawn(), _refusing())
+    await nursery.start(runner.run)
+    await fourth.wait()  # waiting 8 s before the fifth try now
+    asked = trio.current_time()
+    assert runner.request("start") == Accepted("start")
+    await trio.testing.wait_all_tasks_blocked()
+    assert len(tries) == 5 and tries[-1] == asked

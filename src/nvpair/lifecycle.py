@@ -164,6 +164,7 @@ class EngineRunner:
             if self.operation == "stopping":
                 return Busy(f"engine {self.spec.name} is stopping; start it once it has stopped")
             if self.desired == "running":
+                self._kick()  # nothing to change, but it ends a wait after a runner failure
                 return self._accepted(action)
             self.desired = "running"
             self.operation = "starting"
