@@ -5,9 +5,11 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 import httpx2
 import msgspec
+import pytest
 import trio
 
 from nvpair.cluster import PeerTarget
@@ -214,3 +216,57 @@ async def test_a_pusher_run_again_pushes_again_and_leaves(nursery, autojump_cloc
         pusher.leave()
         await pusher.done.wait()
     assert [a.leaving for _, a in peer.pushes] == [False, False, True]
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+# (a chunked answer left unread abandons httpcore2's inner stream generator: the pool
+# closes the connection, only the generator object is left to the collector)
+@pytest.mark.filterwarnings("ignore:Async generator 'httpcore2:ResourceWarning")
+async def test_a_peer_that_answers_a_huge_body_costs_a_bounded_read(nursery, chunked) -> None:
+    """A peer (or whatever listens at its URL) answering a push with 64 MB: the push fails
+    with the status in one line, and the sender reads a bounded part of the answer and
+    hangs up. Before, httpx2 read the whole answer into memory (as much as the peer could
+    send within push_timeout_s: gigabytes on a fast link)."""
+    from tests.raw_http import read_request
+
+    size = 64 * 1024 * 1024
+    outcome: dict[str, object] = {}
+    finished = trio.Event()
+
+    async def peer(stream: trio.SocketStream) -> None:
+        request, _ = await read_request(stream)
+        assert request is not None and request.path == "/v1/peers/adverts"
+        sent = 0
+        try:
+            framing = (b"transfer-encoding: chunked" if chunked
+                       else b"content-length: %d" % size)
+            await stream.send_all(b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: "
+                                  b"text/plain\r\n%s\r\n\r\n" % framing)
+            chunk = b"x" * 65536
+            if chunked:
+                chunk = b"%x\r\n%s\r\n" % (len(chunk), chunk)
+            while sent < size:
+                await stream.send_all(chunk)
+                sent += len(chunk)
+        except trio.BrokenResourceError:
+            pass
+        outcome["sent"] = sent
+        finished.set()
+        await stream.aclose()
+
+    listeners = await nursery.start(partial(trio.serve_tcp, peer, 0, host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+    advertiser = Advertiser(Board((engine("m"),)), "me", ttl_s=15, url="http://me:1")
+    link = Link(f"http://127.0.0.1:{port}", "peer")
+    pusher = Pusher(PeerTarget(url=f"http://127.0.0.1:{port}", token="t0ken"), advertiser,
+                    link, interval=INTERVAL, timeout=10.0)
+    pusher._http = pusher.client()
+    with trio.fail_after(20):
+        assert not await pusher.push(advertiser.body)
+        await finished.wait()
+        await pusher._http.aclose()
+    if chunked:  # read up to the cap: its first 200 bytes are the reason
+        assert link.last_error == "HTTP 500: " + "x" * 200
+    else:
+        assert link.last_error == f"HTTP 500: (an answer of {size} bytes, not read)"
+    assert outcome["sent"] < size  # the sender hung up before the end of the answer

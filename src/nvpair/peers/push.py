@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import logging
 import random
+from contextlib import aclosing
 from typing import Any
 
 import httpx2
+import msgspec
 import trio
 
 from nvpair.boundary import Part
@@ -36,6 +38,8 @@ log = logging.getLogger("nvpair.peers")
 
 #: a graceful leave is sent to every peer in parallel, within this budget.
 LEAVE_BUDGET_S = 1.0
+#: the most of a peer's answer to a push that is read (a 204 has none; an error is a line)
+ANSWER_MAX_BYTES = 64 * 1024
 
 
 def keep_alive_for(interval: float) -> float:
@@ -149,8 +153,9 @@ class Pusher:
         with trio.move_on_after(self.timeout) as scope:
             try:
                 self._in_flight = True
-                r = await self._http.post(ADVERTS_PATH, content=body,
-                                          extensions={"trace": self._trace})
+                async with self._http.stream("POST", ADVERTS_PATH, content=body,
+                                             extensions={"trace": self._trace}) as r:
+                    answer = await _read_at_most(r, ANSWER_MAX_BYTES)
                 self._in_flight = False
             except Exception as exc:  # httpx2 errors and OSError: a state, never a crash
                 error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
@@ -159,7 +164,7 @@ class Pusher:
                 if r.status_code == 204:
                     self._ok(r.headers.get("x-nvpair-node"), len(body))
                     return True
-                error = f"HTTP {r.status_code}: {_message(r)}"
+                error = f"HTTP {r.status_code}: {_message(answer)}"
         if scope.cancelled_caught:
             error = f"no answer within {self.timeout:g} s"
             renew = True
@@ -193,9 +198,25 @@ class Pusher:
             self.link.connects += 1
 
 
-def _message(r: httpx2.Response) -> str:
+async def _read_at_most(r: httpx2.Response, limit: int) -> bytes:
+    """The answer's body, or its first ``limit`` bytes; the rest is never read (leaving
+    the stream closes the connection). A declared length over ``limit``: nothing is read."""
+    length = r.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        return b"(an answer of %d bytes, not read)" % int(length)
+    chunks, size = [], 0
+    async with aclosing(r.aiter_bytes()) as body:  # closed here, not when collected
+        async for chunk in body:
+            chunks.append(chunk)
+            size += len(chunk)
+            if size >= limit:
+                break
+    return b"".join(chunks)[:limit]
+
+
+def _message(answer: bytes) -> str:
     try:
-        doc = r.json()
-        return str(doc["error"]["message"])
+        doc = msgspec.json.decode(answer)
+        return " ".join(str(doc["error"]["message"]).split())[:200]
     except Exception:
-        return r.text[:200]
+        return " ".join(answer[:200].decode("utf-8", "replace").split())
