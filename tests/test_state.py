@@ -168,6 +168,8 @@ def test_the_identity_probe_never_clears_the_model_lists_mismatch() -> None:
 # -- the model list ------------------------------------------------------------------------
 
 LISTED = Outcome(ok=True, http_status=200, latency_ms=1.0, path="/v1/models")
+FAILED_LIST = Outcome(ok=False, kind="status", http_status=500, error="answered 500",
+                      path="/v1/models")
 
 
 def test_a_listing_is_taken_with_what_was_left_out() -> None:
@@ -242,6 +244,19 @@ def test_a_failing_listing_holds_until_a_listing_works() -> None:
     e = after_models(e, VLLM, LISTED, 6.0, listing=Listing((Model("want"),)))
     e = after_liveness(e, "health", HEALTH, OK, now=7.0)
     assert (e.state, e.error, e.mismatch) == ("ready", None, None)
+    # a listing that ran (the engine's answer refused, a ProbeError) clears it too: the
+    # list is stale by the usual rule, and a model mismatch found by a list stays
+    e = listing_failed(listed, VLLM.probes.models, "internal error in nvpair (TypeError)", 2.0)
+    e = after_models(e, VLLM, FAILED_LIST, 3.0)
+    for i in range(2):  # (success_threshold)
+        e = after_liveness(e, "health", HEALTH, OK, now=4.0 + i)
+    assert (e.state, e.mismatch, e.models_stale) == ("ready", None, True)
+    wrong = after_models(ready(VLLM), VLLM, LISTED, 1.0, listing=Listing((Model("other"),)))
+    e = after_models(listing_failed(wrong, VLLM.probes.models, "x", 2.0), VLLM, FAILED_LIST,
+                     3.0)
+    for i in range(2):
+        e = after_liveness(e, "health", HEALTH, OK, now=4.0 + i)
+    assert (e.state, e.mismatch_by) == ("unhealthy", "models")
     found = after_identity(listed, VLLM, IDENT_OK, 2.0, wrong="does not look like vllm")
     e = listing_failed(found, VLLM.probes.models, "x", 3.0)
     e = after_models(e, VLLM, LISTED, 4.0, listing=Listing((Model("want"),)))

@@ -19,8 +19,8 @@ from nvpair.manifest import ProbeSpec
 from nvpair.snapshot import EngineState, Identity, Model, ProbeStats, State, shown_state
 
 LivenessProbe = Literal["ready", "health"]
-#: who found a mismatch (and so alone may clear it)
-Finder = Literal["identity", "models"]
+#: who found a mismatch (and so alone may clear it); "listing": the listing itself raised
+Finder = Literal["identity", "models", "listing"]
 
 
 class Outcome(msgspec.Struct, frozen=True, gc=False):
@@ -265,6 +265,8 @@ def after_models(
     assert models is not None
     engine = count(engine, "models", models.path, outcome, now)
     engine = with_auth_notice(engine, outcome, path or models.path)
+    # the listing ran to its end (whatever the engine answered): a failure of it is over
+    engine = with_mismatch(engine, "listing", None, now)
     if listing is None:
         return msgspec.structs.replace(engine, models_stale=bool(engine.models))
     engine = msgspec.structs.replace(
@@ -312,10 +314,11 @@ def listing_failed(engine: EngineState, spec: ProbeSpec | None, reason: str, now
                    ) -> EngineState:
     """The engine's listing raised: counted as an error of its models probe (``spec``,
     when known), the earlier list kept, marked stale, and the engine unhealthy until a
-    listing works again (the model list's finding, as with ``with_mismatch``: a good
-    health probe alone does not clear it, or the engine would flap at every listing)."""
+    listing runs to its end again, whatever the engine answers (the listing's finding, as
+    with ``with_mismatch``: a good health probe alone does not clear it, or the engine
+    would flap at every listing)."""
     if spec is not None:
         engine = count(engine, "models", spec.path,
                        Outcome(ok=False, kind="error", error=reason), now)
     engine = msgspec.structs.replace(engine, models_stale=bool(engine.models))
-    return part_failed(engine, reason, now, by="models")
+    return part_failed(engine, reason, now, by="listing")
