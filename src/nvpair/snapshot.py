@@ -88,7 +88,8 @@ class EngineState(msgspec.Struct, frozen=True, gc=False):
     identity: Identity | None = None
     mismatch: str | None = None  # identity mismatch, reported as an error
     #: who found it, and only they clear it: "identity" (who answers) or "models" (the
-    #: model list, for kinds whose identity names no model)
+    #: model list, for kinds whose identity names no model); "listing" when the listing
+    #: itself raised (state.listing_failed)
     mismatch_by: str | None = None
     #: a problem that does not change the state (e.g. the engine wants an API key nvpair
     #: lacks, so its model list cannot be read); shown as the error when there is no other.
