@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx2
@@ -165,3 +166,31 @@ def test_any_answer_parses_or_is_a_bad_answer(body: bytes, type_: type) -> None:
     except BadAnswer as exc:
         assert "\n" not in str(exc) and str(exc).startswith("etcd's answer to POST /v3/x ")
     assert isinstance(_error(body, 500), EtcdError)  # never raises itself
+
+
+@pytest.mark.parametrize("declared", [True, False])
+async def test_an_answer_past_the_cap_is_a_bad_answer_read_no_further(declared: bool) -> None:
+    """An 80 MiB answer to a call (an etcd or a proxy gone wrong): BadAnswer in one line,
+    and at most the cap is read (nothing when the length says so). Before, the whole answer
+    was read into memory (as much as could arrive within the call's timeout), then refused
+    as not JSON."""
+    size, chunk = 80 * 1024 * 1024, b"x" * (1024 * 1024)
+    pulled = 0
+
+    async def body() -> AsyncIterator[bytes]:
+        nonlocal pulled
+        while pulled < size:
+            pulled += len(chunk)
+            yield chunk
+
+    async def handler(request: httpx2.Request) -> httpx2.Response:
+        headers = {"content-length": str(size)} if declared else {}
+        return httpx2.Response(200, headers=headers, content=body())
+
+    with trio.fail_after(10):
+        async with httpx2.AsyncClient(base_url="http://etcd", trust_env=False,
+                                      transport=httpx2.MockTransport(handler)) as client:
+            with pytest.raises(BadAnswer) as caught:
+                await Gateway(client).range("p/")
+    assert "\n" not in str(caught.value) and "POST /v3/kv/range" in str(caught.value)
+    assert pulled <= (0 if declared else 65 * 1024 * 1024), pulled

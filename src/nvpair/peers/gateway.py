@@ -31,6 +31,9 @@ from nvpair.decoding import decode_json
 from nvpair.errors import NvpairError
 
 T = TypeVar("T")
+#: the largest answer read from etcd (a range holds every node's advert: up to 64 KiB
+#: each, base64-encoded; this is room for about 750 of the largest)
+ANSWER_MAX_BYTES = 64 * 1024 * 1024
 
 
 class EtcdError(NvpairError):
@@ -195,23 +198,42 @@ class Gateway:
         body = msgspec.json.encode(doc)
         if self.username is not None and self._token is None:
             await self.authenticate()
-        r = await self.client.post(path, content=body, headers=self._headers())
+        status, content = await self._call(path, body, self._headers())
         self.bytes_sent += len(body)
-        self.bytes_received += len(r.content)
-        if r.status_code == 401 and self.username is not None:
+        self.bytes_received += len(content)
+        if status == 401 and self.username is not None:
             self._token = None  # an expired auth token: once more with a new one
             await self.authenticate()
-            r = await self.client.post(path, content=body, headers=self._headers())
-        if r.status_code != 200:
-            raise _error(r.content, r.status_code)
-        return r.content
+            status, content = await self._call(path, body, self._headers())
+        if status != 200:
+            raise _error(content, status)
+        return content
+
+    async def _call(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+        """POST ``body`` to ``path``: the status and the answer, read up to
+        ``ANSWER_MAX_BYTES`` (BadAnswer past it: the rest is never read)."""
+        where = f"POST {path}"
+        async with self.client.stream("POST", path, content=body, headers=headers) as r:
+            length = r.headers.get("content-length", "")
+            if length.isdigit() and int(length) > ANSWER_MAX_BYTES:
+                raise BadAnswer(f"{where}: an answer of {int(length)} bytes, over the "
+                                f"{ANSWER_MAX_BYTES} read from etcd")
+            chunks, size = [], 0
+            async with aclosing(r.aiter_bytes()) as stream:  # closed here, not when collected
+                async for chunk in stream:
+                    size += len(chunk)
+                    if size > ANSWER_MAX_BYTES:
+                        raise BadAnswer(f"{where}: an answer over the {ANSWER_MAX_BYTES} "
+                                        "bytes read from etcd")
+                    chunks.append(chunk)
+            return r.status_code, b"".join(chunks)
 
     async def authenticate(self) -> None:
-        r = await self.client.post("/v3/auth/authenticate", content=msgspec.json.encode(
-            {"name": self.username, "password": self.password}))
-        if r.status_code != 200:
-            raise _error(r.content, r.status_code)
-        self._token = parse(r.content, _Auth, "POST /v3/auth/authenticate").token
+        body = msgspec.json.encode({"name": self.username, "password": self.password})
+        status, content = await self._call("/v3/auth/authenticate", body, {})
+        if status != 200:
+            raise _error(content, status)
+        self._token = parse(content, _Auth, "POST /v3/auth/authenticate").token
 
     async def grant(self, ttl: int) -> tuple[int, int]:
         """A new lease: (ID, granted TTL; etcd rounds up to its minimum)."""
