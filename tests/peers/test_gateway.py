@@ -194,3 +194,33 @@ async def test_an_answer_past_the_cap_is_a_bad_answer_read_no_further(declared: 
                 await Gateway(client).range("p/")
     assert "\n" not in str(caught.value) and "POST /v3/kv/range" in str(caught.value)
     assert pulled <= (0 if declared else 65 * 1024 * 1024), pulled
+
+
+async def test_a_watch_line_past_the_cap_is_a_bad_answer_read_no_further() -> None:
+    """A watch stream that sends one good message, then a line that never ends (80 MiB
+    without a newline): the good message is taken, then BadAnswer, and at most the cap is
+    read. Before, the stream was read to its end into one line in memory."""
+    size, chunk = 80 * 1024 * 1024, b"x" * (1024 * 1024)
+    pulled = 0
+    good = (b'{"result": {"header": {"revision": "3"}, "events": [{"kv": {"key": "cC9h", '
+            b'"value": "QQ==", "mod_revision": "3"}}]}}\n')
+
+    async def body() -> AsyncIterator[bytes]:
+        nonlocal pulled
+        yield good
+        while pulled < size:
+            pulled += len(chunk)
+            yield chunk
+
+    async def handler(request: httpx2.Request) -> httpx2.Response:
+        return httpx2.Response(200, content=body())
+
+    results: list[object] = []
+    with trio.fail_after(10):
+        async with httpx2.AsyncClient(base_url="http://etcd", trust_env=False,
+                                      transport=httpx2.MockTransport(handler)) as client:
+            with pytest.raises(BadAnswer) as caught:
+                await Gateway(client).watch("p/", 2, results.append)
+    assert "\n" not in str(caught.value) and "POST /v3/watch" in str(caught.value)
+    assert len(results) == 1
+    assert pulled <= 65 * 1024 * 1024, pulled

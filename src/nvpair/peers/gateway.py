@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable
 from contextlib import aclosing
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import httpx2
 import msgspec
@@ -164,6 +164,24 @@ def parse(raw: bytes, type_: type[T], what: str) -> T:
     return value
 
 
+async def _read_capped(r: httpx2.Response, where: str) -> bytes:
+    """The body of ``r``, at most ``ANSWER_MAX_BYTES`` (BadAnswer past it; the rest is
+    never read, and a declared length over it reads nothing)."""
+    length = r.headers.get("content-length", "")
+    if length.isdigit() and int(length) > ANSWER_MAX_BYTES:
+        raise BadAnswer(f"{where}: an answer of {int(length)} bytes, over the "
+                        f"{ANSWER_MAX_BYTES} read from etcd")
+    chunks, size = [], 0
+    async with aclosing(r.aiter_bytes()) as stream:  # closed here, not when collected
+        async for chunk in stream:
+            size += len(chunk)
+            if size > ANSWER_MAX_BYTES:
+                raise BadAnswer(f"{where}: an answer over the {ANSWER_MAX_BYTES} bytes read "
+                                "from etcd")
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def _error(body: bytes, status: int) -> EtcdError:
     try:
         doc = msgspec.json.decode(body)
@@ -212,21 +230,8 @@ class Gateway:
     async def _call(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
         """POST ``body`` to ``path``: the status and the answer, read up to
         ``ANSWER_MAX_BYTES`` (BadAnswer past it: the rest is never read)."""
-        where = f"POST {path}"
         async with self.client.stream("POST", path, content=body, headers=headers) as r:
-            length = r.headers.get("content-length", "")
-            if length.isdigit() and int(length) > ANSWER_MAX_BYTES:
-                raise BadAnswer(f"{where}: an answer of {int(length)} bytes, over the "
-                                f"{ANSWER_MAX_BYTES} read from etcd")
-            chunks, size = [], 0
-            async with aclosing(r.aiter_bytes()) as stream:  # closed here, not when collected
-                async for chunk in stream:
-                    size += len(chunk)
-                    if size > ANSWER_MAX_BYTES:
-                        raise BadAnswer(f"{where}: an answer over the {ANSWER_MAX_BYTES} "
-                                        "bytes read from etcd")
-                    chunks.append(chunk)
-            return r.status_code, b"".join(chunks)
+            return r.status_code, await _read_capped(r, f"POST {path}")
 
     async def authenticate(self) -> None:
         body = msgspec.json.encode({"name": self.username, "password": self.password})
@@ -291,14 +296,26 @@ class Gateway:
         async with self.client.stream("POST", "/v3/watch", content=body,
                                       headers=self._headers()) as r:
             if r.status_code != 200:
-                raise _error(await r.aread(), r.status_code)
-            # aiter_lines is an async generator: close it here, not when it is collected
-            lines_gen = cast(AsyncGenerator[str, None], r.aiter_lines())
-            async with aclosing(lines_gen) as lines:
-                async for line in lines:
-                    if line.strip():
-                        self.bytes_received += len(line) + 1
-                        on_result(self._watch_result(line))
+                raise _error(await _read_capped(r, "POST /v3/watch"), r.status_code)
+            # one message a line; a line is held to ANSWER_MAX_BYTES (the rest is not read)
+            pending = bytearray()
+            async with aclosing(r.aiter_bytes()) as chunks:  # closed here, not when collected
+                async for chunk in chunks:
+                    start = len(pending)
+                    pending += chunk
+                    while (end := pending.find(b"\n", start)) >= 0:
+                        line, start = bytes(pending[:end]), 0
+                        del pending[:end + 1]
+                        self._watch_line(line, on_result)
+                    if len(pending) > ANSWER_MAX_BYTES:
+                        raise BadAnswer(f"POST /v3/watch: a message over the "
+                                        f"{ANSWER_MAX_BYTES} bytes read from etcd")
+            self._watch_line(bytes(pending), on_result)  # (the last, without its newline)
+
+    def _watch_line(self, line: bytes, on_result: Callable[[WatchResult], None]) -> None:
+        if line.strip():
+            self.bytes_received += len(line) + 1
+            on_result(self._watch_result(line.decode("utf-8", "replace")))
 
     def _watch_result(self, line: str) -> WatchResult:
         msg = parse(line.encode(), _WatchLine, "POST /v3/watch")
