@@ -1,0 +1,148 @@
+"""``GET /v1/events``: the journal's changes as server-sent events, one stream per request.
+
+A stream starts with ``retry:`` (a random 1-3 s, so clients do not all come back in the
+same millisecond after a restart) and a ``snapshot`` (or, resuming with ``Last-Event-ID``,
+the events it missed), then sends each key's newest change, at most one batch per
+``min_interval_s``; a ``:`` comment when nothing was sent for ``heartbeat_s``; ``bye``
+when nvpair shuts down. A send the client does not take for ``drop_after_s`` closes its
+connection: nvpair never queues for a slow client (``nvpair.events.Stream``).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from urllib.parse import parse_qs
+
+import trio
+
+from nvpair.asgi import Receive, Scope, Send, encoder, header, send_error
+from nvpair.events import TYPES, Event, Full, Journal, Stream, Timing
+
+HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
+           (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+#: the scope extension nvpair's server gives each request: closes its connection now
+CLOSE_EXTENSION = "nvpair.close"
+
+
+
+
+def frame(event_id: str, type_: str, data: bytes) -> bytes:
+    return b"id: %s\nevent: %s\ndata: %s\n\n" % (event_id.encode(), type_.encode(), data)
+
+
+def frames(journal: Journal, events: list[Event]) -> bytes:
+    return b"".join(frame(journal.event_id(e.seq), e.type, e.data) for e in events)
+
+
+def stream_query(raw: bytes) -> tuple[frozenset[str], str | None]:
+    """``?types=engine,peer&engine=NAME``; a ValueError names what is wrong."""
+    query = parse_qs(raw.decode("latin-1"))
+    types = TYPES
+    if "types" in query:
+        asked = frozenset(t for v in query["types"] for t in v.split(",") if t)
+        if not asked or asked - TYPES:
+            raise ValueError(f"types: expected some of {', '.join(sorted(TYPES))}, got "
+                             f"{','.join(query['types'])[:100]!r}")
+        types = asked
+    engines = query.get("engine", [])
+    if len(engines) > 1:
+        raise ValueError("engine: give one engine name")
+    return types, engines[0] if engines else None
+
+
+async def serve_events(journal: Journal, scope: Scope, receive: Receive, send: Send) -> None:
+    """Answer one ``GET /v1/events`` (the caller has checked the token)."""
+    timing = journal.timing
+    if scope["method"] != "GET":
+        await send_error(send, 405, "use GET /v1/events")
+        return
+    try:
+        types, engine = stream_query(scope.get("query_string", b""))
+    except ValueError as exc:
+        await send_error(send, 400, str(exc))
+        return
+    if engine is not None and journal.board.current.engine(engine) is None:
+        await send_error(send, 404, f"no engine named {engine!r}", "engine_not_found")
+        return
+    raw_id = header(scope, b"last-event-id")
+    try:
+        stream, missed = journal.subscribe(types, engine,
+                                           None if raw_id is None else raw_id.decode("latin-1"))
+    except Full as exc:
+        await send_error(send, 503, f"{exc}; try again later", "too_many_streams",
+                         [(b"retry-after", b"%d" % random.randint(1, 3))])
+        return
+    try:
+        retry = random.randint(*timing.retry_ms)
+        first = [b"retry: %d\n\n" % retry]
+        if missed is None:
+            first.append(frame(journal.event_id(), "snapshot", journal.snapshot(stream)))
+        else:
+            first.append(frames(journal, missed))
+        close = scope.get("extensions", {}).get(CLOSE_EXTENSION)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_until_disconnect, receive, nursery.cancel_scope)
+            await _stream(journal, stream, send, b"".join(first), timing, close)
+            nursery.cancel_scope.cancel()
+    finally:
+        journal.unsubscribe(stream)
+
+
+async def _until_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
+
+
+async def _stream(journal: Journal, stream: Stream, send: Send, first: bytes,
+                  timing: Timing, close: Callable[[], None] | None) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
+    if not await _send(send, first, timing, close):
+        return
+    last = trio.current_time()
+    while True:
+        with trio.move_on_at(last + timing.heartbeat_s):
+            await stream.wait()
+        events = stream.take()
+        if stream.closed:
+            body = frames(journal, events) + frame(
+                journal.event_id(), "bye",
+                b'{"node":%s,"reason":"shutdown"}' % encoder.encode(journal.node))
+            if await _send(send, body, timing, close):
+                await send({"type": "http.response.body", "body": b""})
+            return
+        body = frames(journal, events) if events else b":\n\n"
+        started = trio.current_time()
+        if not await _send(send, body, timing, close):
+            return
+        last = trio.current_time()
+        await trio.sleep_until(started + timing.min_interval_s)
+
+
+async def _send(send: Send, body: bytes, timing: Timing,
+                close: Callable[[], None] | None) -> bool:
+    """Send ``body``; False when the client did not take it within ``drop_after_s``.
+
+    The server's send does not give up on its own (it is shielded), so the connection is
+    closed to end it: after ``drop_after_s``, or at once when this task is cancelled while
+    the send is blocked (else a cancelled stream would hold its connection forever)."""
+    dropped = sent = False
+
+    async def watchdog() -> None:
+        nonlocal dropped
+        try:
+            await trio.sleep(timing.drop_after_s)
+        finally:
+            if not sent and close is not None:
+                dropped = True
+                close()
+        done.cancel()
+
+    async with trio.open_nursery() as nursery:
+        done = nursery.cancel_scope
+        nursery.start_soon(watchdog)
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+        sent = True
+        done.cancel()
+    return not dropped
