@@ -79,6 +79,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     cmd = args.command
+    if cmd == "events" or (cmd == "status" and args.watch and not args.json):
+        from nvpair.cli import events
+
+        return events.run_events(args) if cmd == "events" else events.watch_status(args)
     if cmd == "status":
         doc = call(args, "GET", f"/v1/engines/{args.name}" if args.name else "/v1/engines")
         engines = [doc] if args.name else doc["engines"]

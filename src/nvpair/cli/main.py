@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("stop", "stop an engine"),
         ("restart", "restart an engine"),
         ("logs", "show an engine's output"),
+        ("events", "print a running nvpair's events as they come, one line each"),
     ):
         p = sub.add_parser(name, help=helptext)
         config_arg(p)
@@ -67,8 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
             p.add_argument("-n", "--tail", type=int, default=100,
                            help="lines to show (default 100)")
-        if name in ("status", "models"):
+        if name in ("status", "models", "events"):
             p.add_argument("--json", action="store_true", help="machine-readable output")
+        if name == "status":
+            p.add_argument("--watch", "-w", action="store_true",
+                           help="keep the table on screen, redrawn when something changes")
+        if name == "events":
+            p.add_argument("--types", metavar="T,T", help="only these: engine, models, peer")
+            p.add_argument("--engine", metavar="NAME", help="only this engine's events")
         if name == "models":
             p.add_argument("--cluster", action="store_true", help="include peers' models")
     return parser
