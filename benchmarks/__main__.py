@@ -27,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-from benchmarks import metrics, models, replay, report, scale, soak, throughput
+from benchmarks import events, metrics, models, replay, report, scale, soak, throughput
 from benchmarks.config import FULL, QUICK, BenchConfig
 from benchmarks.procs import ROOT, machine
 from benchmarks.targets import evaluate
@@ -42,6 +42,7 @@ SCENARIOS: dict[str, Scenario] = {
     "throughput": throughput.run,
     "soak": soak.run,
     "metrics": metrics.run,
+    "events": events.run,
 }
 
 

@@ -49,8 +49,9 @@ class Timing:
     heartbeat_s: float = 15.0
     #: a send the client has not taken for this long closes its connection
     drop_after_s: float = 30.0
-    #: at most one batch of events per this long (so at most ~10 events a second per key)
-    min_interval_s: float = 0.1
+    #: at most this many batches of events in any second (so a key changing 1,000 times a
+    #: second reaches a stream as ~11 events: these at once, then one a second later)
+    batches_per_s: int = 10
     #: ``retry:`` is a random whole number of milliseconds in this range, per stream
     retry_ms: tuple[int, int] = (1000, 3000)
 
@@ -78,6 +79,8 @@ class Event(msgspec.Struct, frozen=True):
     key: str
     data: bytes  # the JSON of the content, encoded once
     engine: str | None = None  # the engine it is about (the ``?engine=`` filter)
+    #: the event as a stream sends it (``id:``, ``event:``, ``data:``), encoded once
+    wire: bytes = b""
 
 
 def engine_content(e: EngineState, now: float) -> dict[str, Any]:
@@ -220,7 +223,9 @@ class Journal:
         self._data[key] = data
         if initial:
             return
-        event = Event(self.changes.bump(), type_, key, data, engine)
+        seq = self.changes.bump()
+        event = Event(seq, type_, key, data, engine, b"id: %s.%d\nevent: %s\ndata: %s\n\n" % (
+            self.boot_id.encode(), seq, type_.encode(), data))
         if len(self.ring) == self.ring.maxlen:
             self._ring_bytes -= len(self.ring[0].data)
         self.ring.append(event)

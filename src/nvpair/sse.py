@@ -2,8 +2,8 @@
 
 A stream starts with ``retry:`` (a random 1-3 s, so clients do not all come back in the
 same millisecond after a restart) and a ``snapshot`` (or, resuming with ``Last-Event-ID``,
-the events it missed), then sends each key's newest change, at most one batch per
-``min_interval_s``; a ``:`` comment when nothing was sent for ``heartbeat_s``; ``bye``
+the events it missed), then sends each key's newest change, at most ``batches_per_s``
+batches in any second; a ``:`` comment when nothing was sent for ``heartbeat_s``; ``bye``
 when nvpair shuts down. A send the client does not take for ``drop_after_s`` closes its
 connection: nvpair never queues for a slow client (``nvpair.events.Stream``).
 """
@@ -11,6 +11,7 @@ connection: nvpair never queues for a slow client (``nvpair.events.Stream``).
 from __future__ import annotations
 
 import random
+from collections import deque
 from collections.abc import Callable
 from urllib.parse import parse_qs
 
@@ -31,8 +32,8 @@ def frame(event_id: str, type_: str, data: bytes) -> bytes:
     return b"id: %s\nevent: %s\ndata: %s\n\n" % (event_id.encode(), type_.encode(), data)
 
 
-def frames(journal: Journal, events: list[Event]) -> bytes:
-    return b"".join(frame(journal.event_id(e.seq), e.type, e.data) for e in events)
+def frames(events: list[Event]) -> bytes:
+    return b"".join(e.wire for e in events)
 
 
 def stream_query(raw: bytes) -> tuple[frozenset[str], str | None]:
@@ -79,11 +80,13 @@ async def serve_events(journal: Journal, scope: Scope, receive: Receive, send: S
         if missed is None:
             first.append(frame(journal.event_id(), "snapshot", journal.snapshot(stream)))
         else:
-            first.append(frames(journal, missed))
+            first.append(frames(missed))
         close = scope.get("extensions", {}).get(CLOSE_EXTENSION)
+        sender = Sender(send, timing, close)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_until_disconnect, receive, nursery.cancel_scope)
-            await _stream(journal, stream, send, b"".join(first), timing, close)
+            nursery.start_soon(sender.watchdog)
+            await _stream(journal, stream, sender, b"".join(first), timing)
             nursery.cancel_scope.cancel()
     finally:
         journal.unsubscribe(stream)
@@ -95,54 +98,69 @@ async def _until_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
     scope.cancel()
 
 
-async def _stream(journal: Journal, stream: Stream, send: Send, first: bytes,
-                  timing: Timing, close: Callable[[], None] | None) -> None:
-    await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
-    if not await _send(send, first, timing, close):
+async def _stream(journal: Journal, stream: Stream, sender: Sender, first: bytes,
+                  timing: Timing) -> None:
+    await sender.send({"type": "http.response.start", "status": 200, "headers": HEADERS})
+    if not await sender.body(first):
         return
     last = trio.current_time()
+    sent: deque[float] = deque(maxlen=timing.batches_per_s)
     while True:
         with trio.move_on_at(last + timing.heartbeat_s):
             await stream.wait()
+        if len(sent) == sent.maxlen and not stream.closed:  # at most so many a second
+            await trio.sleep_until(sent[0] + 1.0)
         events = stream.take()
         if stream.closed:
-            body = frames(journal, events) + frame(
+            body = frames(events) + frame(
                 journal.event_id(), "bye",
                 b'{"node":%s,"reason":"shutdown"}' % encoder.encode(journal.node))
-            if await _send(send, body, timing, close):
-                await send({"type": "http.response.body", "body": b""})
+            if await sender.body(body):
+                await sender.send({"type": "http.response.body", "body": b""})
             return
-        body = frames(journal, events) if events else b":\n\n"
-        started = trio.current_time()
-        if not await _send(send, body, timing, close):
+        if events:
+            sent.append(trio.current_time())
+        if not await sender.body(frames(events) if events else b":\n\n"):
             return
         last = trio.current_time()
-        await trio.sleep_until(started + timing.min_interval_s)
 
 
-async def _send(send: Send, body: bytes, timing: Timing,
-                close: Callable[[], None] | None) -> bool:
-    """Send ``body``; False when the client did not take it within ``drop_after_s``.
+class Sender:
+    """Sends a stream's bytes; closes the connection when a send is not taken in time.
 
-    The server's send does not give up on its own (it is shielded), so the connection is
-    closed to end it: after ``drop_after_s``, or at once when this task is cancelled while
-    the send is blocked (else a cancelled stream would hold its connection forever)."""
-    dropped = sent = False
+    The server's send does not give up on its own (it is shielded), so a send that the
+    client has not taken for ``drop_after_s`` is ended by closing the connection (looked
+    at every quarter of that: dropped after 1-1.25 times it), and so is one still blocked
+    when the stream is cancelled (else it would hold its connection forever)."""
 
-    async def watchdog() -> None:
-        nonlocal dropped
+    def __init__(self, send: Send, timing: Timing, close: Callable[[], None] | None) -> None:
+        self.send = send
+        self.timing = timing
+        self.close = close
+        self.since: float | None = None  # when the send in progress began
+        self.dropped = False
+
+    async def body(self, data: bytes) -> bool:
+        """Send ``data``; False when the client was dropped."""
+        self.since = trio.current_time()
         try:
-            await trio.sleep(timing.drop_after_s)
+            await self.send({"type": "http.response.body", "body": data, "more_body": True})
         finally:
-            if not sent and close is not None:
-                dropped = True
-                close()
-        done.cancel()
+            self.since = None
+        return not self.dropped
 
-    async with trio.open_nursery() as nursery:
-        done = nursery.cancel_scope
-        nursery.start_soon(watchdog)
-        await send({"type": "http.response.body", "body": body, "more_body": True})
-        sent = True
-        done.cancel()
-    return not dropped
+    async def watchdog(self) -> None:
+        try:
+            while True:
+                await trio.sleep(self.timing.drop_after_s / 4)
+                if (self.since is not None
+                        and trio.current_time() - self.since >= self.timing.drop_after_s):
+                    self._drop()
+        finally:
+            if self.since is not None:  # cancelled while a send is blocked
+                self._drop()
+
+    def _drop(self) -> None:
+        self.dropped = True
+        if self.close is not None:
+            self.close()
