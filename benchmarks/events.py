@@ -110,7 +110,7 @@ def pid_meter() -> CpuMeter | None:
 def run(cfg: BenchConfig, workdir: Path) -> dict[str, Any]:
     """The scenario: a window without streams, then one with ``STREAMS``."""
     global _PID
-    window = 4.0 if cfg.quick else 20.0
+    window = 2.5 if cfg.quick else 20.0
     with Procs(workdir) as procs:
         engines = ""
         for i in range(ENGINES):
