@@ -14,13 +14,16 @@ import httpx2
 import msgspec
 import pytest
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 from tests.managed import wait_state
 
 from nvpair import service
 from nvpair.config import load_settings
-from nvpair.events import Timing
+from nvpair.events import TYPES, Timing
 from nvpair.sim import SimOptions, serve_sim
 from nvpair.snapshot import EngineState
+from nvpair.sse import stream_query
 
 
 class Sse(msgspec.Struct):
@@ -441,3 +444,20 @@ async def test_50_streams_and_a_client_that_never_reads(nursery, tmp_path) -> No
     assert after - before < 5 * 1024, (before, after)
     assert abs(probes_busy - probes_quiet) <= 1, (probes_quiet, probes_busy)
     assert busy < max(0.05, 3 * quiet), (quiet, busy)
+
+
+@given(st.binary(max_size=200))
+def test_any_query_is_filters_or_a_one_line_error(raw: bytes) -> None:
+    try:
+        types, engine = stream_query(raw)
+    except ValueError as exc:
+        assert "\n" not in str(exc) and str(exc).split(":")[0] in ("types", "engine")
+        return
+    assert types and types <= TYPES
+    assert engine is None or isinstance(engine, str)
+
+
+def test_filters_parse() -> None:
+    assert stream_query(b"types=engine,peer&engine=e1") == (
+        frozenset({"engine", "peer"}), "e1")
+    assert stream_query(b"") == (TYPES, None)
