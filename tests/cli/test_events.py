@@ -82,7 +82,8 @@ async def test_events_prints_one_line_each_and_resumes_across_a_restart(
                 running.stop()
         finally:
             proc.kill()
-            await proc.wait()
+            with trio.CancelScope(shield=True), trio.move_on_after(5):
+                await proc.wait()
 
 
 async def test_status_watch_redraws_on_events(nursery, tmp_path) -> None:
@@ -103,5 +104,6 @@ async def test_status_watch_redraws_on_events(nursery, tmp_path) -> None:
                 assert " 1 " in row  # the restarts column, redrawn
             finally:
                 proc.kill()
-                await proc.wait()
+                with trio.CancelScope(shield=True), trio.move_on_after(5):
+                    await proc.wait()
             running.stop()
