@@ -169,6 +169,8 @@ class Recorder:
     {"Origin": "null"},  # a sandboxed frame or a file:// page
     {"Origin": "http://127.0.0.1.evil.example"},
     {"Origin": "http://localhost.evil.example:14322"},
+    {"Host": "localhost..:14322"},
+    {"Host": "evil.example.:14322"},
     {"Origin": "ftp://127.0.0.1"},
     {"Sec-Fetch-Site": "cross-site"},
 ])
@@ -197,6 +199,10 @@ async def test_without_a_token_a_cross_site_stop_stops_nothing(headers) -> None:
     {"Host": "LOCALHOST"},
     {"Host": "[::1]:14322"},
     {"Host": "mybox.lan:14322"},  # allowed_hosts
+    {"Host": "mybox.lan.:14322"},  # the same name, fully qualified
+    {"Host": "localhost."},
+    {"Host": "127.0.0.1.:14322"},
+    {"Origin": "http://mybox.lan.:3000"},
     {"Origin": "http://127.0.0.1:3000"},
     {"Origin": "http://localhost:8080"},
     {"Origin": "http://[::1]:8080"},

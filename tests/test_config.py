@@ -75,6 +75,8 @@ def test_env_var_names_the_config(write, monkeypatch) -> None:
     ("text", "expected"),
     [
         ("listen = \n", r"nvpair.toml: not valid TOML: .*line 1"),
+        ("x = " + "[" * 3000 + "]" * 3000 + "\n",  # a RecursionError out of tomllib before
+         r"nvpair.toml: not valid TOML: arrays or tables nested too deeply$"),
         ("[[engines]]\nname = 'a'\nkind = 'vllm'\nprot = 1\n",
          r"nvpair.toml: engines\[0\].prot: unknown key \(check the spelling\)$"),
         ("[[engines]]\nname='a'\nkind='vllm'\n[[engines]]\nname='b'\nkind='vllm'\nport='80'\n",

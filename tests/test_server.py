@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as stock_serve
 
@@ -348,3 +349,68 @@ def test_raise_fd_limit_lifts_the_soft_limit_to_the_hard_one() -> None:
                          check=True, timeout=30).stdout.split()
     assert out[0] == out[1] == out[2], out
     assert raise_fd_limit() >= 64
+
+
+async def test_at_the_cap_a_client_sending_its_first_request_is_not_the_one_closed(
+        nursery, app) -> None:
+    connections = Connections(cap=1)
+    port = await start(nursery, app, Limits(), connections)
+    with trio.fail_after(5):
+        first = await trio.open_tcp_stream("127.0.0.1", port)
+        await first.send_all(REQUEST[:12])  # the head of its first request is arriving
+        await trio.testing.wait_all_tasks_blocked()
+        second = await trio.open_tcp_stream("127.0.0.1", port)  # waits in the backlog
+        await trio.testing.wait_all_tasks_blocked()
+        # before, a connection counted as idle until its first head was parsed, so the
+        # second client closed the first one mid-request ("closed before the answer")
+        assert (await get(first, REQUEST[12:])).endswith(b"ok")
+        assert (await get(second)).endswith(b"ok")  # admitted once the first went idle
+        for stream in (first, second):
+            await stream.aclose()
+
+
+async def test_at_the_cap_an_http2_connection_with_no_stream_is_idle(nursery, app) -> None:
+    import h2.config
+    import h2.connection
+
+    connections = Connections(cap=1)
+    port = await start(nursery, app, Limits(), connections)
+    with trio.fail_after(5):
+        first = await trio.open_tcp_stream("127.0.0.1", port)
+        client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        client.initiate_connection()
+        await first.send_all(client.data_to_send())  # the preface and settings, no request
+        await trio.testing.wait_all_tasks_blocked()
+        second = await trio.open_tcp_stream("127.0.0.1", port)
+        assert (await get(second)).endswith(b"ok")  # the idle HTTP/2 connection made room
+        assert await closed_by_server(first)
+        for stream in (first, second):
+            await stream.aclose()
+
+
+async def test_a_head_that_begins_while_the_last_answer_is_pending_is_held_to_its_deadline(
+        nursery, app) -> None:
+    """A client that sends the start of its next request before the answer to the last
+    one has gone out: that head still has ``header_timeout_s``, and the connection is busy,
+    not idle. Before, the answer's end made the connection idle: the trickled head was cut
+    only by the keep-alive timer (30 s here), and the cap could close it mid-request."""
+    connections = Connections(cap=8)
+    port = await start(nursery, app, Limits(header_timeout_s=0.5, keep_alive_s=30),
+                       connections)
+    with trio.fail_after(5):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        await stream.send_all(b"GET /hold HTTP/1.1\r\nhost: x\r\n\r\n")
+        await app.arrived.wait()
+        await stream.send_all(REQUEST[:12])  # the next request begins
+        await trio.testing.wait_all_tasks_blocked()
+        app.release.set()
+        received = b""
+        while not received.endswith(b"ok"):
+            received += await stream.receive_some(4096)
+        began = trio.current_time()
+        await trio.testing.wait_all_tasks_blocked()
+        assert not connections.evict_oldest_idle()  # the connection is not idle
+        assert await closed_by_server(stream)
+        assert trio.current_time() - began < 0.5 + 0.5
+        await stream.aclose()
+    assert len(app.bodies) == 1

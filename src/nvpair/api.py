@@ -14,10 +14,11 @@ from urllib.parse import parse_qs
 
 import trio
 
-from nvpair import views
+from nvpair import sse, views
 from nvpair.asgi import (
     FORWARDED_BY,
     JSON,
+    Message,
     Mount,
     Receive,
     Scope,
@@ -30,8 +31,10 @@ from nvpair.asgi import (
     send_error,
     send_json,
 )
+from nvpair.events import Journal
 from nvpair.listing import ModelsBody
 from nvpair.logs import EngineLog, Lines
+from nvpair.metrics import CONTENT_TYPE, Metrics
 from nvpair.snapshot import Board, Snapshot
 
 log = logging.getLogger("nvpair.api")
@@ -82,8 +85,14 @@ class Api:
     def __init__(self, board: Board, *, node: str, token: str | None = None,
                  controller: Controller | None = None, mounts: Sequence[Mount] = (),
                  cluster: ClusterView | None = None, cluster_token: str | None = None,
-                 allowed_hosts: Iterable[str] = ()) -> None:
+                 allowed_hosts: Iterable[str] = (), events: Journal | None = None,
+                 metrics: Metrics | None = None) -> None:
         self.board = board
+        #: ``/metrics`` (none: 404); every answer is counted by (route, code) in ``requests``
+        self.metrics = metrics
+        self.requests: dict[tuple[str, int], int] = metrics.api if metrics else {}
+        #: the change journal of GET /v1/events and the long-poll (nvpair.events)
+        self.events = events
         self.node = node
         self.token = token.encode() if token else None
         self.cluster_token = cluster_token.encode() if cluster_token else None
@@ -153,14 +162,22 @@ class Api:
             return
         if scope["type"] != "http":
             return
+        counts, path, mounts = self.requests, scope["path"], self.mounts
+
+        async def counted(message: Message) -> None:  # per (route, code), for /metrics
+            if message["type"] == "http.response.start":
+                key = (route_label(path, mounts), message["status"])
+                counts[key] = counts.get(key, 0) + 1
+            await send(message)
+
         try:
-            await self.route(scope, receive, send)
+            await self.route(scope, receive, counted)
         except Exception:
             log.exception("error answering %s %s", scope.get("method"), scope.get("path"))
             # If the answer had begun, the server refuses a second one: it then ends cut,
             # which the client sees (no per-message bookkeeping on the hot path for this).
             with contextlib.suppress(Exception):
-                await send_error(send, 500, "internal error in nvpair; see its log",
+                await send_error(counted, 500, "internal error in nvpair; see its log",
                                  "internal_error")
 
     async def route(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -186,6 +203,12 @@ class Api:
             if refusal is not None:
                 await send_error(send, 403, refusal[1], refusal[0])
                 return
+        if path == "/metrics" and self.metrics is not None:
+            if method != "GET":
+                await send_error(send, 405, "use GET /metrics")
+                return
+            await send_bytes(send, 200, self.metrics.body(), [(b"content-type", CONTENT_TYPE)])
+            return
         parts = path.rstrip("/").split("/")
         if path in ("/v1/models", "/v1/cluster/models"):
             if method != "GET":
@@ -202,8 +225,10 @@ class Api:
             if method != "GET":
                 await send_error(send, 405, "use GET /v1/engines")
                 return
-            body = self.cached("engines", lambda s, n: views.engines_doc(s, n, self.node))
-            await send_bytes(send, 200, body)
+            await self.engines_route(scope, send)
+            return
+        if path == "/v1/events" and self.events is not None:
+            await sse.serve_events(self.events, scope, receive, send)
             return
         if len(parts) >= 4 and parts[:3] == ["", "v1", "engines"]:
             await self.engine_route(scope, receive, send, parts[3], parts[4:])
@@ -212,6 +237,26 @@ class Api:
             await mount.handler(scope, receive, send)
             return
         await send_error(send, 404, f"no route {method} {path}", "not_found")
+
+    async def engines_route(self, scope: Scope, send: Send) -> None:
+        """``GET /v1/engines``; with ``?after=SEQ&wait_s=S``, answers when the events' seq
+        (the answer's ``seq``) has moved past ``SEQ``, or at ``S`` seconds as it is."""
+        journal = self.events
+        if journal is not None and scope.get("query_string"):
+            try:
+                after, wait_s = engines_query(
+                    parse_qs(scope["query_string"].decode("latin-1")))
+            except ValueError as exc:
+                await send_error(send, 400, str(exc))
+                return
+            if after is not None and after == journal.seq and wait_s:
+                with trio.move_on_after(wait_s):
+                    await journal.changes.wait_changed(after)
+        body = self.cached("engines", lambda s, n: views.engines_doc(s, n, self.node))
+        if journal is not None:  # the seq to wait after next (the body is cached without)
+            body = b'%s,"seq":%d,"boot_id":"%s"}' % (body[:-1], journal.seq,
+                                                     journal.boot_id.encode())
+        await send_bytes(send, 200, body)
 
     async def model_route(self, scope: Scope, send: Send, model: str) -> None:
         """OpenAI's retrieve-model: the item ``GET /v1/models`` lists for ``model`` (ids may
@@ -297,11 +342,42 @@ class Api:
                 and hmac.compare_digest(given, self.cluster_token))
 
 
+#: routes counted under their own path; others by their shape (``route_label``)
+FIXED_ROUTES = frozenset({"/healthz", "/metrics", "/v1/models", "/v1/cluster/models",
+                          "/v1/engines", "/v1/events"})
+ENGINE_ACTIONS = frozenset({"start", "stop", "restart", "logs"})
+
+
+def route_label(path: str, mounts: Sequence[Mount] = ()) -> str:
+    """The ``route`` label of a request's count: a fixed path, a shape
+    (``/v1/engines/{name}/logs``), a mount's path or prefix, else ``other``, so neither
+    engine names nor a client's made-up paths become series of their own."""
+    if path in FIXED_ROUTES:
+        return path
+    if path.startswith("/v1/engines/"):
+        rest = path[12:].rstrip("/").split("/")
+        if len(rest) == 1:
+            return "/v1/engines/{name}"
+        return (f"/v1/engines/{{name}}/{rest[1]}" if len(rest) == 2 and rest[1] in ENGINE_ACTIONS
+                else "other")
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{model}"
+    for mount in mounts:
+        if path in mount.paths:
+            return path
+        if mount.prefix is not None and path.startswith(mount.prefix):
+            return f"{mount.prefix}*"
+    return "other"
+
+
 def local_host(host: str, allowed: frozenset[str]) -> bool:
     """``host`` (a Host header's or an Origin's, without the port) names this machine:
-    a loopback address, ``localhost`` or a name from ``allowed_hosts``."""
+    a loopback address, ``localhost`` or a name from ``allowed_hosts``; a fully qualified
+    name's trailing dot (``mybox.lan.``) names the same host."""
     host = host.lower()
-    if host in ("localhost", "localhost.") or host in allowed:
+    if host.endswith(".") and not host.endswith(".."):
+        host = host[:-1]
+    if host == "localhost" or host in allowed:
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -362,6 +438,12 @@ def _whole(query: dict[str, list[str]], key: str, low: int, high: int) -> int | 
     if not raw.isdigit() or not low <= int(raw) <= high:
         raise ValueError(f"{key}: expected a whole number {low}-{high}, got {raw!r}")
     return int(raw)
+
+
+def engines_query(query: dict[str, list[str]]) -> tuple[int | None, int]:
+    """``?after=SEQ&wait_s=S`` of ``GET /v1/engines`` (the long-poll)."""
+    return (_whole(query, "after", 0, 2**62),
+            _whole(query, "wait_s", 0, LOG_WAIT_MAX_S) or 0)
 
 
 class LogQuery(NamedTuple):

@@ -99,6 +99,8 @@ class Config(Base, frozen=True):
     #: at most this many client connections to the API at once (at the cap, the one idle
     #: the longest is closed to admit a new one).
     max_connections: Annotated[int, msgspec.Meta(ge=8, le=1_000_000)] = 1024
+    #: at most this many GET /v1/events streams at once (then 503 with Retry-After).
+    max_streams: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 64
     #: a request's head must arrive within this long of its first byte.
     header_timeout_s: Seconds = 10.0
     #: a request's body must arrive within this long of its head.
@@ -168,6 +170,7 @@ class Settings(msgspec.Struct, frozen=True):
     #: state files of managed engine processes (None: none kept); nvpair.orphans.
     state_dir: Path | None = None
     max_connections: int = 1024
+    max_streams: int = 64
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
 
@@ -208,6 +211,9 @@ def decode_config(data: bytes, source: str) -> Config:
         raise ConfigError(f"{source}: not valid TOML: not UTF-8 text") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    except RecursionError:  # tomllib recurses per nested array or inline table
+        raise ConfigError(f"{source}: not valid TOML: arrays or tables nested too deeply"
+                          ) from None
     return convert(raw, Config, source, ConfigError)
 
 
@@ -297,6 +303,7 @@ def resolve(config: Config, source: str, base: Path, *, listen: str | None = Non
         allowed_hosts=tuple(h.lower() for h in config.allowed_hosts),
         state_dir=state_dir,
         max_connections=config.max_connections,
+        max_streams=config.max_streams,
         header_timeout_s=config.header_timeout_s,
         body_timeout_s=config.body_timeout_s,
     )

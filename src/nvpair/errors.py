@@ -12,6 +12,7 @@ NvpairError                      base of every error nvpair raises on purpose
  +-- BadRequest                  router.relay: a body the router cannot route (the 400)
  +-- EngineGone                  router.relay: an engine's answer stopped (cut, silent)
  +-- AdvertRejected              peers.advert: a body that is not an advert this node takes
+ +-- Full                        events: max_streams event streams are open (the 503)
  +-- Unreachable                 peers.etcd: etcd did not answer
  +-- EtcdError                   peers.gateway: etcd answered with an error
       +-- BadAnswer              an answer that is not etcd's (a proxy's page, a wrong port)

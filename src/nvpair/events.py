@@ -27,6 +27,7 @@ import msgspec
 import trio
 
 from nvpair.changes import Changes
+from nvpair.errors import NvpairError
 from nvpair.snapshot import Board, EngineState, shown_state
 
 #: event types a stream may ask for (``?types=``); ``snapshot`` and ``bye`` always come.
@@ -147,7 +148,7 @@ class Stream:
         await self._ready.wait()
 
 
-class Full(Exception):
+class Full(NvpairError):
     """``max_streams`` streams are open."""
 
 

@@ -180,6 +180,9 @@ class _WatchPath:
                        call_soon: Any) -> None:
         if scope.get("type") == "http":
             self.conn.last_path = scope.get("path")
+            # a long answer (GET /v1/events) closes a client that stopped reading with it
+            scope["extensions"] = {**(scope.get("extensions") or {}),
+                                   "nvpair.close": self.conn.evict}
         await self.app(scope, receive, send, sync_spawn, call_soon)
 
 
@@ -229,12 +232,23 @@ class Connection(TCPServer):
                     data = await self.stream.receive_some(MAX_RECV)
             except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
                 break
-            if data and self._head_from is None and self._their_state() is h11.IDLE:
+            state = self._their_state()
+            # (DONE: the last request is in and its answer pending; these bytes begin the next)
+            if data and self._head_from is None and state in (h11.IDLE, h11.DONE):
                 self._head_from = trio.current_time()
+                self.connections.idle(self, False)  # a request is arriving: not evictable
                 if self._requests:  # a new request on a kept-alive connection
                     await self.idle_task.stop()
-                    self.connections.idle(self, False)
+            h11_before = state is not None
             await self.protocol.handle(RawData(bytes(data)))
+            if state is h11.DONE and self._head_from is not None and (
+                    self._their_state() is h11.IDLE):
+                # the answer's end made the connection idle, but the next head is arriving
+                self.connections.idle(self, False)
+                await self.idle_task.stop()
+            if h11_before and self._their_state() is None:  # now HTTP/2 (or a WebSocket):
+                # idle while it has no stream; its own Updated events say so from here on
+                self.connections.idle(self, getattr(self.protocol.protocol, "idle", False))
             if data == b"":
                 break
         await self.protocol.handle(Closed())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -13,10 +14,14 @@ from hypercorn.config import Config as HypercornConfig
 from nvpair import looplag, orphans
 from nvpair.api import Api
 from nvpair.asgi import Mount
+from nvpair.boundary import Part
 from nvpair.config import Settings, url_host
 from nvpair.control import Control
+from nvpair.events import Journal
 from nvpair.lifecycle import EngineRunner
+from nvpair.metrics import Metrics
 from nvpair.peers.broker import Broker
+from nvpair.peers.feed import PeerFeed
 from nvpair.peers.push import keep_alive_for
 from nvpair.peers.receiver import ADVERTS_PATH
 from nvpair.router import ROUTED_PATHS, Router, Traffic
@@ -43,6 +48,8 @@ class Running(msgspec.Struct, frozen=False):
     procs: orphans.EngineProcs | None = None
     #: the API's open client connections (nvpair.server).
     connections: Connections | None = None
+    #: the change journal of GET /v1/events
+    events: Journal | None = None
 
 
 def limits(settings: Settings) -> Limits:
@@ -75,7 +82,8 @@ async def run(settings: Settings, *,
     API listens and the peers broker (if any) has started; ``Running.url`` is where.
 
     ``stop()`` (sync) shuts down in order and ``run`` returns when it is done: the API stops
-    accepting and drains its requests (the broker leaves the cluster meanwhile), then every
+    accepting and drains its requests (event streams get ``bye`` and end at once; the
+    broker leaves the cluster meanwhile), then every
     engine stops (each its stop signal, grace period and SIGKILL, in parallel), then the
     router's connections close. Cancellation ends it all at once, without the drain or a
     leave; managed engines still stop gracefully (shielded and bounded).
@@ -99,17 +107,28 @@ async def run(settings: Settings, *,
         mounts.append(Mount(handler=router, paths=ROUTED_PATHS, peer_auth=True))
     if peers is not None:
         mounts.extend(peers.mounts)
-    api = Api(board, node=settings.node, token=settings.token,
+    events = Journal(board, node=settings.node, max_streams=settings.max_streams,
+                     peers=None if peers is None else PeerFeed(peers.table))
+    api = Api(board, node=settings.node, token=settings.token, events=events,
               controller=Control(runners, board, settings.node), mounts=mounts,
               cluster=None if peers is None else peers.table, cluster_token=cluster_token,
-              allowed_hosts=settings.allowed_hosts)
+              allowed_hosts=settings.allowed_hosts,
+              metrics=Metrics(board, traffic, node=settings.node, sweep=sweep.durations,
+                              peers=None if peers is None else peers.table,
+                              streams=lambda: len(events.streams)))
     shutdown = trio.Event()
+
+    async def drain() -> None:  # event streams say bye and end, so the drain waits for none
+        await shutdown.wait()
+        events.close()
+
     await orphans.reclaim(procs, settings.engines)  # what a killed nvpair left running
     # Lifetimes, outermost last to end: the router's engine clients, the engines, the API.
     # On shutdown the API drains first, then engines stop, then the clients close.
     async with trio.open_nursery() as outer:
         outer.start_soon(looplag.from_env)  # opt-in: NVPAIR_LOOP_LAG_FILE (benchmarks)
         await outer.start(router.run)
+        outer.start_soon(Part("events journal").supervise, events.run)  # a bug: retried
         async with trio.open_nursery() as engines:
             for runner in runners.values():
                 await engines.start(runner.run)
@@ -119,7 +138,7 @@ async def run(settings: Settings, *,
                 binds = await http.start(
                     lambda task_status: serve_http(api, hypercorn_config(settings),
                                                    limits(settings),
-                                                   shutdown_trigger=shutdown.wait,
+                                                   shutdown_trigger=drain,
                                                    connections=connections,
                                                    task_status=task_status)
                 )
@@ -128,7 +147,7 @@ async def run(settings: Settings, *,
                 task_status.started(Running(url=binds[0], board=board, sweep=sweep,
                                             runners=runners, traffic=traffic,
                                             stop=shutdown.set, peers=peers, procs=procs,
-                                            connections=connections))
+                                            connections=connections, events=events))
             # hypercorn has stopped accepting and drained in-flight requests; engines stop
             # with their grace periods (each SIGTERM, wait, SIGKILL, in parallel).
             engines.cancel_scope.cancel(reason="nvpair is shutting down")
@@ -150,6 +169,9 @@ async def main(settings: Settings, *, announce: Callable[[str], None] = print,
     orphans.become_subreaper()  # what engines double-fork comes back to us, not to init
     async with trio.open_nursery() as nursery:
         running: Running = await nursery.start(run, settings)
+        # What starting made (config, manifests, clients, tasks) lives as long as nvpair:
+        # out of the cyclic collector's reach, so full collections walk only what changes.
+        gc.freeze()
         announce(running.url)
         if watch is not None:
             nursery.start_soon(watch_board, running.board)

@@ -82,7 +82,7 @@ async def test_events_prints_one_line_each_and_resumes_across_a_restart(
                 running.stop()
         finally:
             proc.kill()
-            with trio.CancelScope(shield=True), trio.move_on_after(5):
+            with trio.move_on_after(5, shield=True):
                 await proc.wait()
 
 
@@ -104,6 +104,6 @@ async def test_status_watch_redraws_on_events(nursery, tmp_path) -> None:
                 assert " 1 " in row  # the restarts column, redrawn
             finally:
                 proc.kill()
-                with trio.CancelScope(shield=True), trio.move_on_after(5):
+                with trio.move_on_after(5, shield=True):
                     await proc.wait()
             running.stop()
