@@ -65,3 +65,22 @@ async def stub_port(nursery):
         proc.kill()
         with trio.move_on_after(5, shield=True):
             await proc.wait()
+
+
+@pytest.fixture
+def pump_fails_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first copy of an engine's output into its log raises (a bug in nvpair); later
+    copies work."""
+    from nvpair.logs import EngineLog
+
+    real = EngineLog.pump
+    calls = 0
+
+    async def pump(self, stream):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("pump bug")
+        await real(self, stream)
+
+    monkeypatch.setattr(EngineLog, "pump", pump)

@@ -61,6 +61,19 @@ def managed_config(tmp: Path, name: str, port: int, command: list[str], *, kind:
     return load_settings(str(path))
 
 
+async def states_during(board, seconds: float, index: int = 0) -> list[str]:  # type: ignore[no-untyped-def]
+    """Every state engine ``index`` is published in for ``seconds`` (it may wait forever
+    otherwise: the window is the point)."""
+    states: list[str] = []
+    version = board.current.version
+    with trio.move_on_after(seconds):
+        while True:
+            snap = await board.wait_changed(version)
+            version = snap.version
+            states.append(snap.engines[index].state)
+    return states
+
+
 async def wait_state(board, name: str, *states: str, where=None,  # type: ignore[no-untyped-def]
                      within: float = 20.0):
     """Wait (event-driven) until the engine is in one of ``states`` (and ``where`` holds).

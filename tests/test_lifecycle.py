@@ -353,22 +353,9 @@ for i in itertools.count():
 
 
 async def test_a_failing_output_pump_leaves_the_engine_running(nursery, tmp_path,
-                                                              monkeypatch) -> None:
+                                                              pump_fails_once) -> None:
     """Copying the output fails (a bug): the engine is not stopped, the output is drained
     meanwhile, the engine says so in its notice, and its output is logged again later."""
-    from nvpair.logs import EngineLog
-
-    real = EngineLog.pump
-    calls = 0
-
-    async def pump(self, stream):  # type: ignore[no-untyped-def]
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            raise RuntimeError("pump bug")
-        await real(self, stream)
-
-    monkeypatch.setattr(EngineLog, "pump", pump)
     settings = managed_config(tmp_path, "e", free_port(), [sys.executable, "-c", TICKER],
                               extra="startup_budget_s = 60")
     with trio.fail_after(30):

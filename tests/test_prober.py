@@ -10,7 +10,7 @@ import pytest
 import trio
 import trio.testing
 from tests.fakes import FakeEngine, engine_spec, vllm_routes
-from tests.managed import wait_state
+from tests.managed import states_during, wait_state
 
 from nvpair.prober import ProbeMemory, run_probes
 from nvpair.probes import MAX_BODY
@@ -519,13 +519,7 @@ async def test_an_identity_loop_that_keeps_raising_keeps_the_engine_unhealthy(
     await wait_state(board, "e", "ready")
     broken = True
     await wait_state(board, "e", "unhealthy", within=70)
-    states: list[str] = []
-    version = board.current.version
-    with trio.move_on_after(300):
-        while True:
-            snap = await board.wait_changed(version)
-            version = snap.version
-            states.append(snap.engines[0].state)
+    states = await states_during(board, 300)
     assert fake.counts["/version"] >= 4 and fake.counts["/health"] >= 50
     assert set(states) == {"unhealthy"}, states
     broken = False

@@ -239,21 +239,10 @@ async def test_the_stray_reaper_never_takes_an_engine_that_is_being_spawned(
 
 
 async def test_the_output_works_again_once_its_lines_are_logged_again(
-        autojump_clock, monkeypatch) -> None:
+        autojump_clock, pump_fails_once) -> None:
     """After a failure of the pump, the output is dropped for the backoff, then copied again;
     once a line has been copied, the part says so (its notice goes). Before, the notice
     'engine output is not logged' stayed for the life of the process."""
-    real = EngineLog.pump
-    calls = 0
-
-    async def pump(self, stream):  # type: ignore[no-untyped-def]
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            raise RuntimeError("pump bug")
-        await real(self, stream)
-
-    monkeypatch.setattr(EngineLog, "pump", pump)
     published: list[str | None] = []
     part = Part("engine e: output", published.append)
     send, receive = trio.testing.memory_stream_one_way_pair()

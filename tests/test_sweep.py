@@ -7,7 +7,7 @@ import msgspec
 import pytest
 import trio
 from tests.fakes import FakeEngine, engine_spec, vllm_routes
-from tests.managed import wait_state
+from tests.managed import states_during, wait_state
 from tests.stub_http import serve_stub
 
 from nvpair import probes, service
@@ -187,13 +187,7 @@ async def test_a_listing_that_keeps_failing_keeps_the_engine_unhealthy(
     fake = FakeEngine(vllm_routes("m"))
     board, _ = await start_all(nursery, {"e": fake})
     await wait_state(board, "e", "unhealthy")
-    states: list[str] = []
-    version = board.current.version
-    with trio.move_on_after(120):
-        while True:
-            snap = await board.wait_changed(version)
-            version = snap.version
-            states.append(snap.engines[0].state)
+    states = await states_during(board, 120)
     assert fake.counts["/v1/models"] >= 4 and fake.counts["/health"] >= 20
     assert set(states) == {"unhealthy"}, states
     broken = False
