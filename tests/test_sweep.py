@@ -193,3 +193,26 @@ async def test_a_listing_that_keeps_failing_keeps_the_engine_unhealthy(
     broken = False
     e = await wait_state(board, "e", "ready", within=40)
     assert [m.id for m in e.models] == ["m"] and e.error is None
+
+
+async def test_the_same_answer_again_is_not_parsed_again(
+        nursery, autojump_clock, monkeypatch) -> None:
+    """An engine that lists the same bytes again costs a digest, not a parse (10,000 models
+    are about 20 ms of the loop to parse); a changed answer is parsed and listed."""
+    real = probes.parse_listing
+    parsed: list[bytes] = []
+
+    def parse(body: bytes, fmt, path):  # the real parser, counted
+        parsed.append(body)
+        return real(body, fmt, path)
+
+    monkeypatch.setattr(probes, "parse_listing", parse)
+    fake = FakeEngine(vllm_routes("m1"))
+    board, _ = await start_all(nursery, {"e": fake})
+    await wait_state(board, "e", "ready", where=lambda e: [m.id for m in e.models] == ["m1"])
+    await trio.sleep(120)  # several more listings of the same bytes
+    assert fake.counts["/v1/models"] >= 3 and len(parsed) == 1
+    fake.routes["/v1/models"] = vllm_routes("m2")["/v1/models"]
+    await wait_state(board, "e", "ready", where=lambda e: [m.id for m in e.models] == ["m2"],
+                     within=60)
+    assert len(parsed) == 2
