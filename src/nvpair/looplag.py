@@ -125,3 +125,5 @@ async def from_env() -> None:
             await probe(path)
         except OSError as exc:
             log.warning("loop-lag probe stopped: %s: %s", path, exc)
+        except Exception:  # a bug in the probe is the probe's, never the service's
+            log.exception("loop-lag probe stopped (a bug in nvpair)")

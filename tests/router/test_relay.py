@@ -402,3 +402,29 @@ async def test_idle_pools_are_reaped_so_no_engine_connection_sits_in_close_wait(
             assert not left, f"still open 10 s after the burst: {left}"
             again = await client.post(CHAT, content=chat)  # a new pool, made on demand
             assert again.status_code == 200, again.text
+
+
+async def test_a_pool_that_fails_to_close_stays_the_routers_own_failure(
+        nursery, tmp_path, monkeypatch) -> None:
+    """The reaper closes an idle pool and closing it raises (a bug, or the transport's):
+    the router logs it and goes on routing; before, the error ended the router's nursery
+    and with it the service."""
+    from nvpair.router.upstream import Upstream
+
+    a = ScriptEngine("m")
+    tried = trio.Event()
+
+    async def aclose(self: Upstream) -> None:
+        tried.set()
+        raise RuntimeError("close failed")
+
+    with trio.fail_after(30):
+        running = await start(nursery, tmp_path, {"a": a})
+        async with httpx2.AsyncClient(headers=JSON, base_url=running.url) as client:
+            assert (await client.post(CHAT, content=body())).status_code == 200
+            monkeypatch.setattr(Upstream, "aclose", aclose)
+            await tried.wait()  # the reaper closed the idle pool, and that raised
+            monkeypatch.undo()
+            r = await client.post(CHAT, content=body())  # a new pool
+            assert r.status_code == 200
+            assert (await client.get("/healthz")).status_code == 200

@@ -36,6 +36,7 @@ from nvpair.asgi import (
     read_body,
     send_error,
 )
+from nvpair.boundary import Part
 from nvpair.config import EngineSpec, RouterConfig
 from nvpair.decoding import decode_json
 from nvpair.errors import NvpairError
@@ -119,6 +120,8 @@ class Router:
                  traffic: Traffic, *, node: str = "nvpair", peers: PeerRouter | None = None,
                  cluster_token: str | None = None) -> None:
         self.board = board
+        #: the boundary of the router's own tasks: the reaper and the closing of pools
+        self._pools = Part("router: connection pools", logger=log)
         self.node = node
         self.peers = peers
         self.cluster_token = cluster_token
@@ -150,7 +153,9 @@ class Router:
             try:
                 while True:
                     await trio.sleep(REAP_EVERY_S)
-                    self.reap()
+                    with self._pools.guard():  # a bug here is the pools', not the node's
+                        self.reap()
+                        self._pools.ok()
             finally:
                 self._stack = self._nursery = None
 
@@ -214,7 +219,13 @@ class Router:
         """Close a replaced pool once no request uses it (its idle connections would
         otherwise sit in CLOSE-WAIT until nvpair stops)."""
         if upstream.retired and upstream.users == 0 and self._nursery is not None:
-            self._nursery.start_soon(upstream.aclose)
+            self._nursery.start_soon(self._close, upstream)
+
+    async def _close(self, upstream: Upstream) -> None:
+        """Close one pool inside the pools' boundary: an error while closing (a bug, or the
+        transport's) is logged, and the router's nursery, so the service, goes on."""
+        with self._pools.guard():
+            await upstream.aclose()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] != "POST":
