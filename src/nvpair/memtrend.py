@@ -1,0 +1,334 @@
+"""The leak detector: is a memory series rising steadily enough to run out, and when?
+
+Pure and I/O-free: the memory watch feeds it one sample at a time (``add``) and asks for a
+``reading``; nothing here reads ``/proc``, awaits or logs. The method, in order:
+
+* **Bucket floors.** Samples fall into fixed buckets (10 minutes by default); each bucket
+  keeps only its smallest values (at most ``floor_keep``) and gives its *floor*, a low
+  percentile (``floor_quantile``, p10) of its samples. A transient allocation, a GC cycle or
+  a burst of requests raises a few samples; a leak raises the floor.
+* **A robust slope.** The Theil-Sen slope (the median of the slopes between every pair of
+  floors) over the window (6 h), so a few odd buckets cannot tilt it.
+* **Monotonicity.** A Mann-Kendall test on the same pairs (z above ``z_min``), and both halves
+  of the window must rise by at least half the window's slope: a warm-up ramp that levels
+  off, or a step that stays, has a flat half.
+* **Exhaustion.** With the headroom (bytes left above the reserve), the time until the slope
+  uses it up. ``leaking``: that time is within the horizon (24 h); ``growing``: a significant
+  rise that is not; ``critical``: a significant slope (over the window, or over the short
+  window of finer floors for a fast leak) that exhausts the headroom within ``critical_s``
+  (1 h). ``flat`` otherwise, and always until the window is covered (``min_coverage``).
+
+The pairwise work (Theil-Sen and Mann-Kendall, O(n^2) for n floors) runs once per completed
+bucket and is cached; ``add`` is a few comparisons and ``reading`` a division between them.
+Memory is bounded by the number of buckets in the windows, whatever the number of samples.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import math
+from collections import deque
+from dataclasses import dataclass, fields, replace
+
+GIB = 1024**3
+
+
+class Trend(enum.StrEnum):
+    FLAT = "flat"
+    GROWING = "growing"
+    LEAKING = "leaking"
+    CRITICAL = "critical"
+
+
+@dataclass(frozen=True)
+class TrendSettings:
+    """Durations in seconds; every one scales (tests use windows of seconds, see ``scaled``)."""
+
+    #: the long window of bucket floors the slope and the tests run over
+    window_s: float = 6 * 3600
+    #: ``leaking`` when the headroom runs out within this
+    horizon_s: float = 24 * 3600
+    #: one floor per bucket
+    bucket_s: float = 600
+    #: the short window for ``critical`` (a fast leak), of finer floors
+    short_window_s: float = 1800
+    #: one floor per short bucket
+    short_bucket_s: float = 120
+    #: ``critical`` when a significant slope exhausts the headroom within this
+    critical_s: float = 3600
+    #: a slope below this is not a rise (bytes per hour of real time; ``scaled`` divides it)
+    min_slope_bytes_per_h: float = 20e6
+    #: the floor of a bucket: this quantile of its samples
+    floor_quantile: float = 0.10
+    #: at most this many smallest samples kept per bucket (beyond ``floor_keep / quantile``
+    #: samples in a bucket, the floor is the ``floor_keep``-th smallest: lower, still a floor)
+    floor_keep: int = 32
+    #: Mann-Kendall z above which a rise is significant (one-sided p < 0.01)
+    z_min: float = 2.33
+    #: the part of a window that must have floors before anything but ``flat`` is said
+    min_coverage: float = 0.95
+
+    def __post_init__(self) -> None:
+        for name in ("window_s", "horizon_s", "bucket_s", "short_window_s", "short_bucket_s",
+                     "critical_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"memory trend: {name} must be a positive number, got {value!r}")
+        if self.window_s < 4 * self.bucket_s:
+            raise ValueError(f"memory trend: window_s ({self.window_s:g}) must hold at least 4 "
+                             f"buckets of bucket_s ({self.bucket_s:g})")
+        if self.short_window_s < 4 * self.short_bucket_s:
+            raise ValueError(f"memory trend: short_window_s ({self.short_window_s:g}) must hold "
+                             f"at least 4 buckets of short_bucket_s ({self.short_bucket_s:g})")
+        if not 0 < self.floor_quantile < 1:
+            raise ValueError("memory trend: floor_quantile must be between 0 and 1, "
+                             f"got {self.floor_quantile!r}")
+        if self.floor_keep < 1:
+            raise ValueError(f"memory trend: floor_keep must be at least 1, got {self.floor_keep}")
+        if not 0 < self.min_coverage <= 1:
+            raise ValueError("memory trend: min_coverage must be in (0, 1], "
+                             f"got {self.min_coverage!r}")
+
+    def scaled(self, factor: float) -> TrendSettings:
+        """Every duration times ``factor`` (and the minimum slope divided by it): the same
+        detector on a faster clock, e.g. ``scaled(1 / 3600)`` turns hours into seconds."""
+        durations = {f.name: getattr(self, f.name) * factor for f in fields(self)
+                     if f.name.endswith("_s")}
+        return replace(self, **durations,
+                       min_slope_bytes_per_h=self.min_slope_bytes_per_h / factor)
+
+
+@dataclass(frozen=True)
+class TrendReading:
+    trend: Trend
+    #: the slope the state rests on (the short window's when ``critical`` from it), bytes/h
+    slope_bytes_per_h: float
+    #: seconds until the headroom runs out at that slope (None: not rising, or no headroom)
+    exhaustion_s: float | None
+    #: the latest bucket floor (None before the first bucket completes)
+    floor_bytes: int | None
+    #: seconds of the window that have floors (of the short window when ``critical`` from it)
+    covered_s: float
+    #: a few words on why this state
+    why: str
+    #: the window the slope is over, seconds (the long or the short one)
+    window_s: float = 0.0
+
+
+class _Floor:
+    """The smallest samples of one bucket (at most ``keep``) and how many there were."""
+
+    __slots__ = ("count", "index", "keep", "smallest")
+
+    def __init__(self, index: int, keep: int) -> None:
+        self.index = index
+        self.keep = keep
+        self.count = 0
+        self.smallest: list[int] = []
+
+    def add(self, value: int) -> None:
+        self.count += 1
+        smallest = self.smallest
+        if len(smallest) < self.keep:
+            bisect.insort(smallest, value)
+        elif value < smallest[-1]:
+            smallest.pop()
+            bisect.insort(smallest, value)
+
+    def floor(self, quantile: float) -> int:
+        rank = max(1, math.ceil(quantile * self.count))
+        return self.smallest[min(rank, len(self.smallest)) - 1]
+
+
+@dataclass(frozen=True)
+class _Fit:
+    slope_per_bucket: float
+    significant: bool
+    why: str
+
+
+def _theil_sen(xs: list[int], ys: list[int]) -> tuple[float, list[float]]:
+    """The median pairwise slope, and every pairwise slope sorted (xs strictly rising)."""
+    n = len(xs)
+    slopes = sorted([(ys[j] - ys[i]) / (xs[j] - xs[i])
+                     for i in range(n - 1) for j in range(i + 1, n)])
+    m = len(slopes)
+    if m == 0:
+        return 0.0, slopes
+    mid = m // 2
+    median = slopes[mid] if m % 2 else (slopes[mid - 1] + slopes[mid]) / 2
+    return median, slopes
+
+
+def _fit(xs: list[int], ys: list[int], min_slope_per_bucket: float, z_min: float) -> _Fit:
+    """Theil-Sen slope, Mann-Kendall z and the halves test over floors at bucket indices."""
+    n = len(xs)
+    slope, slopes = _theil_sen(xs, ys)
+    if n < 4:
+        return _Fit(slope, False, "too few floors")
+    # Mann-Kendall S: rising pairs minus falling pairs (xs rise, so a slope's sign is theirs)
+    s = (len(slopes) - bisect.bisect_right(slopes, 0.0)) - bisect.bisect_left(slopes, 0.0)
+    var = n * (n - 1) * (2 * n + 5) / 18
+    z = (s - 1) / math.sqrt(var) if s > 0 else 0.0
+    if slope < min_slope_per_bucket:
+        return _Fit(slope, False, "no rise" if slope <= 0 else "rise below the minimum slope")
+    if z <= z_min:
+        return _Fit(slope, False, f"rise not steady (Mann-Kendall z {z:.1f})")
+    half = n // 2
+    first, _ = _theil_sen(xs[:half], ys[:half])
+    second, _ = _theil_sen(xs[half:], ys[half:])
+    if min(first, second) < slope / 2:
+        which = "first" if first < second else "second"
+        return _Fit(slope, False, f"the {which} half of the window is not rising")
+    return _Fit(slope, True, "steady rise")
+
+
+class _Series:
+    """Bucket floors over one window, and the fit over them, cached per set of floors."""
+
+    def __init__(self, bucket_s: float, window_s: float, settings: TrendSettings) -> None:
+        self.bucket_s = bucket_s
+        self.window_s = window_s
+        self.buckets = max(1, round(window_s / bucket_s))
+        self.settings = settings
+        self.min_slope_per_bucket = settings.min_slope_bytes_per_h * bucket_s / 3600
+        self.floors: deque[tuple[int, int]] = deque(maxlen=self.buckets)
+        self.current: _Floor | None = None
+        self._cache_key: tuple[int, int] | None = None
+        self._cache: _Fit | None = None
+
+    def add(self, t: float, value: int) -> None:
+        index = math.floor(t / self.bucket_s)
+        current = self.current
+        if current is None or index > current.index:
+            if current is not None:
+                self.floors.append((current.index, current.floor(self.settings.floor_quantile)))
+            current = self.current = _Floor(index, self.settings.floor_keep)
+        current.add(value)  # a sample from an earlier bucket (a clock step back) counts here
+
+    def window(self, t: float) -> tuple[list[int], list[int]]:
+        """The completed floors in the window that ends at ``t``."""
+        lowest = math.floor(t / self.bucket_s) - self.buckets
+        xs: list[int] = []
+        ys: list[int] = []
+        for index, floor in self.floors:
+            if index >= lowest:
+                xs.append(index)
+                ys.append(floor)
+        return xs, ys
+
+    def covered(self, xs: list[int]) -> float:
+        return len(xs) * self.bucket_s
+
+    def enough(self, xs: list[int]) -> bool:
+        return len(xs) >= max(4, math.ceil(self.settings.min_coverage * self.buckets))
+
+    def fit(self, xs: list[int], ys: list[int]) -> _Fit:
+        key = (xs[0], xs[-1]) if xs else (0, -1)
+        if key != self._cache_key or self._cache is None:
+            self._cache = _fit(xs, ys, self.min_slope_per_bucket, self.settings.z_min)
+            self._cache_key = key
+        return self._cache
+
+    def latest(self) -> int | None:
+        if self.floors:
+            return self.floors[-1][1]
+        if self.current is not None:
+            return self.current.floor(self.settings.floor_quantile)
+        return None
+
+
+class TrendDetector:
+    """One memory series: ``add`` samples (monotonic seconds, bytes), ask for a ``reading``."""
+
+    def __init__(self, settings: TrendSettings) -> None:
+        self.settings = settings
+        self._long = _Series(settings.bucket_s, settings.window_s, settings)
+        self._short = _Series(settings.short_bucket_s, settings.short_window_s, settings)
+
+    def add(self, t: float, value_bytes: int) -> None:
+        if not math.isfinite(t):
+            return
+        value = int(value_bytes)
+        self._long.add(t, value)
+        self._short.add(t, value)
+
+    def reading(self, t: float, headroom_bytes: int | None) -> TrendReading:
+        s = self.settings
+        floor = self._long.latest()
+        if not math.isfinite(t):
+            return TrendReading(Trend.FLAT, 0.0, None, floor, 0.0, "no time", s.window_s)
+        # a fast leak first: the short window of finer floors
+        xs, ys = self._short.window(t)
+        if headroom_bytes is not None and self._short.enough(xs):
+            fit = self._short.fit(xs, ys)
+            per_s = fit.slope_per_bucket / s.short_bucket_s
+            if fit.significant and per_s > 0:
+                left = max(0.0, headroom_bytes / per_s)
+                if left <= s.critical_s:
+                    return TrendReading(Trend.CRITICAL, per_s * 3600, left, floor,
+                                        self._short.covered(xs),
+                                        "headroom runs out within the hour (short window)",
+                                        s.short_window_s)
+        xs, ys = self._long.window(t)
+        covered = self._long.covered(xs)
+        if not self._long.enough(xs):
+            return TrendReading(Trend.FLAT, 0.0, None, floor, covered,
+                                "window not yet covered", s.window_s)
+        fit = self._long.fit(xs, ys)
+        per_h = fit.slope_per_bucket / s.bucket_s * 3600
+        if not fit.significant:
+            return TrendReading(Trend.FLAT, per_h, None, floor, covered, fit.why, s.window_s)
+        if headroom_bytes is None:
+            return TrendReading(Trend.GROWING, per_h, None, floor, covered,
+                                "steady rise; no headroom known", s.window_s)
+        left = max(0.0, headroom_bytes / (per_h / 3600))
+        if left <= s.critical_s:
+            return TrendReading(Trend.CRITICAL, per_h, left, floor, covered,
+                                "headroom runs out within the hour", s.window_s)
+        if left <= s.horizon_s:
+            return TrendReading(Trend.LEAKING, per_h, left, floor, covered,
+                                "steady rise runs out within the horizon", s.window_s)
+        return TrendReading(Trend.GROWING, per_h, left, floor, covered,
+                            "steady rise, headroom lasts beyond the horizon", s.window_s)
+
+
+def reserve_bytes(mem_available: int, anon_pages: int) -> int:
+    """earlyoom's line, by default: 10 % of MemAvailable + AnonPages, at least 2 GiB."""
+    return max(int(0.10 * (max(0, mem_available) + max(0, anon_pages))), 2 * GIB)
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{max(0, round(seconds))} s"
+    if seconds < 5400:
+        return f"{round(seconds / 60)} min"
+    return f"{round(seconds / 3600)} h"
+
+
+def describe(name: str, reading: TrendReading, headroom_bytes: int | None,
+             what: str = "anonymous memory") -> str:
+    """One line in words, e.g. ``head: anonymous memory +0.39 GB/h for 6 h; headroom 8.7 GB
+    runs out in about 22 h``."""
+    r = reading
+    if r.trend is Trend.FLAT:
+        floor = f" at {_gb(r.floor_bytes)}" if r.floor_bytes is not None else ""
+        if r.why == "window not yet covered":
+            return (f"{name}: {what}{floor}, watching ({_duration(r.covered_s)} of "
+                    f"{_duration(r.window_s)} seen)")
+        return f"{name}: {what} flat{floor} over {_duration(r.covered_s)}"
+    line = f"{name}: {what} {r.slope_bytes_per_h / 1e9:+.2f} GB/h for {_duration(r.covered_s)}"
+    if headroom_bytes is None:
+        return line + "; headroom unknown"
+    if r.exhaustion_s is None:
+        return line + f"; headroom {_gb(headroom_bytes)}"
+    if r.trend is Trend.GROWING:
+        return line + (f"; headroom {_gb(headroom_bytes)} lasts about "
+                       f"{_duration(r.exhaustion_s)}")
+    return line + (f"; headroom {_gb(headroom_bytes)} runs out in about "
+                   f"{_duration(r.exhaustion_s)}")
