@@ -126,6 +126,37 @@ class RestartSpec(Base, frozen=True):
     reset_after_s: Seconds = 60.0
 
 
+StartOrder = Literal["together", "head_first", "ranks_first"]
+#: how a rank's nvpair knows its process is ready: an HTTP probe, the process alone, or the
+#: process and its listening socket (never a connection: llama.cpp's rpc-server serves one
+#: client at a time).
+RankReady = Literal["probe", "process", "listen"]
+
+
+class GroupRole(Base, frozen=True):
+    """How one role of a multi-node group starts and is watched (docs/groups.md)."""
+
+    #: placeholders besides the engine's: {rank}, {nnodes}, {dist_addr}, {dist_host},
+    #: {dist_port}, and on the head {rank_addrs} (every rank's host:dist_port, comma-joined).
+    start: StartSpec
+    ready: RankReady = "probe"
+    #: the rank's readiness probe (ready = "probe"); the head uses the engine's probes.
+    probe: ProbeSpec | None = None
+    stop_grace_s: Seconds | None = None
+
+
+class GroupRoles(Base, frozen=True):
+    head: GroupRole
+    rank: GroupRole
+
+
+class GroupManifest(Base, frozen=True):
+    """``group``: the roles of one engine run across several nodes, and their start order."""
+
+    roles: GroupRoles
+    start_order: StartOrder = "together"
+
+
 NOTES = ("For people reading the manifest, since JSON has no comments: why these probes and "
          "paths were chosen. nvpair never reads it.")
 
@@ -144,6 +175,8 @@ class Manifest(Base, frozen=True):
     startup_budget_s: Seconds = 600.0
     #: opt in to probes whose cost is "generating" (they run a real generation on the engine).
     allow_generating_probes: bool = False
+    #: how the engine runs across several nodes (``[engines.group]``); None: it cannot.
+    group: GroupManifest | None = None
     #: for people reading the manifest (JSON has no comments): why these probes; never read.
     notes: Annotated[str, msgspec.Meta(description=NOTES)] = ""
 
@@ -192,11 +225,28 @@ def decode_manifest(data: bytes, source: str) -> Manifest:
     if not _KIND.match(manifest.kind):
         raise ManifestError(f"{source}: kind: expected lower-case letters, digits, '-' or '_'")
     check_probes(manifest.probes, allow_generating=manifest.allow_generating_probes, where=source)
+    if manifest.group is not None:
+        _check_group(manifest.group, source)
     restart = manifest.restart
     if restart.initial_s > restart.max_s:
         raise ManifestError(f"{source}: restart.initial_s ({restart.initial_s:g}) is above "
                             f"restart.max_s ({restart.max_s:g})")
     return manifest
+
+
+def _check_group(group: GroupManifest, source: str) -> None:
+    for name in ("head", "rank"):
+        role: GroupRole = getattr(group.roles, name)
+        where = f"{source}: group.roles.{name}"
+        if not role.start.argv:
+            raise ManifestError(f"{where}.start.argv: empty; a role needs a command")
+        if name == "head" and role.ready != "probe":
+            raise ManifestError(f"{where}.ready: the head is ready by the engine's own "
+                                "probes; only a rank may be ready by 'process' or 'listen'")
+        if name == "rank" and role.ready == "probe" and role.probe is None:
+            raise ManifestError(f"{where}: ready = 'probe' needs a probe")
+        if role.probe is not None and role.probe.cost != "cheap":
+            raise ManifestError(f"{where}.probe: a rank's probe must be cheap")
 
 
 def _json_where(data: bytes, exc: Exception) -> str:
