@@ -120,3 +120,18 @@ def test_notes_are_for_people_and_in_the_schema() -> None:
     assert "deprecated names" in manifest.notes
     from nvpair.schema import schema_json
     assert "never reads it" in schema_json("manifest")
+
+
+def test_a_manifest_is_decoded_once_and_again_when_its_file_changes(tmp_path: Path) -> None:
+    # 1,000 engines of one kind share one decoded manifest (it is frozen); an edited file
+    # is decoded again, never served from the old bytes.
+    assert load_manifest("sglang") is load_manifest("sglang")
+    path = tmp_path / "mine.json"
+    text = (builtin_dir() / "sglang.json").read_text()
+    path.write_text(text)
+    first = load_manifest(str(path))
+    assert load_manifest(str(path)) is first
+    path.write_text(text.replace('"display_name": "', '"display_name": "Edited '))
+    edited = load_manifest(str(path))
+    assert edited.display_name.startswith("Edited ")
+    assert first.display_name == load_manifest("sglang").display_name
