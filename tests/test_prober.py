@@ -434,6 +434,13 @@ async def test_a_probe_loop_that_raises_is_the_engines_failure_and_restarts(
     await trio.testing.wait_all_tasks_blocked()  # the boundary has seen the good probe
     assert any("works again" in r.getMessage() for r in caplog.records)
     assert "e" in sweep.probers  # run_probes is still running
+    # a second failure is watched again (the recovery watcher runs per failure)
+    broken = True
+    await wait_state(board, "e", "unhealthy", within=120)
+    broken = False
+    await wait_state(board, "e", "ready", within=120)
+    await trio.testing.wait_all_tasks_blocked()
+    assert sum("works again" in r.getMessage() for r in caplog.records) == 2
 
 
 async def test_the_prober_is_enrolled_in_the_sweep_while_its_probes_run(

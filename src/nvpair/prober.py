@@ -380,23 +380,29 @@ class LoopPart(Part):
     result after the failure (a loop that never returns says so no other way)."""
 
     def __init__(self, name: str, board: Board, engine: str, probes: tuple[str, ...],
-                 by: Finder | None = None) -> None:
+                 by: Finder | None = None, *, nursery: trio.Nursery) -> None:
         super().__init__(name, unhealthy_with(board, engine, by))
         self.board, self.engine, self.probes = board, engine, probes
         self.failed_at = float("-inf")
-        self._failing = trio.Event()
+        #: where the recovery watcher runs, started at a failure only (an idle task per
+        #: loop and engine was about 2 KB of every engine's memory, at 1,000 engines)
+        self._nursery = nursery
+        self._watching = False
 
     def failed(self, exc: BaseException) -> str:
         self.failed_at = trio.current_time()
-        self._failing.set()
+        if not self._watching:
+            self._watching = True
+            self._nursery.start_soon(self.watch_recovery)
         return super().failed(exc)
 
     async def watch_recovery(self) -> None:
-        """Call ``ok()`` when a probe result newer than the last failure is on the board.
+        """Call ``ok()`` when a probe result newer than the last failure is on the board,
+        then return (``failed`` starts it again at the next failure).
 
-        Not startable (``start_soon``); runs until cancelled, raises nothing."""
-        while True:
-            await self._failing.wait()
+        Not startable (``start_soon``); returns at recovery or when cancelled, raises
+        nothing."""
+        try:
             version = -1
             while self.failure is not None:
                 snap = await self.board.wait_changed(version)
@@ -406,7 +412,8 @@ class LoopPart(Part):
                         (s := e.probe(p)) is not None and s.at is not None
                         and s.at > self.failed_at for p in self.probes):
                     self.ok()
-            self._failing = trio.Event()
+        finally:
+            self._watching = False
 
 
 class Enrolment(Protocol):
@@ -448,8 +455,8 @@ async def run_probes(
                 ("identity probe", ("identity",), "identity", prober.run_identity),
             ]
             for what, names, by, loop in loops:
-                part = LoopPart(f"engine {spec.name}: {what}", board, spec.name, names, by)
-                nursery.start_soon(part.watch_recovery)
+                part = LoopPart(f"engine {spec.name}: {what}", board, spec.name, names, by,
+                                nursery=nursery)
                 nursery.start_soon(partial(part.supervise, loop))
             task_status.started(prober)
             await trio.sleep_forever()
