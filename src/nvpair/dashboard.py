@@ -1,0 +1,146 @@
+"""The dashboard: nvpair's own web page at ``/ui/`` (docs/dashboard.md), and its data.
+
+``Dashboard`` serves the page's static files (``nvpair/ui/``, read once at start) from
+memory, by exact name: there is no path to resolve, so nothing outside those files can be
+asked for. Each answer carries an ``ETag`` (a 304 for ``If-None-Match``), ``Cache-Control:
+no-cache`` (the browser revalidates, so a new nvpair's page is never an old one) and a
+Content-Security-Policy of ``default-src 'self'``. ``/`` and ``/ui`` redirect to ``ui/``,
+relatively, so the page works under a reverse proxy's path prefix.
+
+The files hold no data: the page reads the API with the user's token. So they are served
+without the token (the page must load to ask for it); without a token, a ``Host`` that is
+not this machine is refused as everywhere (DNS rebinding), while a link from another site
+may open the page (its reads and writes then meet the API's own checks).
+
+``HistoryView`` is ``GET /v1/history``, behind the API's token: nvpair's version and
+uptime, and each engine's last hour of probe latency and memory (``nvpair.history``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from urllib.parse import parse_qs
+
+import trio
+
+from nvpair import __version__
+from nvpair.api import local_host, split_authority
+from nvpair.asgi import Receive, Scope, Send, header, send_error, send_json
+from nvpair.history import History
+
+UI_DIR = Path(__file__).parent / "ui"
+PREFIX = "/ui/"
+#: what the page may load: its own files and its own API, nothing inline, no other origin
+CSP = (b"default-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'; "
+       b"object-src 'none'")
+TYPES = {
+    ".html": b"text/html; charset=utf-8",
+    ".js": b"text/javascript; charset=utf-8",
+    ".css": b"text/css; charset=utf-8",
+    ".svg": b"image/svg+xml",
+}
+COMMON = [(b"content-security-policy", CSP), (b"x-content-type-options", b"nosniff"),
+          (b"referrer-policy", b"no-referrer"), (b"cache-control", b"no-cache")]
+
+
+class File:
+    def __init__(self, body: bytes, content_type: bytes) -> None:
+        self.body = body
+        self.content_type = content_type
+        self.etag = b'"%s"' % hashlib.blake2b(body, digest_size=12).hexdigest().encode()
+
+
+def load(directory: Path = UI_DIR) -> dict[str, File]:
+    """The page's files by name (``index.html``, ``app.js``, ...): only the known types."""
+    return {path.name: File(path.read_bytes(), TYPES[path.suffix])
+            for path in sorted(directory.iterdir())
+            if path.is_file() and path.suffix in TYPES}
+
+
+def etag_matches(if_none_match: bytes, etag: bytes) -> bool:
+    """``If-None-Match`` (a list of tags, weak ones compared weakly, or ``*``) holds ``etag``."""
+    tags = [t.strip() for t in if_none_match.split(b",")]
+    return b"*" in tags or any(t.removeprefix(b"W/") == etag for t in tags)
+
+
+class Dashboard:
+    """The ASGI handler of ``/``, ``/ui`` and ``/ui/*`` (a mount with its own auth)."""
+
+    paths = frozenset({"/", "/ui"})
+    prefix = PREFIX
+
+    def __init__(self, *, token_set: bool, allowed_hosts: frozenset[str] = frozenset(),
+                 files: dict[str, File] | None = None) -> None:
+        self.token_set = token_set
+        self.allowed_hosts = frozenset(h.lower() for h in allowed_hosts)
+        self.files = load() if files is None else files
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path: str = scope["path"]
+        if scope["method"] not in ("GET", "HEAD"):
+            await send_error(send, 405, f"use GET {path}")
+            return
+        if not self.token_set and (refusal := self._host_refusal(scope)) is not None:
+            await send_error(send, 403, refusal, "forbidden_host")
+            return
+        if path in self.paths:
+            await redirect(send, "ui/")  # relative: from / and from /ui alike
+            return
+        name = path.removeprefix(PREFIX) or "index.html"
+        file = self.files.get(name)
+        if file is None:
+            await send_error(send, 404, f"no file {name[:100]!r} in the dashboard", "not_found")
+            return
+        headers = [(b"etag", file.etag), *COMMON]
+        given = header(scope, b"if-none-match")
+        if given is not None and etag_matches(given, file.etag):
+            await send({"type": "http.response.start", "status": 304, "headers": headers})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        headers += [(b"content-type", file.content_type),
+                    (b"content-length", str(len(file.body)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body",
+                    "body": b"" if scope["method"] == "HEAD" else file.body})
+
+    def _host_refusal(self, scope: Scope) -> str | None:
+        raw = header(scope, b"host")
+        if raw is None:
+            return None
+        text = raw.decode("latin-1")
+        host = split_authority(text)
+        if host is not None and local_host(host, self.allowed_hosts):
+            return None
+        return (f"Host {text[:100]!r} is not this machine (loopback, localhost or "
+                "allowed_hosts): refused, as nvpair has no token_file")
+
+
+async def redirect(send: Send, location: str) -> None:
+    await send({"type": "http.response.start", "status": 302,
+                "headers": [(b"location", location.encode()), (b"content-length", b"0"),
+                            (b"cache-control", b"no-cache")]})
+    await send({"type": "http.response.body", "body": b""})
+
+
+class HistoryView:
+    """``GET /v1/history[?engine=NAME]`` (behind the API's token): ``node``, ``version``,
+    ``uptime_s`` and the history's series (``nvpair.history.History.doc``)."""
+
+    path = "/v1/history"
+
+    def __init__(self, history: History, node: str) -> None:
+        self.history = history
+        self.node = node
+        self.started = trio.current_time()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["method"] != "GET":
+            await send_error(send, 405, f"use GET {self.path}")
+            return
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        engine = query.get("engine", [None])[0]
+        now = trio.current_time()
+        doc = {"node": self.node, "version": __version__,
+               "uptime_s": round(now - self.started, 1), **self.history.doc(now, engine)}
+        await send_json(send, 200, doc)
