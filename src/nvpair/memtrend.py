@@ -66,6 +66,13 @@ class TrendSettings:
     floor_keep: int = 32
     #: Mann-Kendall z above which a rise is significant (one-sided p < 0.01)
     z_min: float = 2.33
+    #: consecutive parts of the window (and of the short one) that must each rise by at
+    #: least half the window's slope: a ramp that levels off has a flat last part
+    parts: int = 3
+    short_parts: int = 3
+    #: a state is left only past its line times this (``leaking`` until the headroom lasts
+    #: 1.25 horizons, ``critical`` until it lasts 1.25 h): no flapping at the line
+    hysteresis: float = 1.25
     #: the part of a window that must have floors before anything but ``flat`` is said
     min_coverage: float = 0.95
 
@@ -86,6 +93,8 @@ class TrendSettings:
                              f"got {self.floor_quantile!r}")
         if self.floor_keep < 1:
             raise ValueError(f"memory trend: floor_keep must be at least 1, got {self.floor_keep}")
+        if not (math.isfinite(self.hysteresis) and self.hysteresis >= 1):
+            raise ValueError(f"memory trend: hysteresis must be 1 or more, got {self.hysteresis!r}")
         if not 0 < self.min_coverage <= 1:
             raise ValueError("memory trend: min_coverage must be in (0, 1], "
                              f"got {self.min_coverage!r}")
@@ -114,6 +123,9 @@ class TrendReading:
     why: str
     #: the window the slope is over, seconds (the long or the short one)
     window_s: float = 0.0
+
+
+_ALARMS = (Trend.LEAKING, Trend.CRITICAL)
 
 
 class _Floor:
@@ -161,11 +173,13 @@ def _theil_sen(xs: list[int], ys: list[int]) -> tuple[float, list[float]]:
     return median, slopes
 
 
-def _fit(xs: list[int], ys: list[int], min_slope_per_bucket: float, z_min: float) -> _Fit:
-    """Theil-Sen slope, Mann-Kendall z and the halves test over floors at bucket indices."""
+def _fit(xs: list[int], ys: list[int], min_slope_per_bucket: float, z_min: float,
+         parts: int) -> _Fit:
+    """Theil-Sen slope, Mann-Kendall z, and each of ``parts`` consecutive parts of the
+    window rising by at least half the slope, over floors at bucket indices."""
     n = len(xs)
     slope, slopes = _theil_sen(xs, ys)
-    if n < 4:
+    if n < 2 * parts:
         return _Fit(slope, False, "too few floors")
     # Mann-Kendall S: rising pairs minus falling pairs (xs rise, so a slope's sign is theirs)
     s = (len(slopes) - bisect.bisect_right(slopes, 0.0)) - bisect.bisect_left(slopes, 0.0)
@@ -175,28 +189,42 @@ def _fit(xs: list[int], ys: list[int], min_slope_per_bucket: float, z_min: float
         return _Fit(slope, False, "no rise" if slope <= 0 else "rise below the minimum slope")
     if z <= z_min:
         return _Fit(slope, False, f"rise not steady (Mann-Kendall z {z:.1f})")
-    half = n // 2
-    first, _ = _theil_sen(xs[:half], ys[:half])
-    second, _ = _theil_sen(xs[half:], ys[half:])
-    if min(first, second) < slope / 2:
-        which = "first" if first < second else "second"
-        return _Fit(slope, False, f"the {which} half of the window is not rising")
+    for k in range(parts):
+        lo, hi = k * n // parts, (k + 1) * n // parts
+        part, _ = _theil_sen(xs[lo:hi], ys[lo:hi])
+        if part < slope / 2:
+            return _Fit(slope, False, f"part {k + 1} of {parts} of the window is not rising")
     return _Fit(slope, True, "steady rise")
+
+
+def slope_bound(n: int, spread: float) -> float:
+    """An upper bound of the Theil-Sen slope (per index step) of ``n`` points at distinct
+    integer positions whose values span ``spread``: a median slope ``s > 0`` needs at least
+    half of the n(n-1)/2 pairs at slope ``s`` or more, each of them at most ``spread / s``
+    steps apart, and there are at most ``n * spread / s`` such pairs; so ``s <= 4 spread /
+    (n - 1)``."""
+    return 4 * spread / (n - 1) if n > 1 else 0.0
 
 
 class _Series:
     """Bucket floors over one window, and the fit over them, cached per set of floors."""
 
-    def __init__(self, bucket_s: float, window_s: float, settings: TrendSettings) -> None:
+    def __init__(self, bucket_s: float, window_s: float, parts: int,
+                 settings: TrendSettings) -> None:
         self.bucket_s = bucket_s
+        self.parts = parts
         self.window_s = window_s
         self.buckets = max(1, round(window_s / bucket_s))
         self.settings = settings
         self.min_slope_per_bucket = settings.min_slope_bytes_per_h * bucket_s / 3600
         self.floors: deque[tuple[int, int]] = deque(maxlen=self.buckets)
         self.current: _Floor | None = None
-        self._cache_key: tuple[int, int] | None = None
-        self._cache: _Fit | None = None
+        #: moves with each completed floor; the window and the fit are cached against it
+        self.version = 0
+        self._window_key: tuple[int, int] | None = None
+        self._window: tuple[list[int], list[int]] = ([], [])
+        self._fit_key: tuple[int, int] | None = None
+        self._fit: _Fit | None = None
 
     def add(self, t: float, value: int) -> None:
         index = math.floor(t / self.bucket_s)
@@ -204,18 +232,23 @@ class _Series:
         if current is None or index > current.index:
             if current is not None:
                 self.floors.append((current.index, current.floor(self.settings.floor_quantile)))
+                self.version += 1
             current = self.current = _Floor(index, self.settings.floor_keep)
         current.add(value)  # a sample from an earlier bucket (a clock step back) counts here
 
     def window(self, t: float) -> tuple[list[int], list[int]]:
         """The completed floors in the window that ends at ``t``."""
         lowest = math.floor(t / self.bucket_s) - self.buckets
+        key = (self.version, lowest)
+        if key == self._window_key:
+            return self._window
         xs: list[int] = []
         ys: list[int] = []
         for index, floor in self.floors:
             if index >= lowest:
                 xs.append(index)
                 ys.append(floor)
+        self._window_key, self._window = key, (xs, ys)
         return xs, ys
 
     def covered(self, xs: list[int]) -> float:
@@ -224,12 +257,14 @@ class _Series:
     def enough(self, xs: list[int]) -> bool:
         return len(xs) >= max(4, math.ceil(self.settings.min_coverage * self.buckets))
 
-    def fit(self, xs: list[int], ys: list[int]) -> _Fit:
-        key = (xs[0], xs[-1]) if xs else (0, -1)
-        if key != self._cache_key or self._cache is None:
-            self._cache = _fit(xs, ys, self.min_slope_per_bucket, self.settings.z_min)
-            self._cache_key = key
-        return self._cache
+    def fit(self, t: float) -> _Fit:
+        """The fit over the window that ends at ``t`` (computed once per set of floors)."""
+        xs, ys = self.window(t)
+        key = self._window_key
+        if key != self._fit_key or self._fit is None:
+            self._fit = _fit(xs, ys, self.min_slope_per_bucket, self.settings.z_min, self.parts)
+            self._fit_key = key
+        return self._fit
 
     def latest(self) -> int | None:
         if self.floors:
@@ -244,8 +279,10 @@ class TrendDetector:
 
     def __init__(self, settings: TrendSettings) -> None:
         self.settings = settings
-        self._long = _Series(settings.bucket_s, settings.window_s, settings)
-        self._short = _Series(settings.short_bucket_s, settings.short_window_s, settings)
+        self._long = _Series(settings.bucket_s, settings.window_s, settings.parts, settings)
+        self._short = _Series(settings.short_bucket_s, settings.short_window_s,
+                              settings.short_parts, settings)
+        self._last = Trend.FLAT
 
     def add(self, t: float, value_bytes: int) -> None:
         if not math.isfinite(t):
@@ -255,39 +292,53 @@ class TrendDetector:
         self._short.add(t, value)
 
     def reading(self, t: float, headroom_bytes: int | None) -> TrendReading:
+        """The state at ``t``, given the bytes left above the reserve (None: unknown, so
+        nothing can run out and a rise is at most ``growing``)."""
+        reading = self._reading(t, headroom_bytes)
+        self._last = reading.trend
+        return reading
+
+    def _reading(self, t: float, headroom: int | None) -> TrendReading:
         s = self.settings
         floor = self._long.latest()
         if not math.isfinite(t):
             return TrendReading(Trend.FLAT, 0.0, None, floor, 0.0, "no time", s.window_s)
+        # a state is left only when its line is crossed by a margin (no flapping at the line)
+        critical_s = s.critical_s * (s.hysteresis if self._last is Trend.CRITICAL else 1)
+        horizon_s = s.horizon_s * (s.hysteresis if self._last in _ALARMS else 1)
+        within = f"within {_duration(s.critical_s)}"
         # a fast leak first: the short window of finer floors
         xs, ys = self._short.window(t)
-        if headroom_bytes is not None and self._short.enough(xs):
-            fit = self._short.fit(xs, ys)
+        if (headroom is not None and self._short.enough(xs)
+                # only if the steepest slope these floors allow could run out in time
+                and slope_bound(len(xs), max(ys) - min(ys)) / s.short_bucket_s * critical_s
+                >= headroom):
+            fit = self._short.fit(t)
             per_s = fit.slope_per_bucket / s.short_bucket_s
             if fit.significant and per_s > 0:
-                left = max(0.0, headroom_bytes / per_s)
-                if left <= s.critical_s:
+                left = max(0.0, headroom / per_s)
+                if left <= critical_s:
                     return TrendReading(Trend.CRITICAL, per_s * 3600, left, floor,
                                         self._short.covered(xs),
-                                        "headroom runs out within the hour (short window)",
+                                        f"headroom runs out {within} (short window)",
                                         s.short_window_s)
         xs, ys = self._long.window(t)
         covered = self._long.covered(xs)
         if not self._long.enough(xs):
             return TrendReading(Trend.FLAT, 0.0, None, floor, covered,
                                 "window not yet covered", s.window_s)
-        fit = self._long.fit(xs, ys)
+        fit = self._long.fit(t)
         per_h = fit.slope_per_bucket / s.bucket_s * 3600
         if not fit.significant:
             return TrendReading(Trend.FLAT, per_h, None, floor, covered, fit.why, s.window_s)
-        if headroom_bytes is None:
+        if headroom is None:
             return TrendReading(Trend.GROWING, per_h, None, floor, covered,
                                 "steady rise; no headroom known", s.window_s)
-        left = max(0.0, headroom_bytes / (per_h / 3600))
-        if left <= s.critical_s:
+        left = max(0.0, headroom / (per_h / 3600))
+        if left <= critical_s:
             return TrendReading(Trend.CRITICAL, per_h, left, floor, covered,
-                                "headroom runs out within the hour", s.window_s)
-        if left <= s.horizon_s:
+                                f"headroom runs out {within}", s.window_s)
+        if left <= horizon_s:
             return TrendReading(Trend.LEAKING, per_h, left, floor, covered,
                                 "steady rise runs out within the horizon", s.window_s)
         return TrendReading(Trend.GROWING, per_h, left, floor, covered,
