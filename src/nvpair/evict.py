@@ -1,0 +1,77 @@
+"""Which running on-demand engines make room for one more: a pure planner, no I/O.
+
+The rules (docs/on-demand.md): the engines on demand share a memory budget. An engine's
+footprint is what the memory watch measured, else its configured ``memory_bytes``; an
+engine whose footprint is unknown counts as the whole budget (nothing is planned on a
+guess). If the new engine does not fit, victims are taken among the running on-demand
+engines in this order: lowest ``priority`` first, then those with nothing in flight
+before busy ones, then the least recently used; as few as make it fit. When even all of
+them would not make room, the plan says why in words and evicts nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A running on-demand engine, as eviction sees it."""
+
+    name: str
+    priority: int = 0
+    footprint: int | None = None  # bytes; None: not known
+    last_used: float = 0.0  # when a routed request last used it (or it became ready)
+    in_flight: int = 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The victims, in the order to drain them; or why nothing can make room."""
+
+    victims: tuple[str, ...] = ()
+    reason: str | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.reason is None
+
+
+def gigabytes(n: int) -> str:
+    """A size for a person: ``38 GB``, ``1.5 GB``, ``512 MB``."""
+    if n >= 10**10:
+        return f"{n / 1e9:.0f} GB"
+    if n >= 10**9:
+        return f"{n / 1e9:.1f} GB"
+    return f"{n / 1e6:.0f} MB"
+
+
+def victim_order(running: Sequence[Candidate]) -> list[Candidate]:
+    """Lowest priority first, then idle before busy, then least recently used, then name."""
+    return sorted(running, key=lambda c: (c.priority, c.in_flight > 0, c.last_used, c.name))
+
+
+def plan(name: str, need: int | None, budget: int, running: Sequence[Candidate]) -> Plan:
+    """Make room for engine ``name`` (footprint ``need``; None: not known, so the whole
+    budget) among ``running`` within ``budget`` bytes."""
+    others = [c for c in running if c.name != name]
+    want = budget if need is None else need
+    if want > budget:
+        return Plan(reason=f"{name} needs {gigabytes(want)}, more than the memory budget of "
+                           f"{gigabytes(budget)} for engines on demand")
+
+    def size(c: Candidate) -> int:
+        return budget if c.footprint is None else c.footprint
+
+    used = sum(size(c) for c in others)
+    victims: list[str] = []
+    for c in victim_order(others):
+        if budget - used >= want:
+            break
+        victims.append(c.name)
+        used -= size(c)
+    if budget - used < want:  # (only when the budget is under what is running: can't be)
+        return Plan(reason=f"{name} needs {gigabytes(want)}; {gigabytes(max(budget - used, 0))} "
+                           f"of the {gigabytes(budget)} budget can be made free")
+    return Plan(victims=tuple(victims))

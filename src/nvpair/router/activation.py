@@ -1,0 +1,402 @@
+"""Engines on demand: start a cold engine for a request, queue while it loads, unload when idle.
+
+Used by the relay (``nvpair.router.relay.Router``) when no engine and no peer can take a
+request for a model an on-demand engine serves (docs/on-demand.md):
+
+* ``Activator.admit`` puts the request in the engine's bounded queue (full: ``Full``, a
+  429) and makes sure the engine is started, exactly once however many requests arrive
+  together (one activation task per engine). The request waits until the engine is ready
+  (then requests go in arrival order: each waits for the one before it to get its answer's
+  head, or ``DISPATCH_GAP_S``), for at most ``queue_wait_s`` (``Unavailable`` 503 with
+  Retry-After), or until the start fails (``Unavailable`` 503, the engine's last log line). A
+  client that leaves is cancelled and leaves the queue at once (``Ticket.leave``).
+* Before a start the memory budget is checked (``nvpair.evict.plan``); victims drain (no
+  new requests, those in flight finish) and stop, one after the other, then the engine
+  starts. Nothing can make room: every waiter gets 503 with the reason.
+* ``Activator.run`` unloads an engine that no routed request used for ``idle_unload_s``
+  (a drain, then ``cold``). Only routed requests count as use (``used``), never probes.
+
+Everything here is the router's: a request never waits on a lock, only on its own event.
+The activation tasks run in ``run``'s nursery, each inside the ``activation`` boundary: a
+bug fails that engine's waiters (503), never the router.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+
+import msgspec
+import trio
+
+from nvpair.boundary import Part
+from nvpair.config import ActivationConfig, EngineSpec
+from nvpair.evict import Candidate, gigabytes, plan
+from nvpair.lifecycle import Busy, EngineRunner
+from nvpair.snapshot import LISTED_STATES, Board, EngineState
+from nvpair.traffic import Traffic
+
+log = logging.getLogger("nvpair.activation")
+
+#: the longest a released request holds the next one back before its answer's head
+DISPATCH_GAP_S = 0.25
+#: how often idle engines are looked for (at most; a shorter idle_unload_s looks sooner)
+IDLE_CHECK_S = 5.0
+#: Retry-After of a request that waited too long or whose engine could not start
+RETRY_AFTER_S = 5
+
+
+class Full(Exception):
+    """The engine's queue is full (429)."""
+
+
+class Unavailable(Exception):
+    """The request cannot be served now (503 with Retry-After); the message says why."""
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request's place in an engine's queue."""
+
+    queue: EngineQueue
+    ready: trio.Event = field(default_factory=trio.Event)
+    failure: str | None = None
+    left: bool = False
+    done: bool = False
+
+    def headed(self) -> None:
+        """Its answer's head came (or it ended): the next request in line may go."""
+        if not self.done:
+            self.done = True
+            self.queue.release_next()
+
+    def leave(self) -> None:
+        """Out of the queue (a client gone, a wait too long), at once."""
+        if self.left:
+            return
+        self.left = True
+        if self.ready.is_set():
+            self.headed()
+        else:
+            if self in self.queue.waiting:
+                self.queue.waiting.remove(self)
+            self.queue.publish()
+
+
+@dataclass(eq=False)
+class EngineQueue:
+    name: str
+    publish: Callable[[], None]
+    waiting: deque[Ticket] = field(default_factory=deque)
+    #: tickets released, whose answer's head has not come yet (at most one at a time)
+    releasing: bool = False
+    activating: bool = False
+
+    def release_next(self) -> None:
+        """Let the first waiter go; the rest wait for its head (arrival order)."""
+        self.releasing = False
+        while self.waiting:
+            ticket = self.waiting.popleft()
+            if ticket.left:
+                continue
+            self.releasing = True
+            ticket.ready.set()
+            break
+        self.publish()
+
+    def fail_all(self, reason: str) -> None:
+        while self.waiting:
+            ticket = self.waiting.popleft()
+            ticket.failure = reason
+            ticket.ready.set()
+        self.publish()
+
+
+def footprint(e: EngineState | None, spec: EngineSpec) -> int | None:
+    """The engine's footprint in bytes: the memory watch's reading when there is one
+    (anonymous memory and swap), else the configured ``memory_bytes`` (None: unknown)."""
+    memory = getattr(e, "memory", None)
+    rss = getattr(memory, "rss_anon_bytes", None)
+    if isinstance(rss, int):
+        swap = getattr(memory, "swap_bytes", None)
+        return rss + (swap if isinstance(swap, int) else 0)
+    return spec.memory_bytes
+
+
+def meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
+    """``/proc/meminfo`` in bytes (empty where there is none)."""
+    values: dict[str, int] = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    values[key] = int(parts[0]) * 1024
+    except OSError:
+        pass
+    return values
+
+
+class Activator:
+    """The on-demand engines' queues, starts, evictions and idle unloads."""
+
+    def __init__(self, board: Board, specs: Iterable[EngineSpec],
+                 runners: Mapping[str, EngineRunner], traffic: Traffic,
+                 config: ActivationConfig) -> None:
+        self.board = board
+        self.specs = {s.name: s for s in specs if s.activation == "on_demand"}
+        self.runners = runners
+        self.traffic = traffic
+        self.config = config
+        self.queues: dict[str, EngineQueue] = {}
+        #: when a routed request last used each engine (or it became ready for one)
+        self.last_used: dict[str, float] = {}
+        self._part = Part("activation", logger=log)
+        self._nursery: trio.Nursery | None = None
+        self._wake = trio.Event()
+
+    # -- the relay's side -----------------------------------------------------------------
+
+    def candidate(self, owners: Iterable[str]) -> str | None:
+        """The on-demand engine to start for a model these engines serve, if any: one
+        that is cold, or starting or draining for an activation already."""
+        snap = self.board.current
+        for name in owners:
+            if name not in self.specs:
+                continue
+            e = snap.engine(name)
+            if e is None:
+                continue
+            queue = self.queues.get(name)
+            if e.state == "cold" or (queue is not None and queue.activating):
+                return name
+        return None
+
+    def used(self, name: str) -> None:
+        """A routed request used engine ``name`` (probes never call this)."""
+        if name in self.specs:
+            self.last_used[name] = trio.current_time()
+
+    def queue(self, name: str) -> EngineQueue:
+        queue = self.queues.get(name)
+        if queue is None:
+            def publish() -> None:
+                q = self.queues[name]
+                count = len(q.waiting)
+                self.board.update(name, lambda e: e if e.queued == count else
+                                  _replace(e, queued=count))
+            queue = self.queues[name] = EngineQueue(name, publish)
+        return queue
+
+    async def admit(self, name: str) -> Ticket:
+        """Wait in engine ``name``'s queue until it is ready and it is this request's turn.
+
+        Returns the ticket (call ``headed`` when the answer's head came, ``leave`` in a
+        ``finally``). Raises ``Full`` (429) or ``Unavailable`` (503: the wait was too long,
+        the start failed, nothing could make room). Cancelled (the client left): the
+        ticket leaves the queue at once."""
+        queue = self.queue(name)
+        if len(queue.waiting) >= self.config.queue_max:
+            raise Full(f"{len(queue.waiting)} requests are waiting for engine {name} to "
+                       f"start (queue_max {self.config.queue_max})")
+        ticket = Ticket(queue)
+        queue.waiting.append(ticket)
+        queue.publish()
+        if not queue.activating:
+            self._activate(name)
+        try:
+            with trio.move_on_after(self.config.queue_wait_s) as waited:
+                await ticket.ready.wait()
+        except BaseException:
+            ticket.leave()
+            raise
+        if waited.cancelled_caught:
+            ticket.leave()
+            raise Unavailable(f"engine {name} was not ready within queue_wait_s "
+                          f"({self.config.queue_wait_s:g} s)")
+        if ticket.failure is not None:
+            raise Unavailable(ticket.failure)
+        return ticket
+
+    # -- the activation -------------------------------------------------------------------
+
+    def _activate(self, name: str) -> None:
+        queue = self.queue(name)
+        if self._nursery is None:
+            queue.fail_all("the router is not running")
+            return
+        queue.activating = True
+        self._nursery.start_soon(self._activation, name)
+
+    async def _activation(self, name: str) -> None:
+        queue = self.queue(name)
+        #: what the waiters hear when the boundary caught a bug of ours
+        failure: str | None = f"engine {name} could not be started (a bug in nvpair's " \
+                              "activation; see nvpair's log)"
+        try:
+            with self._part.guard():
+                failure = await self._bring_up(name)
+                self._part.ok()
+        finally:
+            queue.activating = False
+        if failure is not None:
+            log.warning("%s: %s", name, failure)
+            queue.fail_all(failure)
+            return
+        self.last_used[name] = trio.current_time()
+        if not queue.releasing:
+            queue.release_next()
+
+    async def _bring_up(self, name: str) -> str | None:
+        """Make room, start the engine, wait until it is ready: None, or why it failed."""
+        runner = self.runners[name]
+        spec = self.specs[name]
+        e = self.board.current.engine(name)
+        if e is not None and e.state == "cold":
+            failure = await self._make_room(name)
+            if failure is not None:
+                return failure
+            queued = len(self.queue(name).waiting)
+            result = runner.request("start")
+            if isinstance(result, Busy):
+                return result.reason
+            activity = f"started {name} for a request (queued {queued})"
+            self.board.update(name, lambda e: _replace(e, activity=activity))
+            log.info("%s", activity)
+        return await self._until_ready(name, spec)
+
+    async def _until_ready(self, name: str, spec: EngineSpec) -> str | None:
+        version = -1
+        seen_starting = False
+        while True:
+            snap = await self.board.wait_changed(version)
+            version = snap.version
+            e = snap.engine(name)
+            if e is None:
+                return f"engine {name} is gone"
+            if e.state in LISTED_STATES and e.admitting:
+                return None
+            if e.state in ("starting", "unhealthy"):
+                seen_starting = True
+            if e.state == "down" or (e.state in ("stopped", "cold") and seen_starting):
+                runner = self.runners[name]
+                last = runner.log.tail(1).lines if runner.log is not None else []
+                said = f" (its last line: {last[-1]})" if last else ""
+                reason = (f"engine {name} failed to start: {e.error or e.state}{said}")
+                runner.unload()  # back to cold, not a restart loop: the next request tries
+                return reason
+
+    async def _make_room(self, name: str) -> str | None:
+        """Drain and stop victims until ``name`` fits the budget; None, or why it cannot."""
+        snap = self.board.current
+        running = []
+        for other, spec in self.specs.items():
+            e = snap.engine(other)
+            if other == name or e is None or e.state in ("cold", "stopped"):
+                continue
+            running.append(Candidate(other, spec.priority, footprint(e, spec),
+                                     self.last_used.get(other, 0.0),
+                                     self._in_flight(other)))
+        need = footprint(snap.engine(name), self.specs[name])
+        budget = self.budget(running)
+        decided = plan(name, need, budget, running)
+        if decided.reason is not None:
+            return f"no room for {name}: {decided.reason}"
+        now = trio.current_time()
+        for victim in decided.victims:
+            c = next(c for c in running if c.name == victim)
+            idle = now - c.last_used
+            size = "size not known" if c.footprint is None else gigabytes(c.footprint)
+            activity = (f"evicted {victim} (idle {_duration(idle)}, {size}) to make room "
+                        f"for {name}")
+            result = self.runners[victim].drain(then="stop", reason=f"making room for {name}")
+            if isinstance(result, Busy):
+                return f"no room for {name}: {result.reason}"
+            log.info("%s", activity)
+            await self._until_rest(victim)
+            self.board.update(victim, partial(_replace, activity=activity))
+        return None
+
+    def budget(self, running: list[Candidate]) -> int:
+        """The memory on-demand engines may use together: the configured number, or
+        ("auto") what is available now plus what they use, minus the reserve
+        (max(10 % of MemAvailable + AnonPages, 2 GiB), as earlyoom keeps)."""
+        configured = self.config.memory_budget_bytes
+        if isinstance(configured, int):
+            return configured
+        info = meminfo()
+        available = info.get("MemAvailable", 0)
+        reserve = max((available + info.get("AnonPages", 0)) // 10, 2 << 30)
+        using = sum(c.footprint or 0 for c in running)
+        return max(available + using - reserve, 0)
+
+    async def _until_rest(self, name: str) -> None:
+        version = -1
+        while True:
+            snap = await self.board.wait_changed(version)
+            version = snap.version
+            e = snap.engine(name)
+            if e is None or e.state in ("cold", "stopped", "down"):
+                return
+
+    def _in_flight(self, name: str) -> int:
+        entry = self.traffic.engines.get(name)
+        return 0 if entry is None else entry.in_flight
+
+    # -- idle unload ----------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the activations and unload idle engines until cancelled.
+
+        Started value: None, once requests may be admitted. Cancellation ends the
+        activations (their waiters' requests are cancelled with the router). Raises:
+        nothing but Cancelled (a bug in a pass is the boundary's, logged, retried)."""
+        idle = [s.idle_unload_s for s in self.specs.values() if s.idle_unload_s > 0]
+        every = min([IDLE_CHECK_S, *(s / 4 for s in idle)])
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            try:
+                while True:
+                    await trio.sleep(every)
+                    if idle:
+                        with self._part.guard():
+                            self.unload_idle(trio.current_time())
+            finally:
+                self._nursery = None
+
+    def unload_idle(self, now: float) -> list[str]:
+        """Drain (then cold) every ready on-demand engine no routed request used for its
+        ``idle_unload_s``, with nothing in flight or waiting; the names drained."""
+        snap = self.board.current
+        drained = []
+        for name, spec in self.specs.items():
+            if spec.idle_unload_s <= 0:
+                continue
+            e = snap.engine(name)
+            queue = self.queues.get(name)
+            if (e is None or e.state not in LISTED_STATES or not e.admitting
+                    or self._in_flight(name) or (queue is not None and queue.waiting)):
+                continue
+            last = self.last_used.setdefault(name, now)  # (ready, never used: from now)
+            idle = now - last
+            if idle < spec.idle_unload_s:
+                continue
+            reason = f"idle for {_duration(idle)}"
+            if not isinstance(self.runners[name].drain(then="stop", reason=reason), Busy):
+                drained.append(name)
+        return drained
+
+
+def _replace(e: EngineState, **changes: object) -> EngineState:
+    return msgspec.structs.replace(e, **changes)
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 120:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds:.1f} s"

@@ -1,0 +1,240 @@
+"""Engines on demand, end to end: nvpair with managed simulators that take a while to load.
+
+Each test runs the real service (real subprocesses, real sockets, real HTTP); the reads
+(/v1/models, /v1/engines) are polled throughout and must never wait on any of it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import msgspec
+import trio
+from tests.managed import FAST_PROBES, fast_manifest, free_port, reading, sim_command, wait_state
+from tests.router.script_engine import JSON
+
+from nvpair import service
+from nvpair.config import Settings, load_settings
+
+GB = 10**9
+
+
+def on_demand(tmp: Path, engines: dict[str, list[str]], *, extra: str = "",
+              activation: str = "", **per_engine: str) -> Settings:
+    """A config of on-demand engines, each serving the model named like it."""
+    manifest = fast_manifest(tmp)
+    text = f"listen = '127.0.0.1:0'\nlog_dir = '{tmp / 'logs'}'\nsweep_deadline_s = 2\n"
+    text += f"[activation]\n{activation}\n"
+    for name, command in engines.items():
+        text += (f"[[engines]]\nname = '{name}'\nkind = '{manifest}'\nport = {free_port()}\n"
+                 f"model = 'model-{name}'\nmanaged = true\nactivation = 'on_demand'\n"
+                 f"command = {json.dumps(command)}\n{per_engine.get(name, '')}\n{extra}\n"
+                 + FAST_PROBES)
+    path = tmp / "nvpair.toml"
+    path.write_text(text)
+    return load_settings(str(path))
+
+
+def payload(model: str, tokens: int = 4, stream: bool = False) -> bytes:
+    return msgspec.json.encode({"model": model, "max_tokens": tokens, "stream": stream,
+                                "messages": [{"role": "user", "content": "hi"}]})
+
+
+async def queued(board: Any, name: str, count: int) -> None:
+    await wait_state(board, name, "cold", "starting", "ready", "stopped", "down",
+                     where=lambda e: e.queued == count)
+
+
+async def test_eight_requests_for_a_cold_model_start_it_once_and_go_in_order(
+        nursery, tmp_path) -> None:
+    settings = on_demand(tmp_path, {"a": sim_command("vllm", "--load-s", "1.5")})
+    with trio.fail_after(40):
+        running = await nursery.start(service.run, settings)
+        async with reading(running.url) as reader, httpx2.AsyncClient(
+                headers=JSON, base_url=running.url, timeout=30) as client:
+            listed = (await client.get("/v1/models")).json()["data"]
+            assert [(m["id"], m["nvpair"]["state"]) for m in listed] == [("model-a", "cold")]
+            heads: list[int] = []
+            statuses: dict[int, int] = {}
+
+            async def one(i: int) -> None:
+                async with client.stream("POST", "/v1/chat/completions",
+                                         content=payload("model-a", stream=True)) as r:
+                    heads.append(i)
+                    statuses[i] = r.status_code
+                    await r.aread()
+
+            async with trio.open_nursery() as n:
+                for i in range(8):  # in a known order: each is queued before the next
+                    n.start_soon(one, i)
+                    await queued(running.board, "a", i + 1)
+                doc = (await client.get("/v1/engines/a")).json()
+                assert doc["queued"] == 8 and doc["state"] in ("starting", "cold"), doc
+            assert running.runners["a"].starts == 1
+            assert statuses == dict.fromkeys(range(8), 200)
+            assert heads == list(range(8))
+            engine = running.board.current.engine("a")
+            assert engine is not None and engine.queued == 0
+            assert engine.activity == "started a for a request (queued 1)"
+        assert reader.worst < 0.5, reader.worst
+
+
+async def test_a_client_that_leaves_while_queued_leaves_the_queue(nursery, tmp_path) -> None:
+    settings = on_demand(tmp_path, {"a": sim_command("vllm", "--load-s", "1.5")})
+    with trio.fail_after(40):
+        running = await nursery.start(service.run, settings)
+        async with httpx2.AsyncClient(headers=JSON, base_url=running.url, timeout=30) as client:
+            with trio.CancelScope() as gone:
+                async with trio.open_nursery() as n:
+                    n.start_soon(lambda: client.post("/v1/chat/completions",
+                                                     content=payload("model-a")))
+                    await queued(running.board, "a", 1)
+                    gone.cancel()  # the client goes away while it waits
+            left = await wait_state(running.board, "a", "cold", "starting",
+                                    where=lambda e: e.queued == 0)
+            assert left.state in ("cold", "starting")  # (the start goes on: one start)
+            r = await client.post("/v1/chat/completions", content=payload("model-a"))
+            assert r.status_code == 200, r.text
+            assert running.runners["a"].starts == 1
+
+
+async def test_a_full_queue_is_429_and_a_long_wait_is_503(nursery, tmp_path) -> None:
+    settings = on_demand(tmp_path, {"a": sim_command("vllm", "--load-s", "30")},
+                         activation="queue_max = 2\nqueue_wait_s = 1.0")
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, settings)
+        async with reading(running.url) as reader, httpx2.AsyncClient(
+                headers=JSON, base_url=running.url, timeout=30) as client:
+            waited: list[httpx2.Response] = []
+
+            async def one() -> None:
+                waited.append(await client.post("/v1/chat/completions",
+                                                content=payload("model-a")))
+
+            async with trio.open_nursery() as n:
+                n.start_soon(one)
+                n.start_soon(one)
+                await queued(running.board, "a", 2)
+                full = await client.post("/v1/chat/completions", content=payload("model-a"))
+        assert full.status_code == 429, full.text
+        assert "queue_max 2" in full.json()["error"]["message"]
+        assert [r.status_code for r in waited] == [503, 503]
+        assert all(r.headers["retry-after"] == "5" for r in waited)
+        assert "not ready within queue_wait_s (1 s)" in waited[0].json()["error"]["message"]
+        assert reader.worst < 0.5, reader.worst
+
+
+async def test_a_start_that_fails_is_503_for_every_waiter_with_the_reason(
+        nursery, tmp_path) -> None:
+    settings = on_demand(tmp_path, {"a": sim_command("vllm", "--load-s", "0.5",
+                                                     "--fail-on-load", "3")})
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, settings)
+        async with httpx2.AsyncClient(headers=JSON, base_url=running.url, timeout=30) as client:
+            answers: list[httpx2.Response] = []
+
+            async def one() -> None:
+                answers.append(await client.post("/v1/chat/completions",
+                                                 content=payload("model-a")))
+
+            async with trio.open_nursery() as n:
+                for i in range(3):
+                    n.start_soon(one)
+                    await queued(running.board, "a", i + 1)
+            back = await wait_state(running.board, "a", "cold")
+    assert [r.status_code for r in answers] == [503, 503, 503]
+    messages = {r.json()["error"]["message"] for r in answers}
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    assert message.startswith("engine a failed to start: engine process exited with code 3")
+    assert "its last line:" in message, message
+    assert back.state == "cold" and running.runners["a"].starts == 1
+
+
+async def test_a_budget_for_one_drains_the_first_engine_then_starts_the_second(
+        nursery, tmp_path) -> None:
+    settings = on_demand(
+        tmp_path, {"a": sim_command("vllm", "--token-rate", "20"),
+                   "b": sim_command("vllm", "--load-s", "0.5")},
+        activation=f"memory_budget_bytes = {10 * GB}", extra=f"memory_bytes = {6 * GB}")
+    with trio.fail_after(40):
+        running = await nursery.start(service.run, settings)
+        async with reading(running.url) as reader, httpx2.AsyncClient(
+                headers=JSON, base_url=running.url, timeout=30) as client:
+            first = await client.post("/v1/chat/completions", content=payload("model-a"))
+            assert first.status_code == 200, first.text
+            chunks: list[bytes] = []
+            streaming = trio.Event()
+            second: list[httpx2.Response] = []
+
+            async def stream() -> None:  # 30 tokens at 20 a second: 1.5 s
+                async with client.stream("POST", "/v1/chat/completions",
+                                         content=payload("model-a", 30, stream=True)) as r:
+                    async for chunk in r.aiter_bytes():
+                        chunks.append(chunk)
+                        streaming.set()
+
+            async def for_b() -> None:
+                second.append(await client.post("/v1/chat/completions",
+                                                content=payload("model-b")))
+
+            async with trio.open_nursery() as n:
+                n.start_soon(stream)
+                await streaming.wait()
+                n.start_soon(for_b)
+                drained = await wait_state(running.board, "a", "ready",
+                                           where=lambda e: not e.admitting)
+                assert drained.activity is not None and "making room for b" in drained.activity
+                # b is not started while a still generates
+                assert running.board.current.engine("b").state == "cold"  # type: ignore[union-attr]
+        assert reader.worst < 0.5, reader.worst
+    body = b"".join(chunks)
+    assert body.rstrip().endswith(b"data: [DONE]") and body.count(b'"content"') >= 30
+    assert second[0].status_code == 200, second[0].text
+    a = running.board.current.engine("a")
+    assert a is not None and a.state == "cold"
+    assert a.activity is not None and a.activity.startswith("evicted a (idle ")
+    assert a.activity.endswith(", 6.0 GB) to make room for b")
+
+
+async def test_nothing_can_make_room_is_503_in_words(nursery, tmp_path) -> None:
+    settings = on_demand(tmp_path, {"a": sim_command("vllm")},
+                         activation=f"memory_budget_bytes = {4 * GB}",
+                         extra=f"memory_bytes = {6 * GB}")
+    with trio.fail_after(20):
+        running = await nursery.start(service.run, settings)
+        async with httpx2.AsyncClient(headers=JSON, base_url=running.url, timeout=30) as client:
+            r = await client.post("/v1/chat/completions", content=payload("model-a"))
+    assert r.status_code == 503
+    assert r.json()["error"]["message"] == (
+        "no room for a: a needs 6.0 GB, more than the memory budget of 4.0 GB for engines "
+        "on demand")
+    assert running.runners["a"].starts == 0
+
+
+async def test_an_idle_engine_unloads_after_idle_unload_s_and_probes_do_not_count(
+        nursery, tmp_path) -> None:
+    settings = on_demand(tmp_path, {"a": sim_command("vllm")},
+                         extra="idle_unload_s = 1.5")
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, settings)
+        async with httpx2.AsyncClient(headers=JSON, base_url=running.url, timeout=30) as client:
+            r = await client.post("/v1/chat/completions", content=payload("model-a"))
+            assert r.status_code == 200, r.text
+            used = trio.current_time()
+            ready = running.board.current.engine("a")
+            assert ready is not None and ready.state == "ready"
+            health_before = ready.probe("health")
+            cold = await wait_state(running.board, "a", "cold")
+            waited = trio.current_time() - used
+            assert (await client.get("/v1/models")).json()["data"][0]["nvpair"]["state"] == "cold"
+    # health probes ran every 0.3 s meanwhile and never reset the idle timer
+    assert 1.5 <= waited < 4.0, waited
+    probed = cold.probe("health")
+    assert probed is not None and probed.requests > (health_before.requests
+                                                     if health_before else 0) + 2
+    assert cold.activity == "drained for idle for 1.5 s, then stopped" or (
+        cold.activity is not None and cold.activity.startswith("drained for idle for "))

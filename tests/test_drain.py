@@ -1,0 +1,91 @@
+"""Drain (EngineRunner.drain, POST /v1/engines/{name}/drain, nvpair drain): stop admitting,
+let the routed requests in flight finish, then stop, with a managed simulator."""
+
+from __future__ import annotations
+
+import sys
+
+import httpx2
+import msgspec
+import trio
+from tests.managed import free_port, managed_config, reading, sim_command, wait_state
+from tests.router.script_engine import JSON
+
+from nvpair import service
+from nvpair.lifecycle import Accepted, Busy
+
+
+def stream_payload(tokens: int) -> bytes:
+    return msgspec.json.encode({"model": "sim-model", "max_tokens": tokens, "stream": True,
+                                "messages": [{"role": "user", "content": "hi"}]})
+
+
+async def test_nvpair_drain_finishes_a_running_stream_and_leaves_the_engine_stopped(
+        nursery, tmp_path) -> None:
+    settings = managed_config(tmp_path, "e", free_port(),
+                              sim_command("vllm", "--token-rate", "20"))
+    with trio.fail_after(40):
+        running = await nursery.start(service.run, settings)
+        await wait_state(running.board, "e", "ready", where=lambda e: bool(e.models))
+        chunks: list[bytes] = []
+        during: list[httpx2.Response] = []
+        streaming = trio.Event()
+        async with reading(running.url) as reader, httpx2.AsyncClient(
+                headers=JSON, base_url=running.url, timeout=20) as client:
+
+            async def stream() -> None:  # 30 tokens at 20 a second: 1.5 s
+                async with client.stream("POST", "/v1/chat/completions",
+                                         content=stream_payload(30)) as r:
+                    assert r.status_code == 200
+                    async for chunk in r.aiter_bytes():
+                        chunks.append(chunk)
+                        streaming.set()
+
+            async with trio.open_nursery() as n:
+                n.start_soon(stream)
+                await streaming.wait()
+                r = await trio.run_process(
+                    [sys.executable, "-m", "nvpair", "drain", "e", "--url", running.url],
+                    capture_stdout=True, capture_stderr=True, check=False)
+                assert r.returncode == 0, r.stderr
+                assert b"drain accepted" in r.stdout
+                e = running.board.current.engine("e")
+                assert e is not None and not e.admitting and e.state == "ready"
+                # a new request for its model while it drains: 503, come back later
+                during.append(await client.post("/v1/chat/completions",
+                                                content=stream_payload(2)))
+            stopped = await wait_state(running.board, "e", "stopped")
+        assert reader.worst < 0.5, reader.worst  # reads never waited on the drain
+    body = b"".join(chunks)
+    assert body.rstrip().endswith(b"data: [DONE]"), body[-200:]
+    assert body.count(b'"content"') >= 30, body  # every token, nothing cut
+    assert during[0].status_code == 503, during[0].text
+    assert during[0].headers.get("retry-after") and "draining" in during[0].text
+    assert stopped.admitting and stopped.activity is not None
+    assert stopped.activity == "drained for the operator's drain, then stopped"
+
+
+async def test_drain_results(nursery, tmp_path) -> None:
+    """A repeat is accepted, a drain to the other end is busy, a stopped engine has nothing
+    to drain to a stop and cannot drain to a restart."""
+    settings = managed_config(tmp_path, "e", free_port(), sim_command("vllm"))
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, settings)
+        await wait_state(running.board, "e", "ready")
+        runner = running.runners["e"]
+        # a request in flight keeps the drain waiting (the router's count)
+        running.traffic.started("e")
+        assert runner.drain(then="restart", reason="test") == Accepted("draining")
+        assert runner.drain(then="restart", reason="test") == Accepted("draining")
+        assert isinstance(runner.drain(then="stop", reason="test"), Busy)
+        await trio.sleep(0.3)
+        assert running.board.current.engine("e").state == "ready"  # type: ignore[union-attr]
+        running.traffic.finished("e", "ok")
+        first_pid = running.board.current.engine("e").pid  # type: ignore[union-attr]
+        restarted = await wait_state(running.board, "e", "ready",
+                                     where=lambda e: e.pid != first_pid and e.admitting)
+        assert restarted.activity == "drained for test, then restarted"
+        assert runner.request("stop") == Accepted("stopping")
+        await wait_state(running.board, "e", "stopped")
+        assert runner.drain(then="stop", reason="test") == Accepted("stop")
+        assert isinstance(runner.drain(then="restart", reason="test"), Busy)
