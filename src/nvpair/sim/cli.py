@@ -127,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--idle-timeout-s", type=float, default=None,
         help="close idle keep-alive connections (default: the kind's, llama.cpp 5 s, else 30 s)")
     add("--log-level", default="INFO")
+
+    add = p.add_argument_group("memory").add_argument
+    add("--resident-mb", type=float, default=0.0, help="a baseline footprint held from the start")
+    add("--leak-mb-per-s", type=float, default=0.0, help="leak this many MiB a second")
+    add("--leak-bytes-per-request", type=int, default=0, help="leak this much per request")
     return p
 
 
@@ -178,6 +183,8 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
         children_ignore_sigterm=args.children_ignore_sigterm,
         child_lifetime_s=args.child_lifetime_s, hard_exit=True,
         idle_timeout_s=args.idle_timeout_s,
+        resident_mb=args.resident_mb, leak_mb_per_s=args.leak_mb_per_s,
+        leak_bytes_per_request=args.leak_bytes_per_request,
     )
 
 

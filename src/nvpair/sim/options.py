@@ -156,6 +156,14 @@ class SimOptions(msgspec.Struct, frozen=True, kw_only=True):
     #: 5 s, the others 30 s).
     idle_timeout_s: float | None = None
 
+    # memory (nvpair.sim.leak: allocated and touched, so resident)
+    #: a baseline footprint held from the start, MiB
+    resident_mb: float = 0.0
+    #: a steady leak, MiB a second
+    leak_mb_per_s: float = 0.0
+    #: bytes leaked per request answered (probes too)
+    leak_bytes_per_request: int = 0
+
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown kind {self.kind!r}; one of {', '.join(KINDS)}")
@@ -171,6 +179,8 @@ class SimOptions(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("np must be >= 1 (None: auto)")
         if not 0 <= self.node_rank < max(self.nnodes, 1):
             raise ValueError("node_rank must be in [0, nnodes)")
+        if min(self.resident_mb, self.leak_mb_per_s, self.leak_bytes_per_request) < 0:
+            raise ValueError("resident_mb, leak_mb_per_s and leak_bytes_per_request must be >= 0")
 
     @property
     def model_name(self) -> str:

@@ -12,6 +12,7 @@ from nvpair.sim.dist import Rendezvous, WorkerLink, split_addr
 from nvpair.sim.engine import Engine
 from nvpair.sim.handle import SimHandle
 from nvpair.sim.http import HttpServer
+from nvpair.sim.leak import Leak
 from nvpair.sim.lifecycle import run_lifecycle
 from nvpair.sim.llamacpp import LlamaCpp
 from nvpair.sim.ollama import Ollama
@@ -59,6 +60,8 @@ async def serve_sim(
     """
     state = SimState(options)
     engine = make_engine(options, state)
+    leak = Leak(resident_mb=options.resident_mb, mb_per_s=options.leak_mb_per_s,
+                bytes_per_request=options.leak_bytes_per_request)
     port = EnginePort(options.host, options.port)
     try:
         engine.port = 0 if engine.headless else await port.reserve()
@@ -66,6 +69,8 @@ async def serve_sim(
         if options.fault is not None:
             state.set_fault(options.fault)
         async with trio.open_nursery() as nursery:
+            if leak.active:
+                nursery.start_soon(leak.run)
             if options.control_port is not None:
                 handle.control_port = await nursery.start(
                     serve_control, handle, options.host, options.control_port
@@ -87,7 +92,7 @@ async def serve_sim(
                 ))
             if not engine.headless:
                 idle = options.idle_timeout_s
-                server = HttpServer(engine, on_connection=state.count_connection,
+                server = HttpServer(leak.wrap(engine), on_connection=state.count_connection,
                                     idle_timeout_s=engine.keep_alive_s if idle is None else idle)
                 await nursery.start(run_port, port, server, state, engine.wants_listening)
             nursery.start_soon(run_lifecycle, engine, handle.rendezvous, link)

@@ -1,0 +1,215 @@
+"""The memory watch with real processes: managed simulators that leak (or not), an adopted
+one found from its socket, an exit for memory, and a restart at a quiet moment. Windows are
+scaled to seconds (``[memory] window_h`` of a few thousandths of an hour)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import trio
+from tests.managed import FAST_PROBES, fast_manifest, free_port, sim_command, wait_state
+
+from nvpair import service
+from nvpair.config import load_settings
+from nvpair.memwatch import KILLED_FOR_MEMORY
+from nvpair.snapshot import Board
+
+#: a window of 10.8 s read every 0.1 s; a leak of 20 MiB/s exhausts ~20 GB well within 1 h
+MEMORY = """
+[memory]
+interval_s = 0.1
+window_h = 0.003
+horizon_h = 1
+{extra}
+"""
+
+
+def engines_text(tmp: Path, engines: list[tuple[str, list[str]]], extra: str = "") -> str:
+    manifest = fast_manifest(tmp, "vllm")
+    text = (f"listen = '127.0.0.1:0'\nlog_dir = '{tmp / 'logs'}'\nsweep_deadline_s = 2\n"
+            + MEMORY.format(extra=extra))
+    for name, command in engines:
+        text += (f"[[engines]]\nname = '{name}'\nkind = '{manifest}'\nport = {free_port()}\n"
+                 f"model = 'sim-model'\nmanaged = true\ncommand = {json.dumps(command)}\n"
+                 + FAST_PROBES)
+    path = tmp / "nvpair.toml"
+    path.write_text(text)
+    return str(path)
+
+
+async def wait_memory(board: Board, name: str, where: Any, within: float) -> Any:
+    """Until engine ``name``'s memory satisfies ``where`` (event-driven on the board)."""
+    version = -1
+    last = None
+    try:
+        with trio.fail_after(within):
+            while True:
+                snap = await board.wait_changed(version)
+                version = snap.version
+                e = snap.engine(name)
+                last = None if e is None else e.memory
+                if last is not None and where(last):
+                    return last
+    except trio.TooSlowError:
+        raise AssertionError(f"{name}: memory never as wanted; last seen: {last}") from None
+
+
+async def test_a_leak_of_20_mb_a_second_is_leaking_within_30_s_and_a_flat_engine_never(
+        tmp_path: Path) -> None:
+    settings = load_settings(engines_text(tmp_path, [
+        ("leaky", sim_command("vllm", "--leak-mb-per-s", "20")),
+        ("flat", sim_command("vllm"))]))
+    with trio.fail_after(45):
+        async with trio.open_nursery() as nursery:
+            running = await nursery.start(service.run, settings)
+            board = running.board
+            trends: set[str] = set()
+            watching = trio.CancelScope()
+
+            async def watch_flat() -> None:
+                version = -1
+                with watching:
+                    while True:
+                        snap = await board.wait_changed(version)
+                        version = snap.version
+                        m = snap.engine("flat").memory  # type: ignore[union-attr]
+                        if m is not None:
+                            trends.add(m.trend)
+
+            nursery.start_soon(watch_flat)
+            await wait_state(board, "leaky", "ready")
+            started = trio.current_time()
+            leaking = await wait_memory(board, "leaky",
+                                        lambda m: m.trend in ("leaking", "critical"), 30)
+            took = trio.current_time() - started
+            assert leaking.slope_bytes_per_h > 40e9  # 20 MiB/s is ~75 GB/h
+            assert leaking.exhaustion_s is not None and leaking.source == "proc"
+            assert leaking.top and leaking.top[0].pid == board.current.engine("leaky").pid  # type: ignore[union-attr]
+            # the flat one over the same run, and a window more
+            flat = board.current.engine("flat").memory  # type: ignore[union-attr]
+            assert flat is not None and flat.rss_anon_bytes and flat.covered_s > 5
+            async with httpx2.AsyncClient(base_url=running.url) as client:
+                doc = (await client.get("/v1/engines")).json()
+                metrics = (await client.get("/metrics")).text
+            by_name = {e["name"]: e for e in doc["engines"]}
+            assert by_name["leaky"]["memory"]["trend"] in ("leaking", "critical")
+            assert by_name["flat"]["memory"]["trend"] == "flat"
+            assert doc["memory"]["mem_available"] > 0 and doc["memory"]["reserve_bytes"] > 0
+            assert 'nvpair_engine_memory_trend{engine="flat"} 0' in metrics
+            assert "nvpair_node_memory_available_bytes" in metrics
+            watching.cancel()
+            running.stop()
+    assert trends <= {"flat"}, trends
+    assert took < 30
+
+
+async def test_an_adopted_engines_pid_is_found_from_its_socket(tmp_path: Path) -> None:
+    port = free_port()
+    manifest = fast_manifest(tmp_path, "vllm")
+    path = tmp_path / "nvpair.toml"
+    path.write_text("listen = '127.0.0.1:0'\nsweep_deadline_s = 2\n" + MEMORY.format(extra="")
+                    + f"[[engines]]\nname = 'adopted'\nkind = '{manifest}'\nport = {port}\n"
+                    f"model = 'sim-model'\n" + FAST_PROBES)
+    argv = [sys.executable, "-m", "nvpair.sim", "vllm", "--model", "sim-model", "--port",
+            str(port), "--no-control", "--resident-mb", "64"]
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            sim = await trio.lowlevel.open_process(argv, start_new_session=True)
+            try:
+                running = await nursery.start(service.run, load_settings(str(path)))
+                await wait_state(running.board, "adopted", "ready")
+                m = await wait_memory(running.board, "adopted",
+                                      lambda m: m.source == "proc" and m.top, 10)
+                assert m.top[0].pid == sim.pid and m.error is None
+                assert m.rss_anon_bytes >= 64 * 1024 * 1024  # the sim's footprint is its own
+                running.stop()
+            finally:
+                sim.kill()
+                with trio.CancelScope(shield=True), trio.move_on_after(5):
+                    await sim.wait()
+
+
+async def test_an_engine_killed_from_outside_under_the_reserve_is_killed_for_memory(
+        tmp_path: Path) -> None:
+    # the reserve above what any machine has: the node's headroom is under it
+    settings = load_settings(engines_text(
+        tmp_path, [("victim", sim_command("vllm"))], extra=f"reserve_bytes = {2**60}"))
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            running = await nursery.start(service.run, settings)
+            ready = await wait_state(running.board, "victim", "ready")
+            await wait_memory(running.board, "victim", lambda m: m.rss_anon_bytes, 5)
+            os.kill(ready.pid, signal.SIGKILL)
+            down = await wait_state(running.board, "victim", "down")
+            assert down.exit_code == -signal.SIGKILL
+            assert KILLED_FOR_MEMORY in (down.error or ""), down.error
+            assert "killed by SIGKILL" in (down.error or "")
+            running.stop()
+
+
+async def test_an_engine_killed_with_headroom_to_spare_is_not_killed_for_memory(
+        tmp_path: Path) -> None:
+    settings = load_settings(engines_text(
+        tmp_path, [("victim", sim_command("vllm"))], extra="reserve_bytes = 0"))
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            running = await nursery.start(service.run, settings)
+            ready = await wait_state(running.board, "victim", "ready")
+            await wait_memory(running.board, "victim", lambda m: m.rss_anon_bytes, 5)
+            os.kill(ready.pid, signal.SIGKILL)
+            down = await wait_state(running.board, "victim", "down")
+            assert down.error == "engine process killed by SIGKILL"
+            running.stop()
+
+
+async def test_restart_when_quiet_restarts_a_leaking_engine_once_after_its_stream_ends(
+        tmp_path: Path) -> None:
+    settings = load_settings(engines_text(
+        tmp_path, [("leaky", sim_command("vllm", "--leak-mb-per-s", "20", "--token-rate", "10"))],
+        extra="action = 'restart_when_quiet'\nquiet_s = 0.5\nmin_restart_interval_h = 1"))
+    body = json.dumps({"model": "sim-model", "stream": True, "max_tokens": 50,
+                       "messages": [{"role": "user", "content": "hi"}]})
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            running = await nursery.start(service.run, settings)
+            board = running.board
+            first = await wait_state(board, "leaky", "ready")
+            # a stream of 5 s, in flight when the leak is found (~11 s of readings)
+            await wait_memory(board, "leaky", lambda m: m.covered_s >= 8, 20)
+            chunks: list[str] = []
+            ended_at: list[float] = []
+            async with httpx2.AsyncClient(base_url=running.url, timeout=30) as client:
+                async with client.stream("POST", "/v1/chat/completions", content=body,
+                                         headers={"content-type": "application/json"}) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            chunks.append(line)
+                            e = board.current.engine("leaky")
+                            # neither restarted nor drained while the stream is in flight
+                            assert e is not None and e.pid == first.pid
+                            assert getattr(e, "admitting", True)
+                ended_at.append(trio.current_time())
+            assert chunks[-1] == "data: [DONE]" and len(chunks) >= 52
+            leaking = board.current.engine("leaky").memory  # type: ignore[union-attr]
+            assert leaking is not None and leaking.trend in ("leaking", "critical")
+            peak = leaking.rss_anon_bytes
+            second = await wait_state(board, "leaky", "ready",
+                                      where=lambda e: e.pid != first.pid, within=20)
+            assert second.restarts == 1
+            back = await wait_memory(board, "leaky", lambda m: m.processes and m.at and (
+                board.current.engine("leaky").pid == second.pid), 5)  # type: ignore[union-attr]
+            assert back.memory_restarts == 1 and "restarted for memory" in (back.action or "")
+            # back to its baseline: a fraction of what it held when it was restarted
+            assert back.rss_anon_bytes < peak / 2, (back.rss_anon_bytes, peak)
+            # once per min_restart_interval_h: a second leak is not restarted within it
+            await wait_memory(board, "leaky", lambda m: m.trend in ("leaking", "critical"), 25)
+            await trio.sleep(1)
+            assert board.current.engine("leaky").restarts == 1  # type: ignore[union-attr]
+            running.stop()
