@@ -19,6 +19,8 @@ from nvpair.changes import Changes
 from nvpair.cluster import NODE_PATTERN
 from nvpair.decoding import decode_json
 from nvpair.errors import NvpairError
+from nvpair.group.machine import Report as GroupReport
+from nvpair.group.runner import Reports
 from nvpair.listing import NAME_MAX, TEXT_MAX, ModelItem, Name, Text, catalog, visible
 from nvpair.snapshot import Board
 from nvpair.urls import url_problem
@@ -67,6 +69,8 @@ class Advert(msgspec.Struct, frozen=True):
     leaving: bool = False
     #: models this node serves but left out so the advert fits MAX_ADVERT_BYTES.
     left_out: Annotated[int, msgspec.Meta(ge=0)] = 0
+    #: this node's word on the multi-node groups it is in (docs/groups.md)
+    groups: Annotated[tuple[GroupReport, ...], msgspec.Meta(max_length=64)] = ()
 
     def __post_init__(self) -> None:
         # checked at decode (msgspec turns this into a ValidationError): a URL nothing
@@ -76,7 +80,7 @@ class Advert(msgspec.Struct, frozen=True):
 
     def content(self) -> tuple[object, ...]:
         """What a receiver stores; equal contents need no new listing."""
-        return (self.url, self.engines, self.models)
+        return (self.url, self.engines, self.models, self.groups)
 
 
 decoder = msgspec.json.Decoder(Advert)
@@ -205,15 +209,18 @@ class Advertiser:
     senders when the content changed.
     """
 
-    def __init__(self, board: Board, node: str, ttl_s: float, url: str | None = None) -> None:
+    def __init__(self, board: Board, node: str, ttl_s: float, url: str | None = None,
+                 groups: Reports | None = None) -> None:
         self.board = board
+        #: this node's group reports (refreshed on each of their changes: see Reports)
+        self.groups = groups
         self.node = node
         self.ttl_s = ttl_s
         self.url = url
         self.boot_id = secrets.token_hex(8)
         self._changes = Changes()
         #: the listing version and URL the last content was built from
-        self._built: tuple[int, str | None] | None = None
+        self._built: tuple[int, str | None, tuple[GroupReport, ...]] | None = None
         self._advert = Advert(node=node, boot_id=self.boot_id, seq=0, ttl_s=ttl_s, url=url)
         self._content: tuple[object, ...] | None = None  # the last content built from
         self._unfit = 0  # models left out because peers would refuse them (logged on change)
@@ -244,11 +251,12 @@ class Advertiser:
     def refresh(self, now: float) -> bool:
         """Rebuild the advert if its content changed; True if it did (seq grew). With the
         listing and URL as last time this returns at once, whatever the number of models."""
-        built = (self.board.listed(now), self.url)
+        groups = () if self.groups is None else self.groups.all()
+        built = (self.board.listed(now), self.url, groups)
         if self._advert.seq and built == self._built:
             return False
         engines, models, unfit, why, beyond = describe(self.board, self.node, now)
-        content = (self.url, engines, _stable(models), beyond, unfit)  # unfit: left_out
+        content = (self.url, engines, _stable(models), beyond, unfit, groups)  # unfit: left_out
         self._built = built
         if self._advert.seq and content == self._content:
             return False
@@ -259,7 +267,7 @@ class Advertiser:
         seq = max(self.board.current.version, self._advert.seq + 1)
         advert = Advert(node=self.node, boot_id=self.boot_id, seq=seq, ttl_s=self.ttl_s,
                         url=self.url, engines=engines, models=models,
-                        left_out=unfit + beyond)
+                        left_out=unfit + beyond, groups=groups)
         body = encoder.encode(advert)
         if len(body) > MAX_ADVERT_BYTES:
             advert, body = _fitted(advert)

@@ -1,0 +1,540 @@
+"""This node's part of a multi-node group: the head's loop or a rank's, and its process.
+
+The head (rank 0) steps the group's state machine (``nvpair.group.machine``) from its own
+process and the ranks' reports, and publishes its decision in its advert; a rank runs its
+process only for the head's current epoch and reports it. Both are level-triggered: any
+change (a peer's advert, the board, a process) wakes the loop, which recomputes what should
+run and makes it so. Processes are ``nvpair.process.run_engine_process``: their own
+session, stopped with the role's signal, grace and SIGKILL, on record for
+``nvpair.orphans``, a log file per epoch (the last ``LOGS_KEPT`` kept).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import NamedTuple, Protocol
+
+import httpx2
+import msgspec
+import trio
+
+from nvpair.ages import age
+from nvpair.boundary import Part
+from nvpair.changes import Changes
+from nvpair.command import build_command, engine_env
+from nvpair.config import EngineSpec, placeholder_values
+from nvpair.group import machine
+from nvpair.group.machine import Head, Member, Policy, Proc, Report
+from nvpair.group.spec import GroupSettings, role_manifest, role_values
+from nvpair.logs import EngineLog
+from nvpair.orphans import EngineProcs
+from nvpair.process import EngineProcess, Stopping, describe_exit, run_engine_process
+from nvpair.snapshot import Board
+
+log = logging.getLogger("nvpair.group")
+
+EPOCH_ENV = "NVPAIR_GROUP_EPOCH"
+LOGS_KEPT = 5
+#: the longest wait between two looks at the group (changes wake it sooner)
+TICK_S = 1.0
+#: how often a rank that is not ready yet is looked at (its probe, its socket)
+STARTING_CHECK_S = 0.25
+
+
+class Heard(NamedTuple):
+    """What this node heard from one node about one group."""
+
+    report: Report | None
+    #: the node's peer state: fresh, one-way, stale, gone, left, or none (never heard)
+    peer: str
+    #: seconds since its last advert (None: never heard)
+    silent_s: float | None = None
+    #: the host of its advertised URL (where its engine's ports are)
+    host: str | None = None
+    #: its nvpair's boot id: a rank's process belongs to one boot of its head
+    boot: str | None = None
+
+
+class GroupPeers(Protocol):
+    """The peer table as a group reads it (``nvpair.group.link``)."""
+
+    @property
+    def version(self) -> int: ...
+
+    async def wait_changed(self, since_version: int) -> int: ...
+
+    def heard(self, node: str, group: str, now: float) -> Heard: ...
+
+    def own_host(self) -> str | None: ...
+
+
+class Reports:
+    """This node's reports on its groups, for its advert (``nvpair.peers.advert``)."""
+
+    def __init__(self) -> None:
+        self.items: dict[str, Report] = {}
+        self.changes = Changes()
+        #: called on every change (the advertiser refreshes, so peers hear at once)
+        self.listeners: list[Callable[[], None]] = []
+
+    def set(self, report: Report) -> None:
+        if self.items.get(report.name) == report:
+            return
+        self.items[report.name] = report
+        self.changes.bump()
+        for listener in self.listeners:
+            listener()
+
+    def all(self) -> tuple[Report, ...]:
+        return tuple(self.items[k] for k in sorted(self.items))
+
+
+def listening(port: int, proc_net: Path = Path("/proc/net")) -> bool:
+    """Whether a TCP socket listens on ``port`` on this machine (``/proc/net/tcp`` and
+    ``tcp6``, state 0A): an rpc-server is never connected to, it serves one client."""
+    want = f":{port:04X}"
+    for name in ("tcp", "tcp6"):
+        try:
+            text = (proc_net / name).read_text()
+        except OSError:
+            continue
+        for line in text.splitlines()[1:]:
+            fields = line.split()
+            if len(fields) > 3 and fields[3] == "0A" and fields[1].endswith(want):
+                return True
+    return False
+
+
+class Slot:
+    """One process of one epoch, from spawn to reap."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.scope = trio.CancelScope()
+        self.handle: EngineProcess | None = None
+        self.started_at = trio.current_time()
+        self.ready = False
+        self.stopping = False
+        self.fenced = False
+        self.done = False
+        self.exit: str | None = None
+        self.exit_code: int | None = None
+        #: the boot of the head it was started for (a rank's)
+        self.head_boot: str | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.handle is None else self.handle.pid
+
+    @property
+    def alive(self) -> bool:
+        return not self.done
+
+
+class Status(msgspec.Struct, frozen=True):
+    """What ``GET /v1/groups/{name}`` shows of this node's part (``nvpair.group.view``)."""
+
+    name: str
+    node: str
+    rank: int
+    role: str
+    ranks: tuple[str, ...]
+    head: Head | None = None
+    members: tuple[Member, ...] = ()
+    report: Report | None = None
+    #: a rank's: the head's last report
+    head_report: Report | None = None
+    #: per rank: (node, state since, pid, exit words, exit code)
+    detail: tuple[tuple[int, float, int | None, str | None, int | None], ...] = ()
+    error: str | None = None
+    log_file: str | None = None
+
+
+class GroupRunner:
+    """Runs this node's role of one group until cancelled."""
+
+    def __init__(self, spec: EngineSpec, board: Board, peers: GroupPeers, reports: Reports,
+                 node: str, log_dir: Path | None, procs: EngineProcs,
+                 state_dir: Path | None) -> None:
+        assert spec.group is not None
+        self.spec = spec
+        self.group: GroupSettings = spec.group
+        self.board = board
+        self.peers = peers
+        self.reports = reports
+        self.node = node
+        self.log_dir = log_dir
+        self.procs = procs
+        self.state_dir = state_dir
+        g = self.group
+        self.policy = Policy(
+            ranks=g.nnodes - 1, grace_s=g.rank_lost_grace_s,
+            startup_budget_s=spec.startup_budget_s, initial_s=g.backoff.initial_s,
+            max_s=g.backoff.max_s, reset_after_s=g.backoff.reset_after_s,
+            max_count=g.max_restarts.count, per_s=g.max_restarts.per_s, restart=g.restart,
+            start_order=g.start_order)
+        self.head: Head | None = None
+        self.slot: Slot | None = None
+        self.started_epoch: int | None = None
+        self.fenced = False
+        self.members: tuple[Member, ...] = ()
+        self._wake = Changes()
+        self._since: dict[int, tuple[str, float]] = {}
+        self.part = Part(f"group {spec.name}", self._failed, logger=log)
+        self.error: str | None = None
+        self.log: EngineLog | None = None
+        self._nursery: trio.Nursery | None = None
+        self._reaper: trio.Nursery | None = None
+        self._output = Part(f"group {spec.name}: output", logger=log)
+        self._client: httpx2.AsyncClient | None = None
+        self.heard_head: Heard | None = None
+
+    def _failed(self, reason: str | None) -> None:
+        self.error = reason
+
+    # -- requests (sync: recorded, the loop acts) -----------------------------------------
+
+    def request(self, action: str) -> str | None:
+        """``stop``, ``start`` or ``restart`` on the head; None, or why not (on a rank)."""
+        if self.head is None:
+            return f"this node is rank {self.group.rank} of group {self.spec.name}; ask the head"
+        now = trio.current_time()
+        if action == "stop":
+            self.head = machine.stop(self.head)
+        elif action == "start":
+            self.head = machine.start(self.head, now)
+        else:
+            self.head = machine.restart(self.head, now)
+        self._save_epoch(self.head.epoch)
+        self._wake.bump()
+        return None
+
+    # -- the loop --------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Run until cancelled. Started value: None, at once. Cancellation stops this
+        node's group process (its signal, grace, SIGKILL, shielded). Raises: nothing but
+        Cancelled (a failure is the group's ``error``, retried with backoff)."""
+        async with trio.open_nursery() as reaper:
+            self._reaper = reaper
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._forward_peers)
+                if self.group.rank == 0:  # the head's readiness is its engine's probes
+                    nursery.start_soon(self._forward_board)
+                task_status.started()
+                try:
+                    await self.part.supervise(self._loop)
+                finally:
+                    if self._client is not None:
+                        with trio.CancelScope(shield=True):
+                            await self._client.aclose()
+
+    async def _forward_peers(self) -> None:
+        version = self.peers.version
+        while True:
+            version = await self.peers.wait_changed(version)
+            self._wake.bump()
+
+    async def _forward_board(self) -> None:
+        version = self.board.current.version
+        while True:
+            version = (await self.board.wait_changed(version)).version
+            self._wake.bump()
+
+    async def _loop(self) -> None:
+        while True:
+            version = self._wake.version
+            now = trio.current_time()
+            wake = self._head_step(now) if self.group.rank == 0 else self._rank_step(now)
+            self.part.ok()
+            timeout = max(min(wake - trio.current_time(), TICK_S), 0.0)
+            with trio.move_on_after(timeout):
+                await self._wake.wait_changed(version)
+
+    # -- the head --------------------------------------------------------------------------
+
+    def _proc(self) -> Proc:
+        slot = self.slot
+        if slot is None:
+            return Proc()
+        if slot.done:
+            if slot.stopping:
+                return Proc()
+            return Proc("exited", slot.epoch, slot.exit)
+        e = self.board.current.engine(self.spec.name)
+        ready = (e is not None and e.state == "ready" and e.since >= slot.started_at)
+        return Proc("ready" if ready else "starting", slot.epoch)
+
+    def _member_list(self, now: float) -> tuple[Member, ...]:
+        out = []
+        for rank, node in enumerate(self.group.ranks[1:], start=1):
+            heard = self.peers.heard(node, self.spec.name, now)
+            r = heard.report
+            if r is None or heard.peer not in ("fresh", "one-way") or r.rank != rank:
+                state: machine.RankState = "unknown"
+                out.append(Member(rank, node, state, None if r is None else r.epoch))
+            else:
+                known = r.state if r.state in _RANK_STATES else "unknown"
+                out.append(Member(rank, node, known, r.epoch, r.exit))  # type: ignore[arg-type]
+            self._note(rank, out[-1].state, now)
+        return tuple(out)
+
+    def _note(self, rank: int, state: str, now: float) -> None:
+        if self._since.get(rank, ("", 0.0))[0] != state:
+            self._since[rank] = (state, now)
+
+    def _head_step(self, now: float) -> float:
+        members = self._member_list(now)
+        self.members = members
+        if self.head is None:
+            seen = max((m.epoch or 0 for m in members), default=0)
+            self.head = machine.first_epoch(self._load_epoch(), seen, now)
+            self._save_epoch(self.head.epoch)
+            log.info("group %s: epoch %d", self.spec.name, self.head.epoch)
+        before = self.head
+        proc = self._proc()
+        h = machine.step(before, now, proc, members, self.policy)
+        if h.epoch != before.epoch:
+            self._save_epoch(h.epoch)
+        if h.state != before.state or h.epoch != before.epoch:
+            log.info("group %s: %s at epoch %d%s", self.spec.name, h.state, h.epoch,
+                     f" ({h.reason})" if h.state in ("down", "failed") and h.reason else "")
+        self.head = h
+        slot = self.slot
+        running = slot is not None and slot.alive and not slot.stopping
+        if running and slot is not None and (slot.epoch != h.epoch or not machine.head_may_run(
+                h, members, self.policy, running=True)):
+            self._stop(slot)
+        elif (not running and machine.head_may_run(h, members, self.policy, running=False)
+              and self.started_epoch != h.epoch and (slot is None or slot.done)):
+            self._start(h.epoch, self._head_values())
+        self._note(0, self._proc().state, now)
+        own = machine.report(h, self._proc(), members, self.policy, self.spec.name)
+        slot = self.slot
+        if slot is not None and slot.alive:
+            own = msgspec.structs.replace(own, pid=slot.pid)
+        self.reports.set(own)
+        return machine.wake_at(h, self.policy)
+
+    def _head_values(self) -> dict[str, object]:
+        host = self.peers.own_host() or self.spec.host
+        hosts = [host]
+        for node in self.group.ranks[1:]:
+            hosts.append(self.peers.heard(node, self.spec.name, trio.current_time()).host
+                         or "127.0.0.1")
+        return role_values(self.group, self.group.head, placeholder_values(self.spec),
+                           rank=0, dist_host=host, rank_hosts=hosts)
+
+    # -- a rank ----------------------------------------------------------------------------
+
+    def _rank_step(self, now: float) -> float:
+        heard = self.peers.heard(self.group.head_node, self.spec.name, now)
+        self.heard_head = heard
+        head = heard.report if heard.report is not None and heard.report.rank == 0 else None
+        slot = self.slot
+        running = slot.epoch if slot is not None and slot.alive and not slot.stopping else None
+        if (running is not None and slot is not None and heard.boot is not None
+                and heard.peer != "left" and slot.head_boot != heard.boot):
+            running = -1  # started for another boot of the head: never its epoch
+        d = machine.reconcile(head, heard.peer, heard.silent_s, running, self.started_epoch,
+                              self.group.fence_after_s)
+        if slot is not None and running is not None and d.epoch != running:
+            if d.fenced:
+                log.warning("group %s: %s", self.spec.name, d.reason)
+            slot.fenced = d.fenced
+            self.fenced = d.fenced
+            self._stop(slot)
+        if d.start and d.epoch is not None and (slot is None or slot.done):
+            self.fenced = False
+            host = heard.host or "127.0.0.1"
+            values = role_values(self.group, self.group.member, placeholder_values(self.spec),
+                                 rank=self.group.rank, dist_host=host, rank_hosts=[host])
+            self._start(d.epoch, values)
+            assert self.slot is not None
+            self.slot.head_boot = heard.boot
+        self.reports.set(self._rank_report(head))
+        wake = float("inf")
+        if (head is None or heard.peer not in ("fresh", "one-way")) and (
+                heard.silent_s is not None and running is not None):
+            wake = now + max(self.group.fence_after_s - heard.silent_s, 0.0) + 1e-3
+        return wake
+
+    def _rank_report(self, head: Report | None) -> Report:
+        slot = self.slot
+        epoch = head.epoch if head is not None else (slot.epoch if slot is not None else 0)
+        name, rank = self.spec.name, self.group.rank
+        if slot is not None and slot.alive:
+            state = "stopping" if slot.stopping else "ready" if slot.ready else "starting"
+            return Report(name=name, rank=rank, epoch=slot.epoch, state=state, pid=slot.pid)
+        if slot is not None and slot.fenced:
+            return Report(name=name, rank=rank, epoch=epoch, state="fenced",
+                          exit=slot.exit, exit_code=slot.exit_code)
+        if slot is not None and not slot.stopping and slot.epoch == epoch:
+            return Report(name=name, rank=rank, epoch=epoch, state="down", exit=slot.exit,
+                          exit_code=slot.exit_code)
+        return Report(name=name, rank=rank, epoch=epoch, state="stopped")
+
+    # -- processes -------------------------------------------------------------------------
+
+    def _stop(self, slot: Slot) -> None:
+        if not slot.stopping:
+            slot.stopping = True
+            slot.scope.cancel(reason="its epoch is over")
+            self._wake.bump()
+
+    def _start(self, epoch: int, values: dict[str, object]) -> None:
+        assert self._nursery is not None
+        slot = Slot(epoch)
+        self.slot = slot
+        self.started_epoch = epoch
+        self._nursery.start_soon(self._run_slot, slot, values)
+        self._wake.bump()
+
+    async def _run_slot(self, slot: Slot, values: dict[str, object]) -> None:
+        role = self.group.my_role
+        spec = self.spec
+        try:
+            with slot.scope:
+                argv, extra = build_command(role_manifest(spec.manifest, role), None, values)
+                env = engine_env(os.environ, extra, spec.env)
+                env[EPOCH_ENV] = str(slot.epoch)
+                self.log = self._epoch_log(slot.epoch)
+                self.log.write(f"[nvpair] group {spec.name} epoch {slot.epoch} rank "
+                               f"{self.group.rank}: starting: {' '.join(argv)}")
+                assert self._reaper is not None
+                grace = role.stop_grace_s or spec.stop_grace_s
+                run = partial(run_engine_process, argv, env, name=spec.name, log_to=self.log,
+                              output=self._output, procs=self.procs, reaper=self._reaper,
+                              stopping=Stopping(spec.manifest.stop.signal, grace))
+                async with trio.open_nursery() as lifetime:
+                    slot.handle = await lifetime.start(run)
+                    self._wake.bump()
+                    if self.group.rank != 0:
+                        lifetime.start_soon(self._watch_rank, slot)
+                    await slot.handle.wait()
+                    lifetime.cancel_scope.cancel(reason="the process exited")
+        except Exception as exc:  # it could not start: that rank's or head's exit
+            slot.exit = f"could not start: {' '.join(str(exc).split())[:200]}"
+        finally:
+            if slot.handle is not None and slot.handle.returncode is not None:
+                slot.exit_code = slot.handle.returncode
+                slot.exit = describe_exit(slot.exit_code)
+            slot.done = True
+            self._wake.bump()
+
+    async def _watch_rank(self, slot: Slot) -> None:
+        """A rank's readiness: its probe, its process, or its listening socket."""
+        role = self.group.member
+        if role.ready == "process":
+            slot.ready = True
+            self._wake.bump()
+            return
+        failures = 0
+        while True:
+            ok = (listening(self.group.dist_port) if role.ready == "listen"
+                  else await self._probe_rank())
+            if ok != slot.ready and (ok or failures + 1 >= self._threshold()):
+                slot.ready = ok
+                self._wake.bump()
+            failures = 0 if ok else failures + 1
+            interval = role.probe.interval_s if role.probe is not None else 2.0
+            await trio.sleep(interval if slot.ready else STARTING_CHECK_S)
+
+    def _threshold(self) -> int:
+        probe = self.group.member.probe
+        return probe.failure_threshold if probe is not None else 3
+
+    async def _probe_rank(self) -> bool:
+        probe = self.group.member.probe
+        assert probe is not None
+        if self._client is None:
+            self._client = httpx2.AsyncClient(base_url=self.spec.url,
+                                              headers={"User-Agent": "nvpair-probe"})
+        with trio.move_on_after(probe.timeout_s):
+            try:
+                r = await self._client.request(probe.method, probe.path)
+            except httpx2.HTTPError:
+                return False
+            return r.status_code in probe.expect_status
+        return False
+
+    # -- files -----------------------------------------------------------------------------
+
+    def _epoch_log(self, epoch: int) -> EngineLog:
+        if self.log is not None:
+            self.log.close()
+        if self.log_dir is None:
+            return EngineLog(None)
+        name = self.spec.name
+        old = sorted((p for p in self.log_dir.glob(f"{name}.e*.log")
+                      if re.fullmatch(rf"{re.escape(name)}\.e\d+\.log", p.name)),
+                     key=lambda p: int(p.name.rsplit(".e", 1)[1][:-4]))
+        for path in old[:max(len(old) - LOGS_KEPT + 1, 0)]:
+            path.unlink(missing_ok=True)
+        return EngineLog(self.log_dir / f"{name}.e{epoch}.log")
+
+    def _epoch_path(self) -> Path | None:
+        return None if self.state_dir is None else self.state_dir / f"group-{self.spec.name}.epoch"
+
+    def _load_epoch(self) -> int:
+        path = self._epoch_path()
+        if path is None:
+            return 0
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            return 0
+        if not re.fullmatch(r"[0-9]{1,15}", text):
+            log.warning("group %s: %s does not hold an epoch; starting from 0", self.spec.name,
+                        path)
+            return 0
+        return int(text)
+
+    def _save_epoch(self, epoch: int) -> None:
+        path = self._epoch_path()
+        if path is None:
+            return
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(f"{epoch}\n")
+            tmp.replace(path)
+        except OSError as exc:
+            log.warning("group %s: cannot keep the epoch in %s: %s", self.spec.name, path,
+                        exc.strerror)
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def status(self, now: float) -> Status:
+        detail = []
+        slot = self.slot
+        for rank in range(self.group.nnodes):
+            since = self._since.get(rank, ("", now))[1]
+            pid = exit_words = code = None
+            if rank == self.group.rank and slot is not None:
+                pid, exit_words, code = slot.pid if slot.alive else None, slot.exit, \
+                    slot.exit_code
+            elif rank > 0 and self.group.rank == 0:
+                heard = self.peers.heard(self.group.ranks[rank], self.spec.name, now)
+                if heard.report is not None:
+                    pid, exit_words = heard.report.pid, heard.report.exit
+                    code = heard.report.exit_code
+            detail.append((rank, age(now, since) or 0.0, pid, exit_words, code))
+        return Status(name=self.spec.name, node=self.node, rank=self.group.rank,
+                      role=self.group.role, ranks=self.group.ranks, head=self.head,
+                      members=self.members, report=self.reports.items.get(self.spec.name),
+                      detail=tuple(detail), error=self.error,
+                      head_report=None if self.heard_head is None else self.heard_head.report,
+                      log_file=None if self.log is None or self.log.path is None
+                      else str(self.log.path))
+
+
+_RANK_STATES = frozenset({"starting", "ready", "down", "unknown", "fenced", "stopped",
+                          "stopping"})

@@ -1,0 +1,115 @@
+"""Several real nvpair processes on loopback, one per node of a group, each on its own
+address (127.0.0.N), with the simulators as the group's engine (a manifest of their own).
+
+Every wait polls an external process's HTTP under ``trio.fail_after`` (there is no event
+to wait on across processes); nothing sleeps to synchronise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.peers.cluster import Cluster, Node
+
+SIM = [sys.executable, "-m", "nvpair.sim"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def sim_manifest(path: Path, *, load_s: float = 0.3, rank_extra: tuple[str, ...] = (),
+                 head_extra: tuple[str, ...] = ()) -> Path:
+    """An SGLang-like group manifest whose roles are ``nvpair sim sglang`` processes."""
+    common = ["{model}", "--host", "{host}", "--port", "{port}", "--nnodes", "{nnodes}",
+              "--node-rank", "{rank}", "--dist-init-addr", "{dist_addr}", "--no-control",
+              "--load-s", str(load_s), "--warmup-s", "0", "--on-worker-loss", "dead"]
+    base = json.loads((Path(__file__).resolve().parents[2] / "engines" / "sglang.json")
+                      .read_text())
+    base["kind"] = "sglang"
+    base["group"] = {"start_order": "together", "roles": {
+        "head": {"start": {"argv": [*SIM, "sglang", "--model", *common, *head_extra]}},
+        "rank": {"start": {"argv": [*SIM, "sglang", "--model", *common, *rank_extra]},
+                 "ready": "probe", "stop_grace_s": 2,
+                 "probe": {"path": "/ping", "interval_s": 0.5, "timeout_s": 0.5,
+                           "failure_threshold": 2}}}}
+    path.write_text(json.dumps(base))
+    return path
+
+
+class Group:
+    """``count`` nodes n0..n{count-1} (n0 the head) of one group named ``g``."""
+
+    def __init__(self, cluster: Cluster, tmp: Path, count: int, *, manifest: Path,
+                 group_extra: str = "") -> None:
+        self.cluster = cluster
+        self.port = free_port()  # each node's API, on its own address
+        self.engine_port = free_port()
+        self.dist_port = free_port()
+        self.nodes = [cluster.add(Node(f"n{i}", f"127.0.0.{i + 1}", self.port, tmp, None))
+                      for i in range(count)]
+        for node in self.nodes:
+            peers = [o for o in self.nodes if o is not node]
+            lines = [f"listen = '{node.host}:{node.port}'", f"node = '{node.name}'",
+                     f"log_dir = '{node.dir / 'logs'}'", f"state_dir = '{node.dir / 'state'}'",
+                     "[[engines]]", "name = 'g'", f"kind = '{manifest}'", "managed = true",
+                     "model = 'big-model'", f"host = '{node.host}'",
+                     f"port = {self.engine_port}", "stop_grace_s = 3",
+                     "[engines.probes.ready]", "interval_s = 0.25", "timeout_s = 0.25",
+                     "[engines.probes.health]", "interval_s = 1", "timeout_s = 1",
+                     "[engines.group]",
+                     f"ranks = [{', '.join(repr(n.name) for n in self.nodes)}]",
+                     f"dist_port = {self.dist_port}", "rank_lost_grace_s = 2",
+                     "restart_backoff = {initial_s = 0.5, max_s = 2}", group_extra]
+            for other in peers:
+                lines += ["[[peers]]", f"url = '{other.url}'", f"name = '{other.name}'"]
+            lines += ["[cluster]", "interval_s = 1", f"token_file = '{cluster.token_file}'"]
+            node.config.write_text("\n".join(lines) + "\n")
+
+    @property
+    def head(self) -> Node:
+        return self.nodes[0]
+
+    async def doc(self, node: Node | None = None) -> Any:
+        return await self.cluster.json(node or self.head, "/v1/groups/g")
+
+    async def wait(self, predicate: Any, *, within: float, what: str,
+                   node: Node | None = None) -> Any:
+        return await self.cluster.wait(node or self.head, "/v1/groups/g", predicate,
+                                       within=within, what=what)
+
+
+def epoch_of(pid: int) -> int | None:
+    """The NVPAIR_GROUP_EPOCH in a process's environment (None: gone or not a group's)."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    for item in env.split(b"\0"):
+        if item.startswith(b"NVPAIR_GROUP_EPOCH="):
+            return int(item.split(b"=", 1)[1])
+    return None
+
+
+def group_processes() -> dict[int, int]:
+    """pid -> epoch of every live process with NVPAIR_GROUP_EPOCH in its environment that
+    this user may read (the test's own: nvpair's children)."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            epoch = epoch_of(int(entry))
+            if epoch is not None:
+                try:
+                    state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                except OSError:
+                    continue
+                if state != "Z":
+                    out[int(entry)] = epoch
+    return out

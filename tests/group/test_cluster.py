@@ -1,0 +1,76 @@
+"""Groups across real nvpair processes on loopback (one address per node), with simulated
+SGLang ranks: ready only after the last rank, a rank killed -9, a rank that fails at start,
+a rank's nvpair killed and started again, and nothing left after SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import trio
+from tests.group.nodes import Group, group_processes, sim_manifest
+from tests.peers.cluster import open_cluster
+
+
+def rank_states(doc: dict[str, Any]) -> list[str]:
+    return [r["state"] for r in doc["ranks"]]
+
+
+async def gone(present: Any, within: float) -> None:
+    """Poll /proc (no event crosses processes) until ``present()`` is false."""
+    with trio.fail_after(within):
+        while True:
+            if not present():
+                return
+            await trio.sleep(0.05)
+
+
+def ready(doc: dict[str, Any]) -> bool:
+    return bool(doc.get("state") == "ready")
+
+
+async def test_ready_after_the_last_rank_and_a_killed_rank_restarts_the_group(
+        tmp_path: Path) -> None:
+    manifest = sim_manifest(tmp_path / "sim.json")
+    async with open_cluster(tmp_path) as cluster:
+        group = Group(cluster, tmp_path, 3, manifest=manifest)
+        with trio.fail_after(60):
+            await cluster.start(*group.nodes)
+            doc = await group.wait(ready, within=30, what="the group ready")
+            assert doc["ranks_ready"] == 2 and rank_states(doc)[1:] == ["ready", "ready"]
+            epoch = doc["epoch"]
+            first = [e for e in doc["history"] if e["epoch"] == epoch]
+            assert first and first[0]["ended_at"] is None
+            procs = group_processes()
+            assert set(procs.values()) == {epoch}, procs
+            rank_pid = doc["ranks"][2]["pid"]
+            assert rank_pid in procs
+            # kill -9 the process of rank 2: the head sees the group down within 1 s
+            os.kill(rank_pid, signal.SIGKILL)
+            killed_at = trio.current_time()
+            doc = await group.wait(lambda d: d["state"] in ("down", "restarting", "forming")
+                                   and d["epoch"] > epoch, within=5, what="the group down")
+            seen_down = trio.current_time() - killed_at
+            assert seen_down < 1.0, seen_down
+            old = next(e for e in doc["history"] if e["epoch"] == epoch)
+            assert old["reason"].startswith("rank 2 (n2) was killed by signal 9") or \
+                "rank 2 (n2)" in old["reason"], old
+            # every process of the old epoch is gone within 6 s
+            await gone(lambda: any(e == epoch for e in group_processes().values()), 6)
+            gone_after = trio.current_time() - killed_at
+            doc = await group.wait(ready, within=30, what="a new epoch ready")
+            assert doc["epoch"] > epoch and doc["restarts"] == 1
+            print(f"rank kill -9 -> down {seen_down * 1000:.0f} ms; old epoch gone "
+                  f"{gone_after:.2f} s")
+            # the ranks' own view: the head's epoch and state
+            rank_doc = await group.doc(group.nodes[1])
+            assert rank_doc["role"] == "rank" and rank_doc["epoch"] == doc["epoch"]
+            # SIGTERM on every node: no process of the group survives
+            for node in group.nodes:
+                cluster.send_signal(node, signal.SIGTERM)
+            for node in group.nodes:
+                assert node.proc is not None
+                await node.proc.wait()
+            assert group_processes() == {}
