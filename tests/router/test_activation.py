@@ -238,3 +238,35 @@ async def test_an_idle_engine_unloads_after_idle_unload_s_and_probes_do_not_coun
                                                      if health_before else 0) + 2
     assert cold.activity == "drained for idle for 1.5 s, then stopped" or (
         cold.activity is not None and cold.activity.startswith("drained for idle for "))
+
+
+def test_the_config_is_strict_and_its_errors_are_one_line(tmp_path) -> None:
+    import pytest
+
+    from nvpair.errors import ConfigError
+
+    base = "[[engines]]\nname = 'a'\nkind = 'vllm'\nmodel = 'm'\n"
+    cases = {
+        base + "activation = 'on_demand'\n":
+            "engines[0].activation: on_demand needs managed = true",
+        base + "activation = 'sometimes'\n": "engines[0].activation",
+        base + "memory_bytes = -1\n": "engines[0].memory_bytes",
+        base + "idle_unload_s = -5\n": "engines[0].idle_unload_s",
+        "[activation]\nqueue_max = 0\n": "activation.queue_max",
+        "[activation]\nmemory_budget_bytes = 'lots'\n": "activation.memory_budget_bytes",
+        "[activation]\nqueue_wait = 3\n": "queue_wait",
+    }
+    for text, expected in cases.items():
+        path = tmp_path / "nvpair.toml"
+        path.write_text(text)
+        with pytest.raises(ConfigError) as caught:
+            load_settings(str(path))
+        message = str(caught.value)
+        assert expected in message and "\n" not in message, (text, message)
+    path = tmp_path / "nvpair.toml"
+    path.write_text(base + "managed = true\ncommand = ['x']\nactivation = 'on_demand'\n"
+                    "idle_unload_s = 60\npriority = 3\nmemory_bytes = 1000\n"
+                    "[activation]\nmemory_budget_bytes = 5000\nqueue_max = 2\n")
+    spec = load_settings(str(path)).engines[0]
+    assert (spec.activation, spec.idle_unload_s, spec.priority, spec.memory_bytes) == (
+        "on_demand", 60, 3, 1000)
