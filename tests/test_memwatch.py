@@ -7,18 +7,23 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import httpx2
+import msgspec
+import pytest
 import trio
 from tests.managed import FAST_PROBES, fast_manifest, free_port, sim_command, wait_state
 
 from nvpair import service
 from nvpair.config import load_settings
-from nvpair.memwatch import KILLED_FOR_MEMORY
+from nvpair.errors import ConfigError
+from nvpair.memwatch import KILLED_FOR_MEMORY, MemoryWatch
 from nvpair.snapshot import Board
+from nvpair.state import initial_state
 
 #: a window of 10.8 s read every 0.1 s; a leak of 20 MiB/s exhausts ~20 GB well within 1 h
 MEMORY = """
@@ -213,3 +218,82 @@ async def test_restart_when_quiet_restarts_a_leaking_engine_once_after_its_strea
             await trio.sleep(1)
             assert board.current.engine("leaky").restarts == 1  # type: ignore[union-attr]
             running.stop()
+
+
+def one_engine(tmp: Path, extra: str = "", engine: str = "managed = true\ncommand = ['x']"
+               ) -> Any:
+    manifest = fast_manifest(tmp, "vllm")
+    path = tmp / "one.toml"
+    path.write_text("listen = '127.0.0.1:0'\n" + MEMORY.format(extra=extra)
+                    + f"[[engines]]\nname = 'e'\nkind = '{manifest}'\nport = {free_port()}\n"
+                    + engine + "\n")
+    return load_settings(str(path))
+
+
+async def test_readings_move_no_listing_and_a_process_gone_is_the_engines_state(
+        tmp_path: Path) -> None:
+    settings = one_engine(tmp_path)
+    board = Board(tuple(initial_state(s) for s in settings.engines))
+    watch = MemoryWatch(settings.memory, board, settings.engines)
+    child = await trio.lowlevel.open_process(
+        [sys.executable, "-c", "import time; x = b'x' * (32 << 20); print('held', flush=True); "
+         "time.sleep(30)"], start_new_session=True, stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None
+        with trio.fail_after(10):
+            assert b"held" in await child.stdout.receive_some(100)
+        board.update("e", lambda e: msgspec.structs.replace(e, pid=child.pid, state="ready"))
+        listing = board.listing.version
+        with trio.fail_after(10):
+            for _ in range(3):
+                before = board.current.version
+                await watch.tick()
+                assert board.current.version == before + 1  # one publish per tick
+            m = board.current.engine("e").memory  # type: ignore[union-attr]
+            assert m is not None and m.source == "proc" and m.error is None
+            assert m.rss_anon_bytes >= 32 << 20 and m.top[0].pid == child.pid
+            assert board.current.memory is not None and board.current.memory.mem_available
+            assert board.listing.version == listing  # /v1/models is not rebuilt for memory
+            child.kill()
+            await child.wait()
+            await watch.tick()
+        m = board.current.engine("e").memory  # type: ignore[union-attr]
+        assert m is not None and m.error is not None and "gone" in m.error, m
+        assert watch.part.failure is None  # the watch itself works on
+    finally:
+        child.kill()
+        with trio.CancelScope(shield=True), trio.move_on_after(5):
+            await child.wait()
+
+
+async def test_an_adopted_engine_by_pid_file_and_one_by_a_missing_cgroup(tmp_path: Path) -> None:
+    pid_file = tmp_path / "engine.pid"
+    pid_file.write_text(str(os.getpid()))
+    by_file = one_engine(tmp_path, engine=f"pid_file = '{pid_file}'")
+    board = Board(tuple(initial_state(s) for s in by_file.engines))
+    watch = MemoryWatch(by_file.memory, board, by_file.engines)
+    with trio.fail_after(10):
+        await watch.tick()
+    m = board.current.engine("e").memory  # type: ignore[union-attr]
+    assert m is not None and m.top[0].pid == os.getpid() and m.error is None
+    by_cgroup = one_engine(tmp_path, engine="cgroup = '/no/such.scope'")
+    board = Board(tuple(initial_state(s) for s in by_cgroup.engines))
+    watch = MemoryWatch(by_cgroup.memory, board, by_cgroup.engines)
+    with trio.fail_after(10):
+        await watch.tick()
+    m = board.current.engine("e").memory  # type: ignore[union-attr]
+    assert m is not None and m.source == "cgroup" and "not found" in (m.error or ""), m
+
+
+def test_memory_config_errors_are_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    for text, match in (("[memory]\nwindow_h = 0.003\n", r"memory\.window_h: 0\.003 h "
+                         r"\(10\.8 s\) holds fewer than 8 readings of memory\.interval_s"),
+                        ("[memory]\naction = 'reboot'\n", r"memory\.action"),
+                        ("[memory]\nreserve_bytes = -1\n", r"memory\.reserve_bytes"),
+                        ("[memory]\nwindow = 1\n", r"memory\.window: unknown key")):
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match=match):
+            load_settings(str(bad))
+    with pytest.raises(ConfigError, match=r"pid_file: only for adopted engines"):
+        one_engine(tmp_path, engine="managed = true\ncommand = ['x']\npid_file = 'a.pid'")
