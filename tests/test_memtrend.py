@@ -269,3 +269,20 @@ def test_the_theil_sen_slope_never_exceeds_its_bound(ys: list[int], data: st.Dat
 @given(st.integers(2, 50), st.integers(-(10**12), 10**12))
 def test_the_slope_of_a_constant_series_is_zero(n: int, value: int) -> None:
     assert _theil_sen(list(range(n)), [value] * n)[0] == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 9, allow_nan=False), st.integers(0, 10**10)),
+                max_size=300))
+def test_the_kept_pair_slopes_are_those_of_the_window_as_floors_come_and_go(
+        samples: list[tuple[float, int]]) -> None:
+    d = TrendDetector(small)
+    t = 0.0
+    for step, value in samples:
+        t += step  # gaps of up to 9 s evict several 2-s buckets at once
+        d.add(t, value)
+        d.reading(t, None)
+        series = d._long
+        xs, ys = series.window(t)
+        assert series.pairs == _theil_sen(xs, ys)[1]
+        assert len(xs) <= series.buckets and xs == sorted(set(xs))
