@@ -26,11 +26,13 @@ def free_port() -> int:
 
 
 def sim_manifest(path: Path, *, load_s: float = 0.3, rank_extra: tuple[str, ...] = (),
-                 head_extra: tuple[str, ...] = ()) -> Path:
-    """An SGLang-like group manifest whose roles are ``nvpair sim sglang`` processes."""
+                 head_extra: tuple[str, ...] = (), on_loss: str = "hung") -> Path:
+    """An SGLang-like group manifest whose roles are ``nvpair sim sglang`` processes: as
+    SGLang's, the head hangs when a rank is lost (``on_loss``) and ranks ignore SIGTERM."""
     common = ["{model}", "--host", "{host}", "--port", "{port}", "--nnodes", "{nnodes}",
               "--node-rank", "{rank}", "--dist-init-addr", "{dist_addr}", "--no-control",
-              "--load-s", str(load_s), "--warmup-s", "0", "--on-worker-loss", "dead"]
+              "--load-s", str(load_s), "--warmup-s", "0", "--on-worker-loss", on_loss]
+    rank_extra = ("--ignore-sigterm", *rank_extra)
     base = json.loads((Path(__file__).resolve().parents[2] / "engines" / "sglang.json")
                       .read_text())
     base["kind"] = "sglang"

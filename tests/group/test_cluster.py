@@ -64,6 +64,11 @@ async def test_ready_after_the_last_rank_and_a_killed_rank_restarts_the_group(
             assert doc["epoch"] > epoch and doc["restarts"] == 1
             print(f"rank kill -9 -> down {seen_down * 1000:.0f} ms; old epoch gone "
                   f"{gone_after:.2f} s")
+            # the router sends to the head while the group is ready
+            r = await cluster.client.post(group.head.url + "/v1/chat/completions", json={
+                "model": "big-model", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2})
+            assert r.status_code == 200, r.text
             # the ranks' own view: the head's epoch and state
             rank_doc = await group.doc(group.nodes[1])
             assert rank_doc["role"] == "rank" and rank_doc["epoch"] == doc["epoch"]
@@ -74,3 +79,58 @@ async def test_ready_after_the_last_rank_and_a_killed_rank_restarts_the_group(
                 assert node.proc is not None
                 await node.proc.wait()
             assert group_processes() == {}
+
+
+async def test_a_rank_that_fails_at_start_backs_off_then_fails_with_history(
+        tmp_path: Path) -> None:
+    manifest = sim_manifest(tmp_path / "sim.json", rank_extra=("--fail-on-load", "3"))
+    async with open_cluster(tmp_path) as cluster:
+        group = Group(cluster, tmp_path, 2, manifest=manifest,
+                      group_extra="max_restarts = {count = 2, per_s = 3600}")
+        with trio.fail_after(60):
+            await cluster.start(*group.nodes)
+            doc = await group.wait(lambda d: d.get("state") == "failed", within=30,
+                                   what="the group failed")
+            assert doc["restarts"] == 2
+            reasons = [e["reason"] for e in doc["history"]]
+            assert len(reasons) == 3, doc["history"]
+            assert all(r and "rank 1 (n1) exited with code 3" in r for r in reasons), reasons
+            assert "2 restarts in the last 3600 s" in doc["error"]
+            ends = sorted(e["ended_at"] for e in doc["history"])
+            starts = sorted(e["started_at"] for e in doc["history"])
+            # the backoff: 0.5 s, then 1 s between an epoch's end and the next one's start
+            assert starts[1] - ends[0] >= 0.45 and starts[2] - ends[1] >= 0.95, doc["history"]
+            # failed is stopped: no process of the group runs, on any node
+            await gone(lambda: group_processes() != {}, 10)
+            # a start from a rank is passed on to the head: a new epoch forms
+            r = await cluster.client.post(group.nodes[1].url + "/v1/groups/g/start")
+            assert r.status_code == 202, r.text
+            assert r.json()["node"] == "n0"
+            doc = await group.wait(lambda d: d.get("state") != "failed", within=5,
+                                   what="the group started again")
+            assert doc["epoch"] > doc["history"][1]["epoch"]
+
+
+async def test_a_ranks_nvpair_killed_and_started_again_stops_its_stale_rank_and_rejoins(
+        tmp_path: Path) -> None:
+    manifest = sim_manifest(tmp_path / "sim.json")
+    async with open_cluster(tmp_path) as cluster:
+        group = Group(cluster, tmp_path, 3, manifest=manifest)
+        with trio.fail_after(90):
+            await cluster.start(*group.nodes)
+            doc = await group.wait(ready, within=30, what="the group ready")
+            epoch, stale = doc["epoch"], doc["ranks"][2]["pid"]
+            await cluster.stop(group.nodes[2], signal.SIGKILL)
+            assert stale in group_processes()  # its process outlives its nvpair
+            log = group.nodes[2]._log_file
+            assert log is not None
+            log.close()
+            await cluster.start(group.nodes[2])
+            await gone(lambda: stale in group_processes(), 10)
+            restarted_at = trio.current_time()
+            doc = await group.wait(lambda d: ready(d) and d["epoch"] > epoch, within=30,
+                                   what="a new epoch ready with the restarted node")
+            print(f"a rank's nvpair restarted -> the group ready again in "
+                  f"{trio.current_time() - restarted_at:.2f} s")
+            assert doc["ranks"][2]["pid"] != stale
+            assert set(group_processes().values()) == {doc["epoch"]}

@@ -321,7 +321,15 @@ class GroupRunner:
         if slot is not None and slot.alive:
             own = msgspec.structs.replace(own, pid=slot.pid)
         self.reports.set(own)
+        self._admit(h.state == "ready")
         return machine.wake_at(h, self.policy)
+
+    def _admit(self, admitting: bool) -> None:
+        """The router sends the head requests only while the whole group is ready."""
+        e = self.board.current.engine(self.spec.name)
+        if e is not None and e.admitting != admitting:
+            self.board.update(self.spec.name,
+                              lambda e: msgspec.structs.replace(e, admitting=admitting))
 
     def _head_values(self) -> dict[str, object]:
         host = self.peers.own_host() or self.spec.host
