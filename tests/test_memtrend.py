@@ -69,6 +69,13 @@ def test_the_leak_among_allocation_steps_is_still_flagged_8_hours_ahead() -> Non
     assert lead is not None and lead >= 8 * HOUR
 
 
+def test_a_diurnal_swing_is_growing_at_most_twice_a_day() -> None:
+    # its rising half-day is a steady rise, rightly; the hysteresis keeps it from flapping
+    r = run(CONFOUNDERS["diurnal"](240, DT, 0), DT)
+    assert 5 <= r.episodes[Trend.GROWING] <= 2 * 10
+    assert r.episodes[Trend.LEAKING] == r.episodes[Trend.CRITICAL] == 0
+
+
 def _feed(detector: TrendDetector, series: list[float], dt: float = DT,
           headroom: float | None = HEADROOM) -> list[tuple[float, TrendReading]]:
     out = []

@@ -72,7 +72,8 @@ class TrendSettings:
     parts: int = 3
     short_parts: int = 3
     #: a state is left only past its line times this (``leaking`` until the headroom lasts
-    #: 1.25 horizons, ``critical`` until it lasts 1.25 h): no flapping at the line
+    #: 1.25 horizons, ``critical`` until it lasts 1.25 h; a rise stays steady until its
+    #: slope, z or least part falls 1.25 times below the line): no flapping at the line
     hysteresis: float = 1.25
     #: the part of a window that must have floors before anything but ``flat`` is said
     min_coverage: float = 0.95
@@ -157,8 +158,27 @@ class _Floor:
 @dataclass(frozen=True)
 class _Fit:
     slope_per_bucket: float
-    significant: bool
-    why: str
+    #: Mann-Kendall z (0 when the pairs do not rise on balance)
+    z: float
+    #: the least rising part's slope over the window's (None: not computed, the fit failed
+    #: even the relaxed tests before it)
+    parts_ratio: float | None
+    #: the window has enough floors for the tests
+    enough: bool
+
+    def steady(self, min_slope: float, z_min: float, relax: float) -> tuple[bool, str]:
+        """Whether the rise passes every test, each line divided by ``relax`` (1: entering
+        a state; more: staying in it), and why not."""
+        slope = self.slope_per_bucket
+        if not self.enough:
+            return False, "too few floors"
+        if slope < min_slope / relax:
+            return False, "no rise" if slope <= 0 else "rise below the minimum slope"
+        if self.z <= z_min / relax:
+            return False, f"rise not steady (Mann-Kendall z {self.z:.1f})"
+        if self.parts_ratio is None or self.parts_ratio < 0.5 / relax:
+            return False, "a part of the window is not rising"
+        return True, "steady rise"
 
 
 def _theil_sen(xs: list[int], ys: list[int]) -> tuple[float, list[float]]:
@@ -178,31 +198,27 @@ def _median(values: list[float]) -> float:
 
 
 def _fit(xs: list[int], ys: list[int], min_slope_per_bucket: float, z_min: float,
-         parts: int, pairs: list[float] | None = None) -> _Fit:
-    """Theil-Sen slope, Mann-Kendall z, and each of ``parts`` consecutive parts of the
-    window rising by at least half the slope, over floors at bucket indices (``pairs``: the
-    sorted pairwise slopes, if already known)."""
+         parts: int, relax: float, pairs: list[float] | None = None) -> _Fit:
+    """Theil-Sen slope, Mann-Kendall z, and how much each of ``parts`` consecutive parts of
+    the window rises against the slope, over floors at bucket indices (``pairs``: the sorted
+    pairwise slopes, if already known). The parts are fitted only if the rest would pass
+    with every line divided by ``relax``."""
     n = len(xs)
     if pairs is None:
         slope, slopes = _theil_sen(xs, ys)
     else:
         slope, slopes = _median(pairs), pairs
-    if n < 2 * parts:
-        return _Fit(slope, False, "too few floors")
     # Mann-Kendall S: rising pairs minus falling pairs (xs rise, so a slope's sign is theirs)
     s = (len(slopes) - bisect.bisect_right(slopes, 0.0)) - bisect.bisect_left(slopes, 0.0)
-    var = n * (n - 1) * (2 * n + 5) / 18
+    var = n * (n - 1) * (2 * n + 5) / 18 if n > 1 else 1.0
     z = (s - 1) / math.sqrt(var) if s > 0 else 0.0
-    if slope < min_slope_per_bucket:
-        return _Fit(slope, False, "no rise" if slope <= 0 else "rise below the minimum slope")
-    if z <= z_min:
-        return _Fit(slope, False, f"rise not steady (Mann-Kendall z {z:.1f})")
-    for k in range(parts):
-        lo, hi = k * n // parts, (k + 1) * n // parts
-        part, _ = _theil_sen(xs[lo:hi], ys[lo:hi])
-        if part < slope / 2:
-            return _Fit(slope, False, f"part {k + 1} of {parts} of the window is not rising")
-    return _Fit(slope, True, "steady rise")
+    enough = n >= 2 * parts
+    ratio = None
+    if enough and slope > 0 and slope >= min_slope_per_bucket / relax and z > z_min / relax:
+        ratio = min(_theil_sen(xs[k * n // parts:(k + 1) * n // parts],
+                               ys[k * n // parts:(k + 1) * n // parts])[0]
+                    for k in range(parts)) / slope
+    return _Fit(slope, z, ratio, enough)
 
 
 def slope_bound(n: int, spread: float) -> float:
@@ -302,9 +318,15 @@ class _Series:
         xs, ys = self.window(t)
         if self._fit_version != self.version or self._fit is None:
             self._fit = _fit(xs, ys, self.min_slope_per_bucket, self.settings.z_min, self.parts,
-                             self.pairs)
+                             self.settings.hysteresis, self.pairs)
             self._fit_version = self.version
         return self._fit
+
+    def steady(self, fit: _Fit, held: bool) -> tuple[bool, str]:
+        """``fit``'s verdict: by the lines to enter a rising state, or (``held``: the
+        detector is in one) by the lines relaxed by the hysteresis, to stay in it."""
+        return fit.steady(self.min_slope_per_bucket, self.settings.z_min,
+                          self.settings.hysteresis if held else 1.0)
 
     def latest(self) -> int | None:
         if self.floors:
@@ -358,7 +380,8 @@ class TrendDetector:
                 >= headroom):
             fit = self._short.fit(t)
             per_s = fit.slope_per_bucket / s.short_bucket_s
-            if fit.significant and per_s > 0:
+            steady, _ = self._short.steady(fit, self._last is Trend.CRITICAL)
+            if steady and per_s > 0:
                 left = max(0.0, headroom / per_s)
                 if left <= critical_s:
                     return TrendReading(Trend.CRITICAL, per_s * 3600, left, floor,
@@ -372,8 +395,9 @@ class TrendDetector:
                                 "window not yet covered", s.window_s)
         fit = self._long.fit(t)
         per_h = fit.slope_per_bucket / s.bucket_s * 3600
-        if not fit.significant:
-            return TrendReading(Trend.FLAT, per_h, None, floor, covered, fit.why, s.window_s)
+        steady, why = self._long.steady(fit, self._last is not Trend.FLAT)
+        if not steady:
+            return TrendReading(Trend.FLAT, per_h, None, floor, covered, why, s.window_s)
         if headroom is None:
             return TrendReading(Trend.GROWING, per_h, None, floor, covered,
                                 "steady rise; no headroom known", s.window_s)
