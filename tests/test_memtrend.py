@@ -220,8 +220,10 @@ def test_describe_says_it_in_words() -> None:
 
 
 def test_settings_that_cannot_work_are_refused_in_one_line() -> None:
-    with pytest.raises(ValueError, match=r"window_s \(600\) must hold at least 4 buckets"):
+    with pytest.raises(ValueError, match=r"window_s \(600\) must hold at least 6 buckets"):
         TrendSettings(window_s=600, bucket_s=600)
+    with pytest.raises(ValueError, match=r"short_window_s \(10\) must hold at least 8 buckets"):
+        TrendSettings(short_window_s=10, short_bucket_s=2, short_parts=4)
     with pytest.raises(ValueError, match="bucket_s must be a positive number, got -1"):
         TrendSettings(bucket_s=-1)
     with pytest.raises(ValueError, match="window_s must be a positive number, got nan"):

@@ -9,14 +9,16 @@ Pure and I/O-free: the memory watch feeds it one sample at a time (``add``) and 
   a burst of requests raises a few samples; a leak raises the floor.
 * **A robust slope.** The Theil-Sen slope (the median of the slopes between every pair of
   floors) over the window (6 h), so a few odd buckets cannot tilt it.
-* **Monotonicity.** A Mann-Kendall test on the same pairs (z above ``z_min``), and both halves
-  of the window must rise by at least half the window's slope: a warm-up ramp that levels
-  off, or a step that stays, has a flat half.
+* **Monotonicity.** A Mann-Kendall test on the same pairs (z above ``z_min``), and each third
+  of the window (``parts``) must rise by at least half the window's slope: a warm-up ramp
+  that levels off, or a step that stays, has a flat third.
 * **Exhaustion.** With the headroom (bytes left above the reserve), the time until the slope
   uses it up. ``leaking``: that time is within the horizon (24 h); ``growing``: a significant
   rise that is not; ``critical``: a significant slope (over the window, or over the short
   window of finer floors for a fast leak) that exhausts the headroom within ``critical_s``
   (1 h). ``flat`` otherwise, and always until the window is covered (``min_coverage``).
+* **Hysteresis.** A state is left only once its line is crossed by 25 % (``hysteresis``),
+  so a reading near a line does not flap.
 
 The pairwise work (Theil-Sen and Mann-Kendall, O(n^2) for n floors) is done as floors come
 and go (the long window keeps its pairwise slopes sorted) or once per completed bucket, and
@@ -84,12 +86,15 @@ class TrendSettings:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"memory trend: {name} must be a positive number, got {value!r}")
-        if self.window_s < 4 * self.bucket_s:
-            raise ValueError(f"memory trend: window_s ({self.window_s:g}) must hold at least 4 "
-                             f"buckets of bucket_s ({self.bucket_s:g})")
-        if self.short_window_s < 4 * self.short_bucket_s:
-            raise ValueError(f"memory trend: short_window_s ({self.short_window_s:g}) must hold "
-                             f"at least 4 buckets of short_bucket_s ({self.short_bucket_s:g})")
+        for parts_name, parts in (("parts", self.parts), ("short_parts", self.short_parts)):
+            if parts < 1:
+                raise ValueError(f"memory trend: {parts_name} must be at least 1, got {parts}")
+        for window, bucket, parts in (("window_s", "bucket_s", self.parts),
+                                      ("short_window_s", "short_bucket_s", self.short_parts)):
+            w, b = getattr(self, window), getattr(self, bucket)
+            if round(w / b) < max(4, 2 * parts):  # two floors a part at least
+                raise ValueError(f"memory trend: {window} ({w:g}) must hold at least "
+                                 f"{max(4, 2 * parts)} buckets of {bucket} ({b:g})")
         if not 0 < self.floor_quantile < 1:
             raise ValueError("memory trend: floor_quantile must be between 0 and 1, "
                              f"got {self.floor_quantile!r}")
