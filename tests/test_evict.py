@@ -35,6 +35,15 @@ def test_it_fits_without_victims_or_says_why_not_in_words() -> None:
                               "engines on demand")
 
 
+def test_an_engine_starting_or_awaited_is_no_victim() -> None:
+    starting = Candidate("starting", footprint=6 * GB, last_used=0.0, evictable=False)
+    other = Candidate("other", footprint=2 * GB, last_used=9.0)
+    assert plan("new", 4 * GB, 10 * GB, [starting, other]).victims == ("other",)
+    stuck = plan("new", 6 * GB, 10 * GB, [starting, other])
+    assert stuck.reason == ("new needs 6.0 GB; 4.0 GB of the 10 GB budget can be made free "
+                            "(starting cannot be evicted now: starting or awaited)")
+
+
 def test_an_unknown_footprint_counts_as_the_whole_budget() -> None:
     a = Candidate("a", footprint=None)
     b = Candidate("b", footprint=1 * GB)
@@ -46,7 +55,8 @@ candidates = st.lists(
     st.builds(Candidate, name=st.text("abcdefgh", min_size=1, max_size=3),
               priority=st.integers(-2, 2),
               footprint=st.one_of(st.none(), st.integers(0, 20 * GB)),
-              last_used=st.floats(0, 100), in_flight=st.integers(0, 3)),
+              last_used=st.floats(0, 100), in_flight=st.integers(0, 3),
+              evictable=st.booleans()),
     max_size=8, unique_by=lambda c: c.name)
 
 
@@ -54,11 +64,12 @@ candidates = st.lists(
 def test_a_plan_fits_with_as_few_victims_as_the_order_allows(running, need, budget) -> None:
     decided = plan("new", need, budget, running)
     want = budget if need is None else need
+    size = {c.name: budget if c.footprint is None else c.footprint for c in running}
     if not decided.fits:
         assert decided.victims == () and decided.reason
-        assert want > budget
+        kept = sum(size[c.name] for c in running if not c.evictable)
+        assert want > budget or budget - kept < want  # even every victim would not do
         return
-    size = {c.name: budget if c.footprint is None else c.footprint for c in running}
     left = sum(size.values()) - sum(size[v] for v in decided.victims)
     assert budget - left >= want  # it fits after the victims go
     order = [c.name for c in victim_order(running)]

@@ -4,9 +4,10 @@ The rules (docs/on-demand.md): the engines on demand share a memory budget. An e
 footprint is what the memory watch measured, else its configured ``memory_bytes``; an
 engine whose footprint is unknown counts as the whole budget (nothing is planned on a
 guess). If the new engine does not fit, victims are taken among the running on-demand
-engines in this order: lowest ``priority`` first, then those with nothing in flight
-before busy ones, then the least recently used; as few as make it fit. When even all of
-them would not make room, the plan says why in words and evicts nothing.
+engines (not those starting, or with requests waiting for them) in this order: lowest
+``priority`` first, then those with nothing in flight before busy ones, then the least
+recently used; as few as make it fit. When even all of them would not make room, the
+plan says why in words and evicts nothing.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ class Candidate:
     footprint: int | None = None  # bytes; None: not known
     last_used: float = 0.0  # when a routed request last used it (or it became ready)
     in_flight: int = 0
+    #: False: it counts against the budget but is no victim (it is starting, or requests
+    #: wait for it)
+    evictable: bool = True
 
 
 @dataclass(frozen=True)
@@ -48,8 +52,10 @@ def gigabytes(n: int) -> str:
 
 
 def victim_order(running: Sequence[Candidate]) -> list[Candidate]:
-    """Lowest priority first, then idle before busy, then least recently used, then name."""
-    return sorted(running, key=lambda c: (c.priority, c.in_flight > 0, c.last_used, c.name))
+    """The evictable ones: lowest priority first, then idle before busy, then least
+    recently used, then by name."""
+    return sorted((c for c in running if c.evictable),
+                  key=lambda c: (c.priority, c.in_flight > 0, c.last_used, c.name))
 
 
 def plan(name: str, need: int | None, budget: int, running: Sequence[Candidate]) -> Plan:
@@ -71,7 +77,10 @@ def plan(name: str, need: int | None, budget: int, running: Sequence[Candidate])
             break
         victims.append(c.name)
         used -= size(c)
-    if budget - used < want:  # (only when the budget is under what is running: can't be)
+    if budget - used < want:  # what cannot be evicted (starting, awaited) leaves too little
+        kept = ", ".join(c.name for c in others if not c.evictable)
         return Plan(reason=f"{name} needs {gigabytes(want)}; {gigabytes(max(budget - used, 0))} "
-                           f"of the {gigabytes(budget)} budget can be made free")
+                           f"of the {gigabytes(budget)} budget can be made free"
+                           + (f" ({kept} cannot be evicted now: starting or awaited)"
+                              if kept else ""))
     return Plan(victims=tuple(victims))

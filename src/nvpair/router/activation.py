@@ -162,8 +162,9 @@ class Activator:
     # -- the relay's side -----------------------------------------------------------------
 
     def candidate(self, owners: Iterable[str]) -> str | None:
-        """The on-demand engine to start for a model these engines serve, if any: one
-        that is cold, or starting or draining for an activation already."""
+        """The on-demand engine to wait for, for a model these engines serve, if any: one
+        that is cold, being started for requests already, or draining (an eviction, an
+        idle unload: the request waits, and starts it again once it is cold)."""
         snap = self.board.current
         for name in owners:
             if name not in self.specs:
@@ -172,9 +173,16 @@ class Activator:
             if e is None:
                 continue
             queue = self.queues.get(name)
-            if e.state == "cold" or (queue is not None and queue.activating):
+            if (e.state == "cold" or (queue is not None and queue.activating)
+                    or (not e.admitting and e.state in LISTED_STATES)):
                 return name
         return None
+
+    def holds(self, name: str) -> bool:
+        """Requests still wait for engine ``name`` (ready now): a new one queues behind
+        them, so that they go in arrival order."""
+        queue = self.queues.get(name)
+        return queue is not None and (bool(queue.waiting) or queue.releasing)
 
     def used(self, name: str) -> None:
         """A routed request used engine ``name`` (probes never call this)."""
@@ -252,43 +260,61 @@ class Activator:
             queue.release_next()
 
     async def _bring_up(self, name: str) -> str | None:
-        """Make room, start the engine, wait until it is ready: None, or why it failed."""
+        """Make room, start the engine, wait until it is ready: None, or why it failed.
+        An engine that drains meanwhile (evicted, unloaded) is waited for, then started."""
         runner = self.runners[name]
-        spec = self.specs[name]
-        e = self.board.current.engine(name)
-        if e is not None and e.state == "cold":
-            failure = await self._make_room(name)
-            if failure is not None:
-                return failure
-            queued = len(self.queue(name).waiting)
-            result = runner.request("start")
-            if isinstance(result, Busy):
-                return result.reason
-            activity = f"started {name} for a request (queued {queued})"
-            self.board.update(name, lambda e: _replace(e, activity=activity))
-            log.info("%s", activity)
-        return await self._until_ready(name, spec)
+        started = False
+        while True:
+            e = self.board.current.engine(name)
+            if e is None:
+                return f"engine {name} is gone"
+            if e.state == "cold":
+                if started:  # it came back cold without being ready
+                    return self._failed(name, e)
+                failure = await self._make_room(name)
+                if failure is not None:
+                    return failure
+                queued = len(self.queue(name).waiting)
+                result = runner.request("start")
+                if isinstance(result, Busy):
+                    return result.reason
+                started = True
+                activity = f"started {name} for a request (queued {queued})"
+                self.board.update(name, partial(_replace, activity=activity))
+                log.info("%s", activity)
+            settled = await self._settled(name, just_started=started)
+            if settled == "ready":
+                return None
+            if settled == "stopped":
+                return f"engine {name} was stopped (nvpair stop); start it with nvpair start"
+            if settled == "down":
+                return self._failed(name, self.board.current.engine(name) or e)
+            # "cold": a drain ended; start it (again) for the requests waiting
 
-    async def _until_ready(self, name: str, spec: EngineSpec) -> str | None:
+    async def _settled(self, name: str, *, just_started: bool) -> str:
+        """Until the engine is ready and admitting, down, stopped or cold: which. Just
+        started, it is still cold until its runner takes the start: that cold is not it."""
         version = -1
-        seen_starting = False
+        left_cold = not just_started
         while True:
             snap = await self.board.wait_changed(version)
             version = snap.version
             e = snap.engine(name)
-            if e is None:
-                return f"engine {name} is gone"
+            if e is not None and e.state != "cold":
+                left_cold = True
+            if e is None or e.state in ("down", "stopped") or (e.state == "cold" and left_cold):
+                return "down" if e is None else e.state
             if e.state in LISTED_STATES and e.admitting:
-                return None
-            if e.state in ("starting", "unhealthy"):
-                seen_starting = True
-            if e.state == "down" or (e.state in ("stopped", "cold") and seen_starting):
-                runner = self.runners[name]
-                last = runner.log.tail(1).lines if runner.log is not None else []
-                said = f" (its last line: {last[-1]})" if last else ""
-                reason = (f"engine {name} failed to start: {e.error or e.state}{said}")
-                runner.unload()  # back to cold, not a restart loop: the next request tries
-                return reason
+                return "ready"
+
+    def _failed(self, name: str, e: EngineState) -> str:
+        """A start that failed, in words with the engine's last line; the engine goes back
+        to cold (not the restart loop): the next request tries again."""
+        runner = self.runners[name]
+        last = runner.log.tail(1).lines if runner.log is not None else []
+        said = f" (its last line: {last[-1]})" if last else ""
+        runner.unload()
+        return f"engine {name} failed to start: {e.error or e.state}{said}"
 
     async def _make_room(self, name: str) -> str | None:
         """Drain and stop victims until ``name`` fits the budget; None, or why it cannot."""
@@ -298,9 +324,11 @@ class Activator:
             e = snap.engine(other)
             if other == name or e is None or e.state in ("cold", "stopped"):
                 continue
+            queue = self.queues.get(other)
+            awaited = queue is not None and (queue.activating or bool(queue.waiting))
             running.append(Candidate(other, spec.priority, footprint(e, spec),
-                                     self.last_used.get(other, 0.0),
-                                     self._in_flight(other)))
+                                     self.last_used.get(other, 0.0), self._in_flight(other),
+                                     evictable=e.admitting and not awaited))
         need = footprint(snap.engine(name), self.specs[name])
         budget = self.budget(running)
         decided = plan(name, need, budget, running)
@@ -313,7 +341,7 @@ class Activator:
             size = "size not known" if c.footprint is None else gigabytes(c.footprint)
             activity = (f"evicted {victim} (idle {_duration(idle)}, {size}) to make room "
                         f"for {name}")
-            result = self.runners[victim].drain(then="stop", reason=f"making room for {name}")
+            result = self.runners[victim].drain(then="stop", reason=f"to make room for {name}")
             if isinstance(result, Busy):
                 return f"no room for {name}: {result.reason}"
             log.info("%s", activity)
