@@ -270,3 +270,59 @@ def test_the_config_is_strict_and_its_errors_are_one_line(tmp_path) -> None:
     spec = load_settings(str(path)).engines[0]
     assert (spec.activation, spec.idle_unload_s, spec.priority, spec.memory_bytes) == (
         "on_demand", 60, 3, 1000)
+
+
+async def test_a_model_hot_on_a_peer_goes_there_before_anything_starts_here(
+        nursery, tmp_path) -> None:
+    """Node a has a cold on-demand engine for m-b, node b serves m-b (ready): a request at
+    a goes to b, and a starts nothing; once b no longer serves it, a starts its own."""
+    from tests.router.script_engine import ScriptEngine, json_script
+    from tests.router.test_peer_routing import cluster_token, node_config, wait_routable
+
+    engine_b = ScriptEngine("m-b")
+    await nursery.start(engine_b.serve)
+    engine_b.script = lambda path, body: json_script({"answer": "from b"})
+    port_a, port_b = free_port(), free_port()
+    (tmp_path / "user-a").write_text("user-token-of-a")
+    for node in ("a", "b"):
+        (tmp_path / f"cluster-{node}").write_text(cluster_token(node))
+    manifest = fast_manifest(tmp_path)
+    command = json.dumps(sim_command("vllm"))
+    config_a = tmp_path / "a.toml"
+    config_a.write_text(
+        f"listen = '127.0.0.1:{port_a}'\nnode = 'a'\ntoken_file = '{tmp_path / 'user-a'}'\n"
+        f"log_dir = '{tmp_path / 'logs'}'\n"
+        f"[[engines]]\nname = 'cold-b'\nkind = '{manifest}'\nport = {free_port()}\n"
+        f"model = 'm-b'\nmanaged = true\nactivation = 'on_demand'\ncommand = {command}\n"
+        + FAST_PROBES +
+        f"[[peers]]\nurl = 'http://127.0.0.1:{port_b}'\nname = 'b'\n"
+        f"token_file = '{tmp_path / 'cluster-b'}'\n"
+        f"[cluster]\ninterval_s = 0.5\ntoken_file = '{tmp_path / 'cluster-a'}'\n")
+    with trio.fail_after(40):
+        a = await nursery.start(service.run, load_settings(str(config_a)))
+        scope = trio.CancelScope()
+
+        async def run_b() -> None:
+            with scope:
+                await service.run(load_settings(str(node_config(
+                    tmp_path, "b", port_b, engine_b, ("a", port_a)))))
+
+        nursery.start_soon(run_b)
+        assert a.peers is not None
+        await wait_routable(a.peers.table, "m-b")
+        user_a = {"authorization": "Bearer user-token-of-a"}
+        async with httpx2.AsyncClient(base_url=a.url, headers={**JSON, **user_a},
+                                      timeout=30) as client:
+            r = await client.post("/v1/chat/completions", content=payload("m-b"))
+            assert r.status_code == 200, r.text
+            assert r.headers["x-nvpair-node"] == "b" and r.json() == {"answer": "from b"}
+            assert a.runners["cold-b"].starts == 0
+            assert a.board.current.engine("cold-b").state == "cold"  # type: ignore[union-attr]
+            scope.cancel()  # b leaves: now a starts its own engine for m-b
+            version = -1
+            while a.peers.table.routes("m-b", trio.current_time()).ready:
+                version = await a.peers.table.wait_changed(version)
+            r = await client.post("/v1/chat/completions", content=payload("m-b"))
+            assert r.status_code == 200, r.text
+            assert r.headers["x-nvpair-engine"] == "cold-b" and "x-nvpair-node" not in r.headers
+            assert a.runners["cold-b"].starts == 1
