@@ -27,7 +27,17 @@ from typing import Any
 
 import msgspec
 
-from benchmarks import events, metrics, models, replay, report, scale, soak, throughput
+from benchmarks import (
+    events,
+    memwatch,
+    metrics,
+    models,
+    replay,
+    report,
+    scale,
+    soak,
+    throughput,
+)
 from benchmarks.config import FULL, QUICK, BenchConfig
 from benchmarks.procs import ROOT, machine
 from benchmarks.targets import evaluate
@@ -43,6 +53,7 @@ SCENARIOS: dict[str, Scenario] = {
     "soak": soak.run,
     "metrics": metrics.run,
     "events": events.run,
+    "memwatch": memwatch.run,
 }
 
 

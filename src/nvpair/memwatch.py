@@ -88,7 +88,7 @@ class Plan:
     pids: tuple[int, ...]
     port: int = 0
     path: str | None = None  # pid_file or cgroup
-    cgroup: str | None = None  # where oom_kill is counted
+    cgroup: str | None = None  # where oom_kill is counted (None: not looked up; "": none)
     lookup: bool = False  # look for its pid (a socket) this time
 
 
@@ -194,9 +194,9 @@ def _read_engine(plan: Plan, entries: list[memproc.ProcEntry] | None, proc: Path
             pids = tuple(sorted({leader, *members}))
         elif leader not in pids:
             pids = (leader,)
-        if cgroup is None or leader != plan.leader:
+        if cgroup is None or leader != plan.leader:  # looked up once per process ("": none)
             found_cg = memproc.cgroup_dir(leader, proc)
-            cgroup = None if found_cg is None else str(found_cg)
+            cgroup = "" if found_cg is None else str(found_cg)
     statuses = []
     gone: MemorySourceError | None = None
     for pid in pids:
@@ -206,7 +206,7 @@ def _read_engine(plan: Plan, entries: list[memproc.ProcEntry] | None, proc: Path
             if pid == leader or gone is None:
                 gone = exc
     oom_kill = cg_max = cg_current = None
-    if cgroup is not None:
+    if cgroup:
         try:
             cg = memproc.read_cgroup(Path(cgroup))
             oom_kill, cg_max, cg_current = cg.oom_kill, cg.max, cg.current
@@ -507,7 +507,7 @@ class MemoryWatch:
         if w is None:
             return None
         try:
-            if w.cgroup is not None and w.oom_kill is not None:
+            if w.cgroup and w.oom_kill is not None:
                 now_kills = memproc.read_cgroup(Path(w.cgroup)).oom_kill
                 if now_kills > w.oom_kill:
                     return f"{KILLED_FOR_MEMORY}: the cgroup's oom_kill count rose"
