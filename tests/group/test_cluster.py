@@ -134,3 +134,62 @@ async def test_a_ranks_nvpair_killed_and_started_again_stops_its_stale_rank_and_
                   f"{trio.current_time() - restarted_at:.2f} s")
             assert doc["ranks"][2]["pid"] != stale
             assert set(group_processes().values()) == {doc["epoch"]}
+
+
+async def test_a_frozen_rank_node_is_down_within_the_ttl_and_grace(tmp_path: Path) -> None:
+    manifest = sim_manifest(tmp_path / "sim.json")
+    async with open_cluster(tmp_path) as cluster:
+        group = Group(cluster, tmp_path, 3, manifest=manifest)
+        with trio.fail_after(90):
+            await cluster.start(*group.nodes)
+            doc = await group.wait(ready, within=30, what="the group ready")
+            epoch, rank_pid = doc["epoch"], doc["ranks"][2]["pid"]
+            frozen = group.nodes[2]
+            os.kill(frozen.pid, signal.SIGSTOP)  # the node: its nvpair and its rank
+            os.killpg(rank_pid, signal.SIGSTOP)
+            stopped_at = trio.current_time()
+            try:
+                doc = await group.wait(lambda d: d["state"] == "degraded", within=10,
+                                       what="the group degraded")
+                assert doc["ranks"][2]["state"] == "unknown"
+                doc = await group.wait(lambda d: d["epoch"] > epoch, within=10,
+                                       what="the group down")
+                took = trio.current_time() - stopped_at
+                ttl, grace = 3.0, 2.0  # interval_s = 1: ttl 3 x interval; rank_lost_grace_s
+                assert took < ttl + grace + 1.0, took
+                assert "rank 2 (n2) silent for more than 2 s" in doc["history"][-1]["reason"] \
+                    or any("silent" in (e["reason"] or "") for e in doc["history"])
+                print(f"node frozen -> down {took:.2f} s")
+            finally:
+                os.killpg(rank_pid, signal.SIGCONT)
+                os.kill(frozen.pid, signal.SIGCONT)
+            # thawed, it hears the new epoch, stops its old rank and rejoins
+            await gone(lambda: rank_pid in group_processes(), 10)
+            doc = await group.wait(lambda d: ready(d) and d["epoch"] > epoch, within=30,
+                                   what="a new epoch ready with the thawed node")
+
+
+async def test_ranks_fence_themselves_when_the_head_is_gone(tmp_path: Path) -> None:
+    manifest = sim_manifest(tmp_path / "sim.json")
+    async with open_cluster(tmp_path) as cluster:
+        group = Group(cluster, tmp_path, 3, manifest=manifest, group_extra="fence_after_s = 4")
+        with trio.fail_after(90):
+            await cluster.start(*group.nodes)
+            doc = await group.wait(ready, within=30, what="the group ready")
+            ranks = [r["pid"] for r in doc["ranks"][1:]]
+            head_pid = doc["ranks"][0]["pid"]
+            os.kill(group.head.pid, signal.SIGSTOP)  # the head's nvpair, not its engine
+            stopped_at = trio.current_time()
+            try:
+                await gone(lambda: any(p in group_processes() for p in ranks), 15)
+                took = trio.current_time() - stopped_at
+                assert 4.0 <= took < 4.0 + 3.0, took
+                print(f"head's nvpair frozen -> ranks fenced {took:.2f} s")
+                doc = await group.doc(group.nodes[1])
+                assert doc["ranks"][1]["state"] == "fenced", doc
+                assert "fenced itself" in doc["error"]
+                assert head_pid in group_processes()  # the head's engine: its nvpair's to stop
+            finally:
+                os.kill(group.head.pid, signal.SIGCONT)
+            doc = await group.wait(lambda d: ready(d) and d["epoch"] > doc["epoch"],
+                                   within=30, what="a new epoch ready after the head thawed")

@@ -153,6 +153,8 @@ class Status(msgspec.Struct, frozen=True):
     detail: tuple[tuple[int, float, int | None, str | None, int | None], ...] = ()
     error: str | None = None
     log_file: str | None = None
+    #: the head's own process: none, starting, ready, exited
+    head_proc: str = "none"
 
 
 class GroupRunner:
@@ -381,7 +383,9 @@ class GroupRunner:
         if slot is not None and slot.alive:
             state = "stopping" if slot.stopping else "ready" if slot.ready else "starting"
             return Report(name=name, rank=rank, epoch=slot.epoch, state=state, pid=slot.pid)
-        if slot is not None and slot.fenced:
+        # a fenced or exited process is news for its own epoch only: once the head has
+        # moved on, this rank is simply stopped (and may start the new epoch)
+        if slot is not None and slot.fenced and slot.epoch == epoch:
             return Report(name=name, rank=rank, epoch=epoch, state="fenced",
                           exit=slot.exit, exit_code=slot.exit_code)
         if slot is not None and not slot.stopping and slot.epoch == epoch:
@@ -540,6 +544,7 @@ class GroupRunner:
                       members=self.members, report=self.reports.items.get(self.spec.name),
                       detail=tuple(detail), error=self.error,
                       head_report=None if self.heard_head is None else self.heard_head.report,
+                      head_proc=self._proc().state if self.group.rank == 0 else "none",
                       log_file=None if self.log is None or self.log.path is None
                       else str(self.log.path))
 

@@ -78,10 +78,8 @@ def doc(s: Status, now: float, log_dir: str | None = None) -> dict[str, Any]:
     ranks = []
     for rank, state_age, pid, exit_words, code in s.detail:
         if rank == 0:
-            state = "ready" if h is not None and h.state in ("ready", "degraded") else (
-                "head")
-            if h is None:
-                state = "unknown"
+            state = "unknown" if h is None else {"none": "stopped", "exited": "down"}.get(
+                s.head_proc, s.head_proc)
         elif h is not None:
             member = next((m for m in s.members if m.rank == rank), None)
             state = member.state if member is not None else "unknown"
