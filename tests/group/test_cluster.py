@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,20 @@ async def test_ready_after_the_last_rank_and_a_killed_rank_restarts_the_group(
             # the ranks' own view: the head's epoch and state
             rank_doc = await group.doc(group.nodes[1])
             assert rank_doc["role"] == "rank" and rank_doc["epoch"] == doc["epoch"]
+            # nvpair groups, on a rank: the head's word and this rank's own process
+            out = await trio.run_process(
+                [sys.executable, "-m", "nvpair", "groups", "--url", group.nodes[2].url],
+                capture_stdout=True, capture_stderr=True, env={**os.environ, "NO_COLOR": "1"})
+            text = out.stdout.decode()
+            assert f"group g: ready, epoch {doc['epoch']}, 2/2 ranks ready" in text, text
+            assert "(this node: n2, rank 2)" in text and "n2" in text
+            out = await trio.run_process(
+                [sys.executable, "-m", "nvpair", "groups", "--url", group.nodes[1].url, "g",
+                 "restart"], capture_stdout=True, capture_stderr=True)
+            assert out.stdout.decode().strip() == "g: restart accepted by n0"
+            doc = await group.wait(lambda d: ready(d) and d["epoch"] > rank_doc["epoch"],
+                                   within=30, what="the restarted group ready")
+            assert doc["history"][1]["reason"] == "restart requested"
             # SIGTERM on every node: no process of the group survives
             for node in group.nodes:
                 cluster.send_signal(node, signal.SIGTERM)
