@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +22,10 @@ from tests.managed import FAST_PROBES, fast_manifest, free_port, sim_command, wa
 from nvpair import service
 from nvpair.config import load_settings
 from nvpair.errors import ConfigError
+from nvpair.events import Journal
+from nvpair.memstate import EngineMemory, NodeMemory
 from nvpair.memwatch import KILLED_FOR_MEMORY, MemoryWatch
+from nvpair.metrics import Metrics
 from nvpair.snapshot import Board
 from nvpair.state import initial_state
 
@@ -297,3 +301,47 @@ def test_memory_config_errors_are_one_line(tmp_path: Path) -> None:
             load_settings(str(bad))
     with pytest.raises(ConfigError, match=r"pid_file: only for adopted engines"):
         one_engine(tmp_path, engine="managed = true\ncommand = ['x']\npid_file = 'a.pid'")
+
+
+def memory_board(tmp: Path) -> Board:
+    settings = one_engine(tmp)
+    return Board(tuple(initial_state(s) for s in settings.engines))
+
+
+async def test_a_trend_change_is_an_event_and_a_reading_alone_is_not(tmp_path: Path) -> None:
+    board = memory_board(tmp_path)
+    journal = Journal(board, node="n")
+    now = trio.current_time()
+    board.publish_memory({"e": EngineMemory(source="proc", rss_anon_bytes=1, trend="flat")},
+                         NodeMemory(mem_available=5))
+    journal.refresh(now)
+    seq = journal.seq
+    board.publish_memory({"e": EngineMemory(source="proc", rss_anon_bytes=2, trend="flat")},
+                         NodeMemory(mem_available=6))
+    journal.refresh(now)
+    assert journal.seq == seq  # the readings move every tick: no event
+    board.publish_memory({"e": EngineMemory(source="proc", rss_anon_bytes=3,
+                                            trend="leaking")}, NodeMemory(mem_available=6))
+    journal.refresh(now)
+    assert journal.seq == seq + 1
+    assert json.loads(journal.ring[-1].data)["memory"]["trend"] == "leaking"
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
+async def test_the_memory_gauges_pass_promtool(tmp_path: Path) -> None:
+    board = memory_board(tmp_path)
+    board.publish_memory({"e": EngineMemory(source="proc", rss_anon_bytes=10 << 20,
+                                            swap_bytes=1 << 20, trend="critical",
+                                            slope_bytes_per_h=3.9e8)},
+                         NodeMemory(mem_available=8 << 30, reserve_bytes=2 << 30,
+                                    psi_some_avg10=0.5, trend="growing"))
+    body = Metrics(board, node="n").render(board.current, 0.0, 1e9)
+    text = body.decode()
+    assert 'nvpair_engine_memory_anon_bytes{engine="e"} 11534336\n' in text
+    assert 'nvpair_engine_memory_trend{engine="e"} 3\n' in text
+    assert "nvpair_node_memory_available_bytes 8589934592\n" in text
+    assert "nvpair_node_memory_trend 1\n" in text
+    with trio.fail_after(10):
+        r = await trio.run_process(["promtool", "check", "metrics"], stdin=body,
+                                   capture_stdout=True, capture_stderr=True, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
