@@ -165,6 +165,20 @@ async def test_history_view_says_version_uptime_and_series() -> None:
         assert doc["uptime_s"] >= 0
         assert doc["columns"] == ["age_s", "latency_ms", "latency_ms_max", "memory_bytes"]
         assert (await c.post("/v1/history")).status_code == 405
+        assert doc["routes"] == {"groups": False, "peers": False}
+
+
+async def test_history_says_which_optional_routes_exist_as_mounts_are_added() -> None:
+    board = Board(())
+    mounts: list[Mount] = []
+    view = HistoryView(History(board), "n1", mounts)
+    mounts.append(Mount(handler=view, paths=frozenset({"/v1/history"})))
+    api = Api(board, node="n1", mounts=mounts)
+    async with client(api) as c:
+        assert (await c.get("/v1/history")).json()["routes"]["groups"] is False
+        mounts.append(Mount(handler=view, paths=frozenset({"/v1/groups"}),
+                            prefix="/v1/groups/"))
+        assert (await c.get("/v1/history")).json()["routes"]["groups"] is True
 
 
 def test_the_files_are_small_and_use_no_other_origin_nor_html_insertion() -> None:

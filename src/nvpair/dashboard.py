@@ -19,6 +19,7 @@ uptime, and each engine's last hour of probe latency and memory (``nvpair.histor
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import parse_qs
 
@@ -26,7 +27,7 @@ import trio
 
 from nvpair import __version__
 from nvpair.api import local_host, split_authority
-from nvpair.asgi import Receive, Scope, Send, header, send_error, send_json
+from nvpair.asgi import Mount, Receive, Scope, Send, header, send_error, send_json
 from nvpair.history import History
 
 UI_DIR = Path(__file__).parent / "ui"
@@ -123,15 +124,24 @@ async def redirect(send: Send, location: str) -> None:
     await send({"type": "http.response.body", "body": b""})
 
 
+#: optional routes the page shows when this nvpair serves them (``routes`` of the history)
+OPTIONAL_ROUTES = {"groups": "/v1/groups", "peers": "/v1/peers"}
+
+
 class HistoryView:
     """``GET /v1/history[?engine=NAME]`` (behind the API's token): ``node``, ``version``,
-    ``uptime_s`` and the history's series (``nvpair.history.History.doc``)."""
+    ``uptime_s``, ``routes`` (which optional routes exist, so the page never asks for one
+    that does not) and the history's series (``nvpair.history.History.doc``).
+
+    ``mounts``: the API's mounts, read at each request (the list may grow after this is
+    made)."""
 
     path = "/v1/history"
 
-    def __init__(self, history: History, node: str) -> None:
+    def __init__(self, history: History, node: str, mounts: Sequence[Mount] = ()) -> None:
         self.history = history
         self.node = node
+        self.mounts = mounts
         self.started = trio.current_time()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -141,6 +151,9 @@ class HistoryView:
         query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
         engine = query.get("engine", [None])[0]
         now = trio.current_time()
+        routes = {name: any(m.matches(path) for m in self.mounts)
+                  for name, path in OPTIONAL_ROUTES.items()}
         doc = {"node": self.node, "version": __version__,
-               "uptime_s": round(now - self.started, 1), **self.history.doc(now, engine)}
+               "uptime_s": round(now - self.started, 1), "routes": routes,
+               **self.history.doc(now, engine)}
         await send_json(send, 200, doc)

@@ -25,6 +25,9 @@ async def test_demo_lists_models_and_stops_cleanly() -> None:
                         ids = {m["id"] for m in (await client.get("/v1/models")).json()["data"]}
                     await trio.sleep(0.1)  # an external process: nothing to wait on but it
                 engines = (await client.get("/v1/engines")).json()["engines"]
+                page = await client.get("/ui/")  # the dashboard whose URL the demo prints
+                assert page.status_code == 200
+                assert page.headers["content-type"].startswith("text/html")
             pids = [e["pid"] for e in engines]
             assert all(group_members(pid) for pid in pids)
             proc.send_signal(signal.SIGINT)
@@ -40,6 +43,7 @@ async def test_demo_lists_models_and_stops_cleanly() -> None:
     while chunk := await proc.stdout.receive_some(65536):
         out += chunk
     assert b"/v1/models" in out and b"no engine left running" in out
+    assert f"dashboard: http://127.0.0.1:{port}/ui/".encode() in out
 
 
 def test_demo_on_a_busy_port_is_one_line_and_exit_1() -> None:

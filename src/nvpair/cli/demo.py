@@ -51,6 +51,7 @@ def run_demo(listen: str) -> int:
             print(f"""nvpair demo: 4 simulated engines (SGLang, vLLM, llama.cpp, Ollama), each a
 child process managed by nvpair; they load for a couple of seconds.
 
+  dashboard: {url}/ui/  (open it in a browser)
   models:   curl {url}/v1/models
   engines:  curl {url}/v1/engines      (or: nvpair status --url {url})
   logs:     curl {url}/v1/engines/vllm/logs?tail=20

@@ -112,8 +112,11 @@ function setLink(kind, words) {
   link.textContent = words;
 }
 
-function notice(words) {
+function notice(words, source) {  // one line above the tables; cleared by its own source
   const box = $('notice');
+  source = source || 'read';
+  if (!words && box.dataset.source && box.dataset.source !== source) return;
+  box.dataset.source = words ? source : '';
   box.hidden = !words;
   box.textContent = words || '';
 }
@@ -234,12 +237,14 @@ function mergeEngine(content, fromSnapshot) {
 
 // -- reads of the API, coalesced: at most one in flight, one more queued ------------------
 
-function coalesced(fn) {
+function coalesced(fn, gapMs) {
+  // one read in flight; asked again meanwhile, one more after it, at least gapMs later
   let running = null, again = false;
   return function run() {
     if (running) { again = true; return running; }
     running = (async () => {
       try { await fn(); } catch (err) { if (!(err instanceof Unauthorized)) notice(String(err.message || err)); }
+      if (again && gapMs) await sleep(gapMs);
       running = null;
       if (again) { again = false; run(); }
     })();
@@ -261,7 +266,7 @@ const refreshEngines = coalesced(async () => {
   for (const name of [...view.engines.keys()]) if (!names.has(name)) view.engines.delete(name);
   notice(null);
   renderAll();
-});
+}, 500);
 
 const refreshModels = coalesced(async () => {
   renderModels((await getJSON('v1/models?scope=cluster')).data || []);
@@ -273,6 +278,7 @@ const refreshHistory = coalesced(async () => {
   view.version = doc.version;
   view.uptime = doc.uptime_s;
   view.uptimeAt = performance.now();
+  if (doc.routes && doc.routes.groups && !view.groups) { view.groups = true; refreshGroups(); }
   renderHeader();
   renderEngines();
   if (view.drawer) renderDrawer();
@@ -414,10 +420,10 @@ async function act(name, action) {
     if (!response.ok) {
       let why = `${action} ${name}: ${response.status}`;
       try { why = `${action} ${name}: ${(await response.json()).error.message}`; } catch (err) { /* not JSON */ }
-      notice(why);
-    } else notice(null);
+      notice(why, 'action');
+    } else notice(null, 'action');
   } catch (err) {
-    if (!(err instanceof Unauthorized)) notice(`${action} ${name}: ${err.message || err}`);
+    if (!(err instanceof Unauthorized)) notice(`${action} ${name}: ${err.message || err}`, 'action');
   }
 }
 
@@ -439,10 +445,15 @@ function line(points, x, y, cls) {
   return svg('polyline', { points: coords.join(' '), class: cls });
 }
 
+function spanOf(points) {  // the chart's width in seconds: the data's, from 5 min to an hour
+  const oldest = Math.max(0, ...(points || []).map((p) => p[0]));
+  return Math.min(3600, Math.max(300, Math.ceil(oldest / 300) * 300));
+}
+
 function spark(points, width, height) {
   const box = svg('svg', { class: 'spark', width, height, viewBox: `0 0 ${width} ${height}` });
   if (!points || !points.length) return box;
-  const span = 3600;
+  const span = spanOf(points);
   const lat = points.map((p) => [p[0], p[1]]);
   const top = Math.max(1, ...lat.filter((p) => p[1] !== null).map((p) => p[1]));
   const x = (age) => width - (Math.min(age, span) / span) * width;
@@ -450,13 +461,13 @@ function spark(points, width, height) {
   const path = line(lat, x, y, 'lat');
   if (path) box.append(path);
   box.append(svg('title', {}));
-  box.lastChild.textContent = `probe latency, last hour (max ${top} ms)`;
+  box.lastChild.textContent = `probe latency, last ${span / 60} min (up to ${top} ms)`;
   return box;
 }
 
 function chart(points, width, height) {
   const box = svg('svg', { class: 'chart', width, height, viewBox: `0 0 ${width} ${height}` });
-  const pad = 30, span = 3600;
+  const pad = 30, span = spanOf(points);
   const x = (age) => width - 4 - (Math.min(age, span) / span) * (width - pad - 4);
   box.append(svg('line', { x1: pad, y1: height - 14, x2: width - 4, y2: height - 14, class: 'axis' }));
   const label = (tx, ty, words, anchor) => {
@@ -464,7 +475,7 @@ function chart(points, width, height) {
     t.textContent = words;
     box.append(t);
   };
-  label(pad, height - 2, '-60 min');
+  label(pad, height - 2, `-${span / 60} min`);
   label(width - 4, height - 2, 'now', 'end');
   if (!points || !points.length) { label(width / 2, height / 2, 'no probe results yet', 'middle'); return box; }
   const lat = points.map((p) => [p[0], p[2] ?? p[1]]).filter((p) => p[1] !== null);
@@ -515,7 +526,7 @@ function renderDrawer() {
   for (const [name, p] of Object.entries((e && e.probes) || {})) {
     rows.push(el('tr', {},
       el('td', {}, name), el('td', {}, p.path || ''),
-      el('td', {}, p.ok === null || p.ok === undefined ? '–' : `${p.ok ? 'ok' : 'failed'} ${p.http_status ?? ''} · ${ago(p.age_s)} ago`),
+      el('td', { class: 'when' }, p.ok === null || p.ok === undefined ? '–' : `${p.ok ? 'ok' : 'failed'} ${p.http_status ?? ''} · ${ago(p.age_s)} ago`),
       el('td', { class: 'num' }, p.latency_ms ?? '–'), el('td', { class: 'num' }, p.latency_ms_mean ?? '–'),
       el('td', { class: 'num' }, p.latency_ms_max ?? '–'), el('td', { class: 'num' }, p.requests ?? 0),
       el('td', { class: 'num' }, p.failures ?? 0), el('td', { class: 'err' }, p.error || '')));
@@ -589,8 +600,9 @@ function renderGroups(doc) {
       el('div', { class: 'groups-grid' }, ...ranks.map((r, i) => el('div', { class: 'rank' },
         `rank ${r.rank ?? i}`, r.node ? ` · ${r.node}` : null, ' ',
         el('span', { class: stateClass(r.state) }, r.state ?? '?')))),
+      g.error ? el('p', { class: 'error' }, g.error) : null,
       history.length ? el('ol', { class: 'quiet' }, ...history.map((h) => el('li', {},
-        typeof h === 'string' ? h : [h.state, h.reason, h.epoch].filter((v) => v !== undefined).join(' · ')))) : null);
+        typeof h === 'string' ? h : `epoch ${h.epoch ?? '?'}${h.reason ? `: ${h.reason}` : ''}`))) : null);
   }));
 }
 
@@ -606,5 +618,9 @@ function tick() {  // ages move: only their text, so a button is never replaced 
 }
 
 setInterval(tick, 1000);
-setInterval(() => { refreshHistory(); refreshEngines(); }, 10000);  // counters and charts
+setInterval(() => {  // counters, charts and groups (groups send no events)
+  refreshHistory();
+  refreshEngines();
+  if (view.groups) refreshGroups();
+}, 10000);
 follow();
