@@ -73,6 +73,7 @@ async def test_eight_requests_for_a_cold_model_start_it_once_and_go_in_order(
                     await queued(running.board, "a", i + 1)
                 doc = (await client.get("/v1/engines/a")).json()
                 assert doc["queued"] == 8 and doc["state"] in ("starting", "cold"), doc
+                assert heads == []  # nothing on the wire while they wait (no invented head)
             assert running.runners["a"].starts == 1
             assert statuses == dict.fromkeys(range(8), 200)
             assert heads == list(range(8))
@@ -326,3 +327,43 @@ async def test_a_model_hot_on_a_peer_goes_there_before_anything_starts_here(
             assert r.status_code == 200, r.text
             assert r.headers["x-nvpair-engine"] == "cold-b" and "x-nvpair-node" not in r.headers
             assert a.runners["cold-b"].starts == 1
+
+
+async def test_idle_unload_in_virtual_time_and_probes_never_reset_the_timer(
+        nursery, autojump_clock) -> None:
+    """A real runner (a fake process through the spawn seam, a mock engine over
+    httpx2.MockTransport) under the autojump clock: used once, the engine is drained to
+    cold idle_unload_s later, though its health probe answered all along."""
+    from tests.fakes import FakeEngine, engine_spec, vllm_routes
+    from tests.test_process import FakeSpawn
+
+    from nvpair.config import ActivationConfig
+    from nvpair.lifecycle import EngineRunner
+    from nvpair.router.activation import Activator
+    from nvpair.snapshot import Board
+    from nvpair.state import initial_state
+    from nvpair.traffic import Traffic
+
+    spec = engine_spec("vllm", managed=True, port=free_port(), model="m",
+                       command=["srv", "--port", "{port}"], activation="on_demand",
+                       idle_unload_s=600)
+    board = Board((initial_state(spec),))
+    fake = FakeEngine(vllm_routes())
+    traffic = Traffic()
+    runner = EngineRunner(spec, board, None, None, traffic, transport=fake.transport(),
+                          spawn=FakeSpawn())
+    activator = Activator(board, [spec], {"e": runner}, traffic, ActivationConfig())
+    await nursery.start(runner.run)
+    await nursery.start(activator.run)
+    assert board.current.engine("e").state == "cold"  # type: ignore[union-attr]
+    ticket = await activator.admit("e")
+    ticket.leave()
+    activator.used("e")  # one routed request, now
+    used = trio.current_time()
+    cold = await wait_state(board, "e", "cold", within=2000)
+    idle = trio.current_time() - used
+    assert 600 <= idle <= 600 + 5 + 1, idle  # (idle engines are looked for every 5 s)
+    during = [t for t in fake.times["/health"] if used < t < used + 600]
+    assert len(during) >= 600 / 5 - 2  # every 5 s, and none counted as use
+    assert cold.activity is not None and cold.activity.startswith("drained (idle for 10 min)")
+    assert runner.starts == 1
