@@ -12,7 +12,10 @@ from typing import Any
 
 import httpx2
 import msgspec
+import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tests.managed import FAST_PROBES, fast_manifest, free_port, reading, sim_command, wait_state
 from tests.router.script_engine import JSON
 
@@ -242,8 +245,6 @@ async def test_an_idle_engine_unloads_after_idle_unload_s_and_probes_do_not_coun
 
 
 def test_the_config_is_strict_and_its_errors_are_one_line(tmp_path) -> None:
-    import pytest
-
     from nvpair.errors import ConfigError
 
     base = "[[engines]]\nname = 'a'\nkind = 'vllm'\nmodel = 'm'\n"
@@ -367,3 +368,74 @@ async def test_idle_unload_in_virtual_time_and_probes_never_reset_the_timer(
     assert len(during) >= 600 / 5 - 2  # every 5 s, and none counted as use
     assert cold.activity is not None and cold.activity.startswith("drained (idle for 10 min)")
     assert runner.starts == 1
+
+
+def test_the_footprint_is_the_memory_watch_reading_else_the_configured_one() -> None:
+    from types import SimpleNamespace
+
+    from tests.fakes import engine_spec
+
+    from nvpair.router.activation import footprint
+    from nvpair.state import initial_state
+
+    spec = engine_spec("vllm", managed=True, model="m", command=["srv"],
+                       activation="on_demand", memory_bytes=5 * GB)
+    e = initial_state(spec, now=0.0)
+    assert footprint(e, spec) == 5 * GB  # no reading: configured
+    assert footprint(None, spec) == 5 * GB
+    read = msgspec.structs.replace(e, memory=SimpleNamespace(rss_anon_bytes=3 * GB,
+                                                             swap_bytes=GB))
+    assert footprint(read, spec) == 4 * GB  # anonymous memory and swap
+    unread = msgspec.structs.replace(e, memory=SimpleNamespace(rss_anon_bytes=None,
+                                                               swap_bytes=None))
+    assert footprint(unread, spec) == 5 * GB
+    measured = engine_spec("vllm", managed=True, model="m", command=["srv"],
+                           activation="on_demand")
+    assert footprint(initial_state(measured, now=0.0), measured) is None  # not known
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=400))
+def test_meminfo_takes_any_text(tmp_path_factory, text) -> None:
+    from nvpair.router.activation import meminfo
+
+    path = tmp_path_factory.mktemp("meminfo") / "meminfo"
+    path.write_text(text)
+    values = meminfo(str(path))
+    assert all(isinstance(v, int) and v >= 0 for v in values.values())
+
+
+def test_meminfo_reads_kilobytes_as_bytes(tmp_path) -> None:
+    from nvpair.router.activation import meminfo
+
+    path = tmp_path / "meminfo"
+    path.write_text("MemTotal:       16384 kB\nMemAvailable:    8192 kB\nHugePages_Total: 0\n")
+    assert meminfo(str(path)) == {"MemTotal": 16384 * 1024, "MemAvailable": 8192 * 1024,
+                                  "HugePages_Total": 0}
+    assert meminfo(str(tmp_path / "none")) == {}
+
+
+# (as in tests/test_sse.py: httpx2's nested stream generators, left to the collector)
+@pytest.mark.filterwarnings("ignore:Async generator 'httpx2:ResourceWarning")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+async def test_the_queue_and_each_activation_are_events(nursery, tmp_path) -> None:
+    """GET /v1/events: the engine's events carry its queue (queued) and its activity."""
+    from tests.test_sse import stream
+
+    settings = on_demand(tmp_path, {"a": sim_command("vllm", "--load-s", "1")})
+    with trio.fail_after(40):
+        running = await nursery.start(service.run, settings)
+        async with httpx2.AsyncClient(headers=JSON, base_url=running.url, timeout=30) as client:
+            seen: list[dict[str, Any]] = []
+            async with stream(client, "/v1/events?types=engine") as events:
+                snapshot = await events.start()
+                assert snapshot.event == "snapshot"
+                async with trio.open_nursery() as n:
+                    n.start_soon(lambda: client.post("/v1/chat/completions",
+                                                     content=payload("model-a")))
+                    while not any(e["state"] == "ready" and e["queued"] == 0 for e in seen):
+                        event = await events.next()
+                        if event.event == "engine":
+                            seen.append(json.loads(event.data or "{}"))
+    assert any(e["queued"] == 1 for e in seen), seen
+    assert any(e["activity"] == "started a for a request (queued 1)" for e in seen), seen

@@ -134,8 +134,8 @@ def meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
             for line in f:
                 key, _, rest = line.partition(":")
                 parts = rest.split()
-                if parts and parts[0].isdigit():
-                    values[key] = int(parts[0]) * 1024
+                if parts and parts[0].isdigit():  # (kB: bytes; a count stays a count)
+                    values[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
     except OSError:
         pass
     return values
