@@ -309,6 +309,8 @@ class MemoryWatch:
                                   cgroup=w.cgroup))
             else:
                 ready = e is not None and e.state in ("ready", "stale")
+                if not ready:
+                    w.lookup = True  # its next time ready gets a look of its own
                 lookup = (w.leader is None and (rescan or (ready and w.lookup))) or (
                     w.leader is not None and w.memory.error is not None and rescan)
                 if lookup and not rescan:
