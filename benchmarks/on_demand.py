@@ -1,0 +1,181 @@
+"""Engines on demand: what the on-demand path adds (docs/on-demand.md).
+
+``python -m benchmarks.on_demand [--quick]``
+
+One ``nvpair serve`` manages two vLLM simulators: ``hot`` (``activation = "always"``, the
+router as it was) and ``od`` (``activation = "on_demand"``, loading for ``--load-s``):
+
+* **warm**: once ``od`` runs, rounds of sequential non-streaming requests go to each model
+  in turn (one keep-alive connection each); the headline is the p50 of ``od`` minus the
+  p50 of ``hot`` (target: within 1 ms);
+* **cold**: ``od`` is drained to ``cold``, then one streaming request for its model is
+  timed from the request to the first byte of the answer's body. Against it: the engine's
+  own start, the same simulator started alone and timed from spawn to its first 200 on
+  ``/health``, plus its warm time to first byte. The difference is what nvpair adds
+  (target: at most 100 ms). nvpair sees an engine ready by its ready probe, so the probe
+  interval bounds the overhead: the scenario sets it to 50 ms (the manifest's is 2 s).
+
+Writes ``benchmarks/results/on-demand.json`` (``on-demand-quick.json`` with ``--quick``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.procs import PY, ROOT, Procs, free_port, get_json, machine, request, start_nvpair
+
+LOAD_S = 2.0
+
+
+def sim_argv(port: int, model: str, load_s: float) -> list[str]:
+    return [PY, "-m", "nvpair.sim", "vllm", "--port", str(port), "--model", model,
+            "--load-s", str(load_s), "--warmup-s", "0", "--token-rate", "5000",
+            "--no-control", "--log-level", "WARNING"]
+
+
+def own_start(procs: Procs, load_s: float) -> float:
+    """The simulator alone: spawn to its first 200 on /health, in seconds."""
+    port = free_port()
+    started = time.monotonic()
+    proc = procs.start(f"alone-{port}", sim_argv(port, "m-alone", load_s))
+    try:
+        while True:
+            try:
+                if request("GET", f"http://127.0.0.1:{port}/health", timeout=1.0)[0] == 200:
+                    return time.monotonic() - started
+            except OSError:
+                pass
+            if not proc.alive():
+                raise RuntimeError(f"the simulator exited:\n{proc.tail()}")
+            time.sleep(0.005)
+    finally:
+        proc.stop()
+
+
+def first_byte(url: str, model: str) -> float:
+    """One streaming request: seconds from sending it to the first byte of the body."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    body = json.dumps({"model": model, "stream": True, "max_tokens": 4,
+                       "messages": [{"role": "user", "content": "hi"}]})
+    try:
+        started = time.monotonic()
+        conn.request("POST", "/v1/chat/completions", body=body,
+                     headers={"content-type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"{model}: {response.status} {response.read()[:200]!r}")
+        response.read1(1)
+        took = time.monotonic() - started
+        response.read()
+        return took
+    finally:
+        conn.close()
+
+
+def latencies(url: str, model: str, count: int) -> list[float]:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    body = json.dumps({"model": model, "max_tokens": 2,
+                       "messages": [{"role": "user", "content": "hi"}]})
+    out = []
+    try:
+        for _ in range(count):
+            started = time.monotonic()
+            conn.request("POST", "/v1/chat/completions", body=body,
+                         headers={"content-type": "application/json"})
+            response = conn.getresponse()
+            response.read()
+            if response.status != 200:
+                raise RuntimeError(f"{model}: {response.status}")
+            out.append(time.monotonic() - started)
+    finally:
+        conn.close()
+    return out
+
+
+def wait_state(url: str, name: str, state: str, within: float = 60.0) -> None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if get_json(f"{url}/v1/engines/{name}")["state"] == state:
+            return
+        time.sleep(0.02)
+    raise RuntimeError(f"engine {name} never became {state}")
+
+
+def run(quick: bool) -> dict[str, Any]:
+    rounds, per_round, colds = (3, 100, 2) if quick else (6, 300, 4)
+    fast_probes = ("[engines.probes.ready]\ninterval_s = 0.05\ntimeout_s = 0.05\n"
+                   "[engines.probes.health]\ninterval_s = 1\ntimeout_s = 1\n")
+    with tempfile.TemporaryDirectory(prefix="nvpair-bench-od-") as tmp, Procs(Path(tmp)) as procs:
+        alone = [own_start(procs, LOAD_S) for _ in range(colds)]
+        engines = ""
+        for name, activation, load in (("hot", "always", 0.0), ("od", "on_demand", LOAD_S)):
+            port = free_port()
+            engines += (f"[[engines]]\nname = '{name}'\nkind = 'vllm'\nport = {port}\n"
+                        f"model = 'm-{name}'\nmanaged = true\nactivation = '{activation}'\n"
+                        f"command = {json.dumps(sim_argv(port, f'm-{name}', load))}\n"
+                        + fast_probes)
+        _proc, url, _took = start_nvpair(procs, "nvpair", engines)
+        wait_state(url, "hot", "ready")
+        first_byte(url, "m-hot")
+        warm_od = []
+        cold = []
+        for _ in range(colds):
+            wait_state(url, "od", "cold")
+            cold.append(first_byte(url, "m-od"))
+            warm_od.append(first_byte(url, "m-od"))  # the engine's own first byte, warm
+            request("POST", f"{url}/v1/engines/od/drain")
+        wait_state(url, "od", "cold")
+        first_byte(url, "m-od")
+        hot: list[float] = []
+        od: list[float] = []
+        for _ in range(rounds):
+            hot += latencies(url, "m-hot", per_round)
+            od += latencies(url, "m-od", per_round)
+    own = statistics.median(alone) + statistics.median(warm_od)
+    overhead = statistics.median(cold) - own
+    p50_hot, p50_od = statistics.median(hot), statistics.median(od)
+    result = {
+        "machine": machine(),
+        "quick": quick,
+        "load_s": LOAD_S,
+        "warm": {"requests_each": len(hot), "p50_ms_always": round(p50_hot * 1000, 3),
+                 "p50_ms_on_demand": round(p50_od * 1000, 3),
+                 "added_p50_ms": round((p50_od - p50_hot) * 1000, 3)},
+        "cold": {"runs": colds, "first_byte_s": [round(x, 3) for x in cold],
+                 "engine_alone_start_s": [round(x, 3) for x in alone],
+                 "engine_warm_first_byte_ms": round(statistics.median(warm_od) * 1000, 2),
+                 "overhead_ms": round(overhead * 1000, 1)},
+    }
+    result["targets"] = {
+        "warm p50 within 1 ms of always": abs(p50_od - p50_hot) <= 0.001,
+        "cold overhead <= 100 ms": overhead <= 0.100,
+    }
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    result = run(args.quick)
+    out = ROOT / "benchmarks" / "results" / ("on-demand-quick.json" if args.quick
+                                               else "on-demand.json")
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: result[k] for k in ("warm", "cold", "targets")}, indent=1))
+    for target, met in result["targets"].items():
+        print(f"{target}: {'met' if met else 'NOT met'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
