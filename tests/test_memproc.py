@@ -219,3 +219,13 @@ def test_a_cgroup_directory(tmp_path: Path) -> None:
     m = memproc.read_cgroup(cg)
     assert (m.current, m.max, m.oom, m.oom_kill) == (123456, None, 1, 1)
     assert memproc.cgroup_procs(cg) == [os.getpid()]
+
+
+def test_a_unified_memory_gpu_is_detected_from_the_driver(tmp_path: Path) -> None:
+    gpu = tmp_path / "driver" / "nvidia" / "gpus" / "0000:01:00.0"
+    gpu.mkdir(parents=True)
+    (gpu / "information").write_text("Model: \t\t NVIDIA H100 80GB HBM3\nIRQ:  1\n")
+    assert not memproc.unified_memory(tmp_path)
+    (gpu / "information").write_text("Model: \t\t NVIDIA GB10\nIRQ:  1\n")
+    assert memproc.unified_memory(tmp_path)
+    assert not memproc.unified_memory(tmp_path / "none")

@@ -345,3 +345,21 @@ async def test_the_memory_gauges_pass_promtool(tmp_path: Path) -> None:
         r = await trio.run_process(["promtool", "check", "metrics"], stdin=body,
                                    capture_stdout=True, capture_stderr=True, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+async def test_a_rise_of_the_cgroups_oom_kill_explains_any_exit(tmp_path: Path) -> None:
+    settings = one_engine(tmp_path, extra="reserve_bytes = 0")
+    watch = MemoryWatch(settings.memory, memory_board(tmp_path), settings.engines)
+    cg = tmp_path / "cg"
+    cg.mkdir()
+    (cg / "memory.current").write_text("1000\n")
+    (cg / "memory.events").write_text("oom 0\noom_kill 0\n")
+    w = watch.engines["e"]
+    w.cgroup, w.oom_kill = str(cg), 0  # as the last tick read them
+    assert watch.explain_exit("e", -signal.SIGKILL) is None  # headroom to spare, no kill
+    assert watch.explain_exit("e", 1) is None
+    (cg / "memory.events").write_text("oom 1\noom_kill 1\n")
+    for code in (1, -signal.SIGKILL):
+        assert watch.explain_exit("e", code) == (
+            f"{KILLED_FOR_MEMORY}: the cgroup's oom_kill count rose")
+    assert watch.explain_exit("other", 1) is None
