@@ -11,6 +11,8 @@ NvpairError                      base of every error nvpair raises on purpose
  +-- OrphanStuck                 orphans: a process outlived SIGKILL (stuck in the kernel)
  +-- BadRequest                  router.relay: a body the router cannot route (the 400)
  +-- EngineGone                  router.relay: an engine's answer stopped (cut, silent)
+ +-- QueueFull                   router.activation: an on-demand engine's queue is full (429)
+ +-- Unavailable                 router.activation: a queued request cannot be served (503)
  +-- AdvertRejected              peers.advert: a body that is not an advert this node takes
  +-- Full                        events: max_streams event streams are open (the 503)
  +-- Unreachable                 peers.etcd: etcd did not answer

@@ -3,8 +3,8 @@
 Used by the relay (``nvpair.router.relay.Router``) when no engine and no peer can take a
 request for a model an on-demand engine serves (docs/on-demand.md):
 
-* ``Activator.admit`` puts the request in the engine's bounded queue (full: ``Full``, a
-  429) and makes sure the engine is started, exactly once however many requests arrive
+* ``Activator.admit`` puts the request in the engine's bounded queue (full: ``QueueFull``,
+  a 429) and makes sure the engine is started, exactly once however many requests arrive
   together (one activation task per engine). The request waits until the engine is ready
   (then requests go in arrival order: each waits for the one before it to get its answer's
   head, or ``DISPATCH_GAP_S``), for at most ``queue_wait_s`` (``Unavailable`` 503 with
@@ -34,6 +34,7 @@ import trio
 
 from nvpair.boundary import Part
 from nvpair.config import ActivationConfig, EngineSpec
+from nvpair.errors import NvpairError
 from nvpair.evict import Candidate, gigabytes, plan
 from nvpair.lifecycle import Busy, EngineRunner
 from nvpair.snapshot import LISTED_STATES, Board, EngineState
@@ -49,11 +50,11 @@ IDLE_CHECK_S = 5.0
 RETRY_AFTER_S = 5
 
 
-class Full(Exception):
+class QueueFull(NvpairError):
     """The engine's queue is full (429)."""
 
 
-class Unavailable(Exception):
+class Unavailable(NvpairError):
     """The request cannot be served now (503 with Retry-After); the message says why."""
 
 
@@ -204,12 +205,12 @@ class Activator:
         """Wait in engine ``name``'s queue until it is ready and it is this request's turn.
 
         Returns the ticket (call ``headed`` when the answer's head came, ``leave`` in a
-        ``finally``). Raises ``Full`` (429) or ``Unavailable`` (503: the wait was too long,
+        ``finally``). Raises ``QueueFull`` (429) or ``Unavailable`` (503: the wait was too long,
         the start failed, nothing could make room). Cancelled (the client left): the
         ticket leaves the queue at once."""
         queue = self.queue(name)
         if len(queue.waiting) >= self.config.queue_max:
-            raise Full(f"{len(queue.waiting)} requests are waiting for engine {name} to "
+            raise QueueFull(f"{len(queue.waiting)} requests are waiting for engine {name} to "
                        f"start (queue_max {self.config.queue_max})")
         ticket = Ticket(queue)
         queue.waiting.append(ticket)
@@ -225,7 +226,7 @@ class Activator:
         if waited.cancelled_caught:
             ticket.leave()
             raise Unavailable(f"engine {name} was not ready within queue_wait_s "
-                          f"({self.config.queue_wait_s:g} s)")
+                              f"({self.config.queue_wait_s:g} s)")
         if ticket.failure is not None:
             raise Unavailable(ticket.failure)
         return ticket
