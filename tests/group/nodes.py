@@ -46,6 +46,25 @@ def sim_manifest(path: Path, *, load_s: float = 0.3, rank_extra: tuple[str, ...]
     return path
 
 
+def rpc_manifest(path: Path, counts: Path, *, listen_after_s: float = 1.0) -> Path:
+    """A llama.cpp-RPC-like group manifest: ``rpc-server`` stand-ins on the ranks (ranks
+    first, watched by their listening socket), a head that connects to them, then serves."""
+    base = json.loads((Path(__file__).resolve().parents[2] / "engines" / "llamacpp.json")
+                      .read_text())
+    rpc = [*SIM[:2], "nvpair.sim.rpc"]
+    base["group"] = {"start_order": "ranks_first", "roles": {
+        "head": {"start": {"argv": [
+            *rpc, "head", "--rpc", "{rank_addrs}", "--", sys.executable, "-m", "nvpair.sim",
+            "llamacpp", "--model", "{model}", "--host", "{host}", "--port", "{port}",
+            "--no-control", "--load-s", "0.3"]}},
+        "rank": {"start": {"argv": [
+            *rpc, "serve", "-H", "{host}", "-p", "{dist_port}", "--listen-after-s",
+            str(listen_after_s), "--count-file", f"{counts}/rank{{rank}}.count"]},
+            "ready": "listen", "stop_grace_s": 2}}}
+    path.write_text(json.dumps(base))
+    return path
+
+
 class Group:
     """``count`` nodes n0..n{count-1} (n0 the head) of one group named ``g``."""
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from tests.group.nodes import Group, group_processes, sim_manifest
+from tests.group.nodes import Group, group_processes, rpc_manifest, sim_manifest
 from tests.peers.cluster import open_cluster
 
 
@@ -56,8 +56,7 @@ async def test_ready_after_the_last_rank_and_a_killed_rank_restarts_the_group(
             seen_down = trio.current_time() - killed_at
             assert seen_down < 1.0, seen_down
             old = next(e for e in doc["history"] if e["epoch"] == epoch)
-            assert old["reason"].startswith("rank 2 (n2) was killed by signal 9") or \
-                "rank 2 (n2)" in old["reason"], old
+            assert old["reason"] == "rank 2 (n2) was killed by SIGKILL", old
             # every process of the old epoch is gone within 6 s
             await gone(lambda: any(e == epoch for e in group_processes().values()), 6)
             gone_after = trio.current_time() - killed_at
@@ -208,3 +207,30 @@ async def test_ranks_fence_themselves_when_the_head_is_gone(tmp_path: Path) -> N
                 os.kill(group.head.pid, signal.SIGCONT)
             doc = await group.wait(lambda d: ready(d) and d["epoch"] > doc["epoch"],
                                    within=30, what="a new epoch ready after the head thawed")
+
+
+async def test_llamacpp_rpc_ranks_first_never_probed_and_the_head_restarts_alone(
+        tmp_path: Path) -> None:
+    counts = tmp_path / "counts"
+    counts.mkdir()
+    manifest = rpc_manifest(tmp_path / "rpc.json", counts)
+    async with open_cluster(tmp_path) as cluster:
+        group = Group(cluster, tmp_path, 3, manifest=manifest, group_extra='restart = "head"')
+        with trio.fail_after(60):
+            await cluster.start(*group.nodes)
+            doc = await group.wait(ready, within=30, what="the RPC group ready")
+            # the head started after both rpc-servers listened (else it exits 1: a restart)
+            assert doc["restarts"] == 0 and len(doc["history"]) == 1, doc
+            # each rpc-server was connected to once: by the head, never by a probe
+            assert [(counts / f"rank{r}.count").read_text() for r in (1, 2)] == ["1\n"] * 2
+            epoch = doc["epoch"]
+            rank_pids = [r["pid"] for r in doc["ranks"][1:]]
+            # the head dies (llama.cpp aborts): it restarts alone, its ranks stay up
+            os.kill(doc["ranks"][0]["pid"], signal.SIGKILL)
+            doc = await group.wait(lambda d: d["state"] == "restarting", within=5,
+                                   what="the head restarting")
+            assert doc["epoch"] == epoch
+            doc = await group.wait(ready, within=30, what="the RPC group ready again")
+            assert doc["epoch"] == epoch and doc["restarts"] == 1
+            assert [r["pid"] for r in doc["ranks"][1:]] == rank_pids
+            assert [(counts / f"rank{r}.count").read_text() for r in (1, 2)] == ["2\n"] * 2

@@ -212,6 +212,8 @@ def test_restart_head_keeps_the_ranks() -> None:
     assert report(h, Proc(), (), rpc, "g").run
     h = step(h, h.next_start_at, Proc(), members(1, "ready", "ready"), rpc)
     assert (h.state, h.epoch) == ("forming", 1)
+    assert [(r.epoch, r.reason) for r in h.history] == [
+        (1, "the head was killed by signal 6"), (1, None)]
     assert head_may_run(h, members(1, "ready", "ready"), rpc, running=False)
     # a rank lost while the head waits: the ranks' epoch is over too
     h2 = step(first_epoch(0, 0, 0.0), 1, Proc("ready", 1), members(1, "ready", "ready"), rpc)

@@ -28,7 +28,7 @@ import msgspec
 
 GroupState = Literal["forming", "ready", "degraded", "down", "restarting", "stopped", "failed"]
 #: a rank as the head sees it: ``unknown`` when its peer is not fresh or says nothing.
-RankState = Literal["starting", "ready", "down", "unknown", "fenced", "stopped"]
+RankState = Literal["starting", "ready", "stopping", "down", "unknown", "fenced", "stopped"]
 ProcState = Literal["none", "starting", "ready", "exited"]
 StartOrder = Literal["together", "head_first", "ranks_first"]
 #: states in which rank processes of the current epoch may run.
@@ -260,7 +260,7 @@ def step(h: Head, now: float, proc: Proc, members: tuple[Member, ...], policy: P
         if now >= h.next_start_at and (proc.state in ("none", "exited")):
             return msgspec.structs.replace(
                 h, state="forming", since=now, keep_ranks=False,
-                history=h.history if h.keep_ranks else _begin(h, now, h.epoch))
+                history=_begin(h, now, h.epoch))  # (the head alone: a new try, same epoch)
         return h
     return h  # stopped and not asked to stop: start() moves it
 

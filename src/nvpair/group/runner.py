@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -94,10 +95,21 @@ class Reports:
         return tuple(self.items[k] for k in sorted(self.items))
 
 
-def listening(port: int, proc_net: Path = Path("/proc/net")) -> bool:
-    """Whether a TCP socket listens on ``port`` on this machine (``/proc/net/tcp`` and
-    ``tcp6``, state 0A): an rpc-server is never connected to, it serves one client."""
+def _ipv4_hex(host: str) -> str | None:
+    """An IPv4 address as ``/proc/net/tcp`` writes it (little-endian hex), else None."""
+    try:
+        packed = socket.inet_aton(host)
+    except OSError:
+        return None
+    return packed[::-1].hex().upper()
+
+
+def listening(port: int, host: str = "0.0.0.0", proc_net: Path = Path("/proc/net")) -> bool:
+    """Whether a TCP socket listens on ``host:port`` on this machine (``/proc/net/tcp`` and
+    ``tcp6``, state 0A; any address for 0.0.0.0, ::, or a host name): an rpc-server is
+    never connected to, since it serves one client at a time."""
     want = f":{port:04X}"
+    exact = None if host in ("0.0.0.0", "::") else _ipv4_hex(host)
     for name in ("tcp", "tcp6"):
         try:
             text = (proc_net / name).read_text()
@@ -105,7 +117,10 @@ def listening(port: int, proc_net: Path = Path("/proc/net")) -> bool:
             continue
         for line in text.splitlines()[1:]:
             fields = line.split()
-            if len(fields) > 3 and fields[3] == "0A" and fields[1].endswith(want):
+            if len(fields) <= 3 or fields[3] != "0A" or not fields[1].endswith(want):
+                continue
+            address = fields[1].rsplit(":", 1)[0]
+            if exact is None or address in (exact, "00000000") or name == "tcp6":
                 return True
     return False
 
@@ -271,7 +286,10 @@ class GroupRunner:
                 return Proc()
             return Proc("exited", slot.epoch, slot.exit)
         e = self.board.current.engine(self.spec.name)
-        ready = (e is not None and e.state == "ready" and e.since >= slot.started_at)
+        # a probe answered since this process started (the engine may have stayed ready
+        # across a quick restart: its state's age says nothing of this process)
+        ready = (e is not None and e.state == "ready" and e.checked_at is not None
+                 and e.checked_at >= slot.started_at)
         return Proc("ready" if ready else "starting", slot.epoch)
 
     def _member_list(self, now: float) -> tuple[Member, ...]:
@@ -309,6 +327,11 @@ class GroupRunner:
             log.info("group %s: %s at epoch %d%s", self.spec.name, h.state, h.epoch,
                      f" ({h.reason})" if h.state in ("down", "failed") and h.reason else "")
         self.head = h
+        if h.state == "forming" and before.state != "forming" and (
+                self.slot is not None and self.slot.done):
+            # a new try (the head alone, restart = "head", keeps its epoch): the exit of
+            # the last one is history, not this try's
+            self.slot, self.started_epoch = None, None
         slot = self.slot
         running = slot is not None and slot.alive and not slot.stopping
         if running and slot is not None and (slot.epoch != h.epoch or not machine.head_may_run(
@@ -437,7 +460,8 @@ class GroupRunner:
         finally:
             if slot.handle is not None and slot.handle.returncode is not None:
                 slot.exit_code = slot.handle.returncode
-                slot.exit = describe_exit(slot.exit_code)
+                words = describe_exit(slot.exit_code)
+                slot.exit = f"was {words}" if words.startswith("killed") else words
             slot.done = True
             self._wake.bump()
 
@@ -450,7 +474,7 @@ class GroupRunner:
             return
         failures = 0
         while True:
-            ok = (listening(self.group.dist_port) if role.ready == "listen"
+            ok = (listening(self.group.dist_port, self.spec.host) if role.ready == "listen"
                   else await self._probe_rank())
             if ok != slot.ready and (ok or failures + 1 >= self._threshold()):
                 slot.ready = ok
