@@ -14,7 +14,15 @@ from hypothesis import strategies as st
 from nvpair import __version__
 from nvpair.api import Api
 from nvpair.asgi import Mount
-from nvpair.dashboard import CSP, UI_DIR, Dashboard, HistoryView, etag_matches, load
+from nvpair.dashboard import (
+    CSP,
+    UI_DIR,
+    Dashboard,
+    HistoryView,
+    etag_matches,
+    history_query,
+    load,
+)
 from nvpair.history import History
 from nvpair.snapshot import Board, EngineState
 
@@ -24,9 +32,11 @@ ORIGIN = "http://127.0.0.1:14322"
 def app(token: str | None = None, board: Board | None = None) -> Api:
     board = board or Board((EngineState(name="e", kind="vllm", url="http://127.0.0.1:1",
                                         managed=False),))
+    history = History(board)
+    history.observe(board.current, 0.0)  # as History.run does first
     mounts = [Mount(handler=Dashboard(token_set=token is not None), paths=Dashboard.paths,
                     prefix=Dashboard.prefix, own_auth=True),
-              Mount(handler=HistoryView(History(board), "n1"), paths=frozenset({"/v1/history"}))]
+              Mount(handler=HistoryView(history, "n1"), paths=frozenset({"/v1/history"}))]
     return Api(board, node="n1", token=token, mounts=mounts)
 
 
@@ -163,22 +173,40 @@ async def test_history_view_says_version_uptime_and_series() -> None:
         doc = (await c.get("/v1/history")).json()
         assert doc["node"] == "n1" and doc["version"] == __version__
         assert doc["uptime_s"] >= 0
-        assert doc["columns"] == ["age_s", "latency_ms", "latency_ms_max", "memory_bytes"]
+        assert doc["step_s"] == 10 and set(doc["engines"]) == {"e"}
+        assert doc["engines"]["e"] == {"first_age_s": 0.0, "latency_ms": [],
+                                       "latency_ms_max": [], "memory_bytes": []}
         assert (await c.post("/v1/history")).status_code == 405
         assert doc["routes"] == {"groups": False, "peers": False}
+        for query in ("points=0", "points=61", "engine=e&points=361", "points=x",
+                      "points=1&points=2",
+                      "engine=a&engine=b"):
+            r = await c.get(f"/v1/history?{query}")
+            assert r.status_code == 400, query
+            assert r.json()["error"]["message"].split(":")[0] in ("points", "engine")
+        assert (await c.get("/v1/history?points=60&engine=nope")).json()["engines"] == {}
 
 
-async def test_history_says_which_optional_routes_exist_as_mounts_are_added() -> None:
+@given(st.binary(max_size=80))
+def test_history_query_is_parameters_or_one_line_naming_one(raw: bytes) -> None:
+    try:
+        engine, points = history_query(raw)
+    except ValueError as exc:
+        assert "\n" not in str(exc) and str(exc).split(":")[0] in ("points", "engine")
+    else:
+        assert points is None or 1 <= points <= (360 if engine is not None else 60)
+        assert engine is None or isinstance(engine, str)
+
+
+async def test_history_says_which_optional_routes_exist_with_mounts_added_after_it() -> None:
     board = Board(())
     mounts: list[Mount] = []
     view = HistoryView(History(board), "n1", mounts)
     mounts.append(Mount(handler=view, paths=frozenset({"/v1/history"})))
-    api = Api(board, node="n1", mounts=mounts)
-    async with client(api) as c:
-        assert (await c.get("/v1/history")).json()["routes"]["groups"] is False
-        mounts.append(Mount(handler=view, paths=frozenset({"/v1/groups"}),
-                            prefix="/v1/groups/"))
-        assert (await c.get("/v1/history")).json()["routes"]["groups"] is True
+    mounts.append(Mount(handler=view, paths=frozenset({"/v1/groups"}), prefix="/v1/groups/"))
+    async with client(Api(board, node="n1", mounts=mounts)) as c:
+        assert (await c.get("/v1/history")).json()["routes"] == {"groups": True,
+                                                                 "peers": False}
 
 
 def test_the_files_are_small_and_use_no_other_origin_nor_html_insertion() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import sys
 from types import SimpleNamespace
 
 import msgspec
@@ -27,27 +28,61 @@ def probed(e: EngineState, probe: str, latency: float, at: float) -> EngineState
     return msgspec.structs.replace(e, probes=(*others, (probe, stats)))
 
 
+def wire(doc: dict) -> dict:
+    """What the API sends of it (NaN, no value, is null)."""
+    return msgspec.json.decode(msgspec.json.encode(doc))  # type: ignore[no-any-return]
+
+
+def result(board: Board, history: History, latency: float, at: float,
+           name: str = "e", probe: str = "health") -> None:
+    board.update(name, lambda e: probed(e, probe, latency, at))
+    history.observe(board.current, at)
+
+
 def test_results_in_one_bucket_give_its_mean_and_max_once_each() -> None:
     board = Board((engine(),))
     history = History(board, step_s=10)
     for at, latency in ((1.0, 2.0), (2.0, 4.0), (3.0, 9.0)):
-        board.update("e", lambda e, at=at, latency=latency: probed(e, "health", latency, at))
-        history.observe(board.current, at)
+        result(board, history, latency, at)
         history.observe(board.current, at + 0.5)  # the same result seen twice counts once
     history.observe(board.current, 12.0)  # the next bucket closes the first
-    (point,) = history.doc(12.0)["engines"]["e"]
-    assert point == [7.0, 5.0, 9.0, None]  # aged from the bucket's middle (5 s)
+    assert wire(history.doc(12.0))["engines"]["e"] == {
+        "first_age_s": 7.0,  # from the bucket's middle (5 s)
+        "latency_ms": [5.0], "latency_ms_max": [9.0], "memory_bytes": [None]}
 
 
 def test_other_probes_do_not_count_and_the_open_bucket_is_last() -> None:
     board = Board((engine(),))
     history = History(board, step_s=10)
-    board.update("e", lambda e: probed(e, "models", 500.0, 1.0))
-    history.observe(board.current, 1.0)
-    assert history.doc(1.0)["engines"]["e"] == []  # the model list is not charted
-    board.update("e", lambda e: probed(e, "ready", 3.0, 2.0))
-    history.observe(board.current, 2.0)
-    assert history.doc(2.0)["engines"]["e"] == [[0.0, 3.0, 3.0, None]]
+    result(board, history, 500.0, 1.0, probe="models")  # the model list is not charted
+    assert wire(history.doc(1.0))["engines"]["e"]["latency_ms"] == []
+    result(board, history, 3.0, 2.0, probe="ready")
+    result(board, history, 4.0, 15.0)
+    doc = wire(history.doc(16.0))["engines"]["e"]
+    assert doc["latency_ms"] == [3.0, 4.0] and doc["first_age_s"] == 11.0
+
+
+def test_buckets_without_results_are_gaps_and_each_next_point_is_one_step_later() -> None:
+    board = Board((engine(),))
+    history = History(board, step_s=10)
+    result(board, history, 1.0, 5.0)   # bucket 0
+    result(board, history, 2.0, 35.0)  # bucket 3: 1 and 2 had nothing
+    result(board, history, 3.0, 45.0)  # bucket 4 (open)
+    doc = wire(history.doc(45.0))["engines"]["e"]
+    assert doc["latency_ms"] == [1.0, None, None, 2.0, 3.0]
+    assert doc["first_age_s"] == 40.0
+    assert wire(history.doc(45.0, last=2))["engines"]["e"]["latency_ms"] == [2.0, 3.0]
+    history.observe(board.current, 75.0)  # a new bucket with nothing yet: 4 closes
+    doc = wire(history.doc(75.0, last=3))["engines"]["e"]
+    assert doc["latency_ms"] == [None, 2.0, 3.0] and doc["first_age_s"] == 50.0
+    result(board, history, 4.0, 101.0)  # bucket 10, open, five empty ones before it
+    assert wire(history.doc(101.0))["engines"]["e"]["latency_ms"] == [
+        1.0, None, None, 2.0, 3.0, None, None, None, None, None, 4.0]
+    doc = wire(history.doc(101.0, last=3))["engines"]["e"]
+    assert doc["latency_ms"] == [None, None, 4.0] and doc["first_age_s"] == 16.0
+    doc = wire(history.doc(101.0, last=7))["engines"]["e"]
+    assert doc["latency_ms"] == [3.0, None, None, None, None, None, 4.0]
+    assert doc["first_age_s"] == 56.0
 
 
 def test_each_engine_keeps_at_most_its_points() -> None:
@@ -57,9 +92,21 @@ def test_each_engine_keeps_at_most_its_points() -> None:
         for name in ("a", "b"):
             board.update(name, lambda e, t=t: probed(e, "health", float(t), float(t)))
         history.observe(board.current, float(t))
-    doc = history.doc(100.0)["engines"]
-    assert len(doc["a"]) == 6 and len(doc["b"]) == 6  # 5 kept and the open one
-    assert [p[1] for p in doc["a"]] == [94.0, 95.0, 96.0, 97.0, 98.0, 99.0]
+    doc = wire(history.doc(99.5))["engines"]
+    assert doc["a"]["latency_ms"] == [95.0, 96.0, 97.0, 98.0, 99.0]  # the open one last
+    assert doc["b"]["latency_ms"] == doc["a"]["latency_ms"]
+    assert len(history.engines["a"].mean) == 5
+
+
+def test_an_hour_of_points_stays_small() -> None:
+    board = Board((engine(),))
+    history = History(board)
+    for t in range(0, 7200, 2):
+        result(board, history, 2.5, float(t))
+    series = history.engines["e"]
+    assert len(series.mean) == 360
+    size = sum(sys.getsizeof(c) for c in (series.mean, series.max, series.memory))
+    assert size < 12_000, size
 
 
 def test_memory_is_anonymous_plus_swap_where_reported() -> None:
@@ -80,13 +127,12 @@ def test_memory_from_the_memory_watch_and_engines_gone_are_dropped() -> None:
     board.update("a", lambda e: msgspec.structs.replace(
         e, memory=SimpleNamespace(rss_anon_bytes=100, swap_bytes=20)))
     history.observe(board.current, 1.0)
-    assert history.doc(1.0)["engines"]["a"] == [[0.0, None, None, 120]]
-    assert history.doc(1.0, engine="b") == {
-        "step_s": 10, "columns": ["age_s", "latency_ms", "latency_ms_max", "memory_bytes"],
-        "engines": {"b": []}}
+    assert wire(history.doc(1.0))["engines"]["a"]["memory_bytes"] == [120]
+    assert wire(history.doc(1.0, engine="b")) == {"step_s": 10, "engines": {"b": {
+        "first_age_s": 0.0, "latency_ms": [], "latency_ms_max": [], "memory_bytes": []}}}
     board.publish((board.current.engines[0],))
     history.observe(board.current, 2.0)
-    assert set(history.doc(2.0)["engines"]) == {"a"}
+    assert set(wire(history.doc(2.0))["engines"]) == {"a"}
 
 
 async def test_run_observes_changes_at_most_once_a_second(autojump_clock) -> None:

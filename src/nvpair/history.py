@@ -4,14 +4,16 @@
 newer than the last one seen goes into the engine's current bucket of ``step_s`` seconds
 (its mean and its maximum), and so does the engine's memory where the memory watch gives
 one. A bucket that ends becomes a point; an engine keeps at most ``points`` of them (an
-hour at the defaults: 360 points of 10 s), so the memory is bounded by the number of
-engines. ``History.run`` observes the board at most once a second, only when it changed:
-it never waits on an engine, and a probe result is never delayed by it.
+hour at the defaults: 360 points of 10 s) in three arrays of doubles, about 9 KB an
+engine whatever runs for how long. ``History.run`` observes the board at most once a
+second, only when it changed: it never waits on an engine, and a probe result is never
+delayed by it.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import math
+from array import array
 from typing import Any
 
 import trio
@@ -20,6 +22,7 @@ from nvpair.snapshot import Board, EngineState, Snapshot
 
 #: the probes whose latency is charted: what nvpair's own liveness probes cost the engine
 CHARTED = ("ready", "health")
+NAN = math.nan
 
 
 def memory_bytes(engine: EngineState) -> int | None:
@@ -41,34 +44,65 @@ def memory_bytes(engine: EngineState) -> int | None:
 
 
 class Series:
-    """One engine's points: ``(bucket start, latency mean, latency max, memory)``."""
+    """One engine's closed buckets, oldest first, one slot per bucket (NaN: no value),
+    from bucket number ``first``; and the open bucket's sums."""
 
     def __init__(self, points: int) -> None:
-        self.points: deque[tuple[float, float | None, float | None, int | None]] = deque(
-            maxlen=points)
+        self.size = points
+        self.first = 0  # the bucket number of the oldest slot
+        self.mean = array("d")
+        self.max = array("d")
+        self.memory = array("d")
         self.seen: dict[str, float] = {}  # probe -> the ``at`` of the last result taken
-        self.bucket: float | None = None  # start of the open bucket
+        self.bucket: int | None = None  # the open bucket's number
         self.total = 0.0
         self.count = 0
-        self.max: float | None = None
-        self.memory: int | None = None
+        self.peak = NAN
+        self.mem = NAN
 
-    def close(self) -> None:
-        if self.bucket is not None and (self.count or self.memory is not None):
-            mean = round(self.total / self.count, 2) if self.count else None
-            self.points.append((self.bucket, mean, self.max, self.memory))
-        self.total, self.count, self.max, self.memory = 0.0, 0, None, None
+    def open_values(self) -> tuple[float, float, float]:
+        """The open bucket's mean and max latency (rounded to 0.01 ms) and memory."""
+        return (round(self.total / self.count, 2) if self.count else NAN,
+                round(self.peak, 2), self.mem)
 
-    def doc(self, now: float, step_s: float) -> list[list[float | int | None]]:
-        """The points as ``[age_s, mean, max, memory]``, each aged from its bucket's middle
-        (the open bucket's from now: it is still filling)."""
-        rows = [[round(max(0.0, now - t - step_s / 2), 1), mean, peak, mem]
-                for t, mean, peak, mem in self.points]
-        if self.bucket is not None and (self.count or self.memory is not None):
-            rows.append([0.0,
-                         round(self.total / self.count, 2) if self.count else None,
-                         self.max, self.memory])
-        return rows
+    def roll(self, bucket: int) -> None:
+        """Close the open bucket (if it holds anything) and open ``bucket``."""
+        if self.bucket is not None and (self.count or not math.isnan(self.mem)):
+            if not self.mean:
+                self.first = self.bucket
+            gap = min(self.bucket - (self.first + len(self.mean)), self.size)
+            for column, value in zip((self.mean, self.max, self.memory), self.open_values(),
+                                     strict=True):
+                if gap > 0:
+                    column.extend([NAN] * gap)
+                column.append(value)
+            if (extra := len(self.mean) - self.size) > 0:
+                for column in (self.mean, self.max, self.memory):
+                    del column[:extra]
+            self.first = self.bucket + 1 - len(self.mean)
+        self.bucket = bucket
+        self.total, self.count, self.peak, self.mem = 0.0, 0, NAN, NAN
+
+    def doc(self, now: float, step_s: float, last: int) -> dict[str, Any]:
+        """The last ``last`` buckets up to the newest (the open one, when it holds
+        anything), as columns (null: no value), the first ``first_age_s`` old."""
+        has_open = self.bucket is not None and (self.count or not math.isnan(self.mem))
+        if not has_open and not self.mean:
+            return {"first_age_s": 0.0, "latency_ms": [], "latency_ms_max": [],
+                    "memory_bytes": []}
+        end = self.first + len(self.mean)  # one past the newest closed bucket
+        newest = self.bucket if has_open and self.bucket is not None else end - 1
+        start = max(self.first, newest - last + 1) if self.mean else newest
+        skip = max(0, start - self.first)
+        # NaN is encoded as null: no per-value work here (at K = 1,024, 60 points each: ~10 ms)
+        mean, peak, memory = (c[skip:].tolist() for c in (self.mean, self.max, self.memory))
+        if has_open:
+            gap = self.bucket - max(end, start) if self.bucket is not None else 0
+            for column, value in zip((mean, peak, memory), self.open_values(), strict=True):
+                column.extend([NAN] * max(0, gap))
+                column.append(value)
+        return {"first_age_s": round(max(0.0, now - (start + 0.5) * step_s), 1),
+                "latency_ms": mean, "latency_ms_max": peak, "memory_bytes": memory}
 
 
 class History:
@@ -82,7 +116,7 @@ class History:
 
     def observe(self, snap: Snapshot, now: float) -> None:
         """Take what is new in ``snap`` (sync; engines no longer on the board are dropped)."""
-        bucket = now - now % self.step_s
+        bucket = int(now // self.step_s)
         names = set()
         for engine in snap.engines:
             names.add(engine.name)
@@ -90,8 +124,7 @@ class History:
             if series is None:
                 series = self.engines[engine.name] = Series(self.points)
             if series.bucket != bucket:
-                series.close()
-                series.bucket = bucket
+                series.roll(bucket)
             for name, probe in engine.probes:
                 if (name not in CHARTED or probe.at is None or probe.latency_ms is None
                         or series.seen.get(name) == probe.at):
@@ -99,21 +132,23 @@ class History:
                 series.seen[name] = probe.at
                 series.total += probe.latency_ms
                 series.count += 1
-                latency = round(probe.latency_ms, 2)
-                series.max = latency if series.max is None else max(series.max, latency)
+                if not probe.latency_ms <= series.peak:  # (NaN: the first)
+                    series.peak = probe.latency_ms
             memory = memory_bytes(engine)
             if memory is not None:
-                series.memory = memory
+                series.mem = float(memory)
         for gone in self.engines.keys() - names:
             del self.engines[gone]
 
-    def doc(self, now: float, engine: str | None = None) -> dict[str, Any]:
-        """``GET /v1/history``: per engine, ``points`` as ``[age_s, latency_ms mean,
-        latency_ms max, memory_bytes]``, oldest first, the open bucket last."""
+    def doc(self, now: float, engine: str | None = None,
+            last: int | None = None) -> dict[str, Any]:
+        """``GET /v1/history``: per engine, the last ``last`` buckets (all by default) up
+        to the newest, the one still filling included, as columns, oldest first, the
+        first ``first_age_s`` old (from its bucket's middle), each next ``step_s`` later."""
+        last = self.points if last is None else max(1, min(last, self.points))
         return {
             "step_s": self.step_s,
-            "columns": ["age_s", "latency_ms", "latency_ms_max", "memory_bytes"],
-            "engines": {name: series.doc(now, self.step_s)
+            "engines": {name: series.doc(now, self.step_s, last)
                         for name, series in self.engines.items()
                         if engine is None or name == engine},
         }

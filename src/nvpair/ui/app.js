@@ -20,6 +20,7 @@ const view = {
   node: null, nodeMemory: null, version: null, uptime: null, uptimeAt: 0,
   confirm: null,        // {engine, action} waiting for a yes
   drawer: null,         // the engine whose drawer is open
+  drawerHistory: null,  // its last hour (GET /v1/history?engine=)
   logAbort: null,
   groups: false,
   lastId: null, retryMs: 2000,
@@ -203,7 +204,7 @@ function handle(type, doc, id) {
     remember(type, doc, id);
     if (doc.removed) view.engines.delete(doc.name);
     else mergeEngine(doc, false);
-    renderEngines();
+    renderEngines(doc.name);
     if (view.drawer === doc.name) renderDrawerEvents();
     refreshEngines();
   } else if (type === 'peer') {
@@ -272,16 +273,37 @@ const refreshModels = coalesced(async () => {
   renderModels((await getJSON('v1/models?scope=cluster')).data || []);
 });
 
-const refreshHistory = coalesced(async () => {
-  const doc = await getJSON('v1/history');
-  view.history = doc.engines || {};
+function toPoints(series, step) {  // columns -> [age_s, latency_ms, latency_ms_max, memory_bytes]
+  const out = [];
+  for (let i = 0; i < series.latency_ms.length; i += 1) {
+    out.push([Math.max(0, series.first_age_s - i * step), series.latency_ms[i],
+      series.latency_ms_max[i], series.memory_bytes[i]]);
+  }
+  return out;
+}
+
+const refreshHistory = coalesced(async () => {  // the last 10 minutes of every engine
+  const doc = await getJSON('v1/history?points=60');
+  view.history = {};
+  for (const [name, series] of Object.entries(doc.engines || {})) {
+    view.history[name] = toPoints(series, doc.step_s);
+  }
   view.version = doc.version;
   view.uptime = doc.uptime_s;
   view.uptimeAt = performance.now();
   if (doc.routes && doc.routes.groups && !view.groups) { view.groups = true; refreshGroups(); }
   renderHeader();
   renderEngines();
-  if (view.drawer) renderDrawer();
+  if (view.drawer) refreshDrawerHistory();
+});
+
+const refreshDrawerHistory = coalesced(async () => {  // the drawer's engine: the last hour
+  const name = view.drawer;
+  if (!name) return;
+  const doc = await getJSON(`v1/history?engine=${encodeURIComponent(name)}`);
+  const series = (doc.engines || {})[name];
+  view.drawerHistory = series ? toPoints(series, doc.step_s) : [];
+  if (view.drawer === name) renderDrawer();
 });
 
 const refreshGroups = coalesced(async () => {
@@ -342,7 +364,9 @@ function probesPerHour(e) {
   return hours > 0 ? Math.round(total / hours) : null;
 }
 
-function renderEngines() {
+function renderEngines(only) {
+  const row = only === undefined ? null : view.rows.get(only);
+  if (row && view.engines.has(only)) { fillRow(row, view.engines.get(only)); return; }
   const tbody = document.querySelector('#engines tbody');
   const names = [...view.engines.keys()];
   for (const [name, row] of view.rows) {
@@ -502,7 +526,9 @@ function chart(points, width, height) {
 function openDrawer(name) {
   if (view.logAbort) view.logAbort.abort();
   view.drawer = name;
+  view.drawerHistory = null;
   $('drawer').hidden = false;
+  refreshDrawerHistory();
   text('drawer-log', '');
   renderDrawer();
   const e = view.engines.get(name);
@@ -520,7 +546,7 @@ $('drawer-close').addEventListener('click', () => {
 function renderDrawer() {
   const e = view.engines.get(view.drawer);
   text('drawer-title', view.drawer + (e ? ` (${e.kind || ''}, ${e.state})` : ' (gone)'));
-  $('drawer-chart').replaceChildren(chart(view.history[view.drawer], 600, 160));
+  $('drawer-chart').replaceChildren(chart(view.drawerHistory || view.history[view.drawer], 600, 160));
   const tbody = document.querySelector('#drawer-probes tbody');
   const rows = [];
   for (const [name, p] of Object.entries((e && e.probes) || {})) {
