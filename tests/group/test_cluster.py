@@ -234,3 +234,34 @@ async def test_llamacpp_rpc_ranks_first_never_probed_and_the_head_restarts_alone
             assert doc["epoch"] == epoch and doc["restarts"] == 1
             assert [r["pid"] for r in doc["ranks"][1:]] == rank_pids
             assert [(counts / f"rank{r}.count").read_text() for r in (1, 2)] == ["2\n"] * 2
+
+
+async def test_forming_waits_for_the_last_rank_and_reads_stay_fast(tmp_path: Path) -> None:
+    manifest = sim_manifest(tmp_path / "sim.json")
+    async with open_cluster(tmp_path) as cluster:
+        group = Group(cluster, tmp_path, 3, manifest=manifest)
+        late = group.nodes[2]
+        with trio.fail_after(60):
+            await cluster.start(*group.nodes[:2])
+            doc = await group.wait(lambda d: d["ranks"][1]["state"] == "ready", within=30,
+                                   what="rank 1 ready")
+            assert doc["state"] == "forming" and doc["ranks_ready"] == 1
+            assert doc["ranks"][2]["state"] == "unknown"
+            engines = await cluster.json(group.head, "/v1/engines/g")
+            assert engines["admitting"] is False  # the router sends the head nothing yet
+            slowest = 0.0
+            await cluster.start(late)
+            with trio.fail_after(30):
+                while True:  # every node's reads, while the last rank joins
+                    for node in group.nodes:
+                        t0 = trio.current_time()
+                        doc = await cluster.json(node, "/v1/groups/g")
+                        await cluster.json(node, "/healthz")
+                        slowest = max(slowest, trio.current_time() - t0)
+                    if ready(await group.doc()):
+                        break
+                    await trio.sleep(0.05)
+            assert slowest < 0.2, slowest
+            engines = await cluster.json(group.head, "/v1/engines/g")
+            assert engines["admitting"] is True
+            print(f"slowest read while forming: {slowest * 1000:.0f} ms")

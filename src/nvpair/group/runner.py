@@ -11,6 +11,7 @@ session, stopped with the role's signal, grace and SIGKILL, on record for
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -123,6 +124,32 @@ def listening(port: int, host: str = "0.0.0.0", proc_net: Path = Path("/proc/net
             if exact is None or address in (exact, "00000000") or name == "tcp6":
                 return True
     return False
+
+
+def read_epoch(path: Path) -> int:
+    """The epoch kept in ``path``; 0 when there is none or it holds anything else (said
+    once in the log: the head then starts past what its ranks report)."""
+    try:
+        data = path.read_bytes()[:64]
+    except OSError:
+        return 0
+    text = data.decode("ascii", "replace").strip()
+    if not re.fullmatch(r"[0-9]{1,15}", text):
+        log.warning("%s does not hold an epoch; starting from 0", path)
+        return 0
+    return int(text)
+
+
+def prune_logs(log_dir: Path, name: str, keep: int) -> None:
+    """Remove all but the newest ``keep`` epoch logs of group ``name`` (``NAME.eN.log``)."""
+    try:
+        found = [(int(m[1]), p) for p in log_dir.glob(f"{name}.e*.log")
+                 if (m := re.fullmatch(rf"{re.escape(name)}\.e(\d{{1,15}})\.log", p.name))]
+    except OSError:
+        return
+    for _, path in sorted(found)[:max(len(found) - keep, 0)]:
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
 
 
 class Slot:
@@ -508,30 +535,15 @@ class GroupRunner:
             self.log.close()
         if self.log_dir is None:
             return EngineLog(None)
-        name = self.spec.name
-        old = sorted((p for p in self.log_dir.glob(f"{name}.e*.log")
-                      if re.fullmatch(rf"{re.escape(name)}\.e\d+\.log", p.name)),
-                     key=lambda p: int(p.name.rsplit(".e", 1)[1][:-4]))
-        for path in old[:max(len(old) - LOGS_KEPT + 1, 0)]:
-            path.unlink(missing_ok=True)
-        return EngineLog(self.log_dir / f"{name}.e{epoch}.log")
+        prune_logs(self.log_dir, self.spec.name, LOGS_KEPT - 1)
+        return EngineLog(self.log_dir / f"{self.spec.name}.e{epoch}.log")
 
     def _epoch_path(self) -> Path | None:
         return None if self.state_dir is None else self.state_dir / f"group-{self.spec.name}.epoch"
 
     def _load_epoch(self) -> int:
         path = self._epoch_path()
-        if path is None:
-            return 0
-        try:
-            text = path.read_text().strip()
-        except OSError:
-            return 0
-        if not re.fullmatch(r"[0-9]{1,15}", text):
-            log.warning("group %s: %s does not hold an epoch; starting from 0", self.spec.name,
-                        path)
-            return 0
-        return int(text)
+        return 0 if path is None else read_epoch(path)
 
     def _save_epoch(self, epoch: int) -> None:
         path = self._epoch_path()
