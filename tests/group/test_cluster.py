@@ -64,6 +64,13 @@ async def test_ready_after_the_last_rank_and_a_killed_rank_restarts_the_group(
             assert doc["epoch"] > epoch and doc["restarts"] == 1
             print(f"rank kill -9 -> down {seen_down * 1000:.0f} ms; old epoch gone "
                   f"{gone_after:.2f} s")
+            # only the head lists the group's models, with the group
+            models = await cluster.json(group.head, "/v1/models")
+            assert [m["nvpair"]["group"] for m in models["data"]] == [
+                {"name": "g", "epoch": doc["epoch"], "ranks_ready": 2, "ranks": 2}]
+            for node in group.nodes[1:]:
+                assert (await cluster.json(node, "/v1/models"))["data"] == []
+                assert (await cluster.json(node, "/v1/engines"))["engines"] == []
             # the router sends to the head while the group is ready
             r = await cluster.client.post(group.head.url + "/v1/chat/completions", json={
                 "model": "big-model", "messages": [{"role": "user", "content": "hi"}],

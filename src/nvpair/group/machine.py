@@ -61,6 +61,16 @@ class Report(msgspec.Struct, frozen=True, omit_defaults=True):
     ranks_ready: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
+class GroupTag(msgspec.Struct, frozen=True, gc=False):
+    """``nvpair.group`` of the head's models in ``/v1/models`` (and in its advert)."""
+
+    name: Name
+    epoch: Annotated[int, msgspec.Meta(ge=0)]
+    ranks_ready: Annotated[int, msgspec.Meta(ge=0)]
+    #: how many ranks besides the head
+    ranks: Annotated[int, msgspec.Meta(ge=0)]
+
+
 class Policy(msgspec.Struct, frozen=True):
     ranks: int  # the number of ranks besides the head
     grace_s: float = 5.0

@@ -31,7 +31,7 @@ from nvpair.changes import Changes
 from nvpair.command import build_command, engine_env
 from nvpair.config import EngineSpec, placeholder_values
 from nvpair.group import machine
-from nvpair.group.machine import Head, Member, Policy, Proc, Report
+from nvpair.group.machine import GroupTag, Head, Member, Policy, Proc, Report
 from nvpair.group.spec import GroupSettings, role_manifest, role_values
 from nvpair.logs import EngineLog
 from nvpair.orphans import EngineProcs
@@ -373,15 +373,17 @@ class GroupRunner:
         if slot is not None and slot.alive:
             own = msgspec.structs.replace(own, pid=slot.pid)
         self.reports.set(own)
-        self._admit(h.state == "ready")
+        self._admit(h.state == "ready", GroupTag(self.spec.name, h.epoch, own.ranks_ready,
+                                                 self.group.nnodes - 1))
         return machine.wake_at(h, self.policy)
 
-    def _admit(self, admitting: bool) -> None:
-        """The router sends the head requests only while the whole group is ready."""
+    def _admit(self, admitting: bool, tag: GroupTag) -> None:
+        """The router sends the head requests only while the whole group is ready; its
+        models say which group and epoch they are of (``nvpair.group``)."""
         e = self.board.current.engine(self.spec.name)
-        if e is not None and e.admitting != admitting:
-            self.board.update(self.spec.name,
-                              lambda e: msgspec.structs.replace(e, admitting=admitting))
+        if e is not None and (e.admitting, e.group) != (admitting, tag):
+            self.board.update(self.spec.name, lambda e: msgspec.structs.replace(
+                e, admitting=admitting, group=tag))
 
     def _head_values(self) -> dict[str, object]:
         host = self.peers.own_host() or self.spec.host
