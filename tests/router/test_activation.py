@@ -439,3 +439,88 @@ async def test_the_queue_and_each_activation_are_events(nursery, tmp_path) -> No
                             seen.append(json.loads(event.data or "{}"))
     assert any(e["queued"] == 1 for e in seen), seen
     assert any(e["activity"] == "started a for a request (queued 1)" for e in seen), seen
+
+
+async def test_a_request_for_the_engine_being_evicted_waits_and_is_served(
+        nursery, tmp_path) -> None:
+    """Memory for one: a streams, b evicts a (a drains), a request for a meanwhile waits in
+    a's queue; once b has served its request, b makes room for a in turn. Nothing fails."""
+    settings = on_demand(
+        tmp_path, {"a": sim_command("vllm", "--token-rate", "20"),
+                   "b": sim_command("vllm", "--load-s", "0.5")},
+        activation=f"memory_budget_bytes = {10 * GB}", extra=f"memory_bytes = {6 * GB}")
+    with trio.fail_after(40):
+        running = await nursery.start(service.run, settings)
+        async with reading(running.url) as reader, httpx2.AsyncClient(
+                headers=JSON, base_url=running.url, timeout=30) as client:
+            assert (await client.post("/v1/chat/completions",
+                                      content=payload("model-a"))).status_code == 200
+            streaming = trio.Event()
+            answers: dict[str, int] = {}
+            streamed: list[bytes] = []
+
+            async def stream() -> None:
+                async with client.stream("POST", "/v1/chat/completions",
+                                         content=payload("model-a", 20, stream=True)) as r:
+                    async for chunk in r.aiter_bytes():
+                        streamed.append(chunk)
+                        streaming.set()
+                    answers["stream"] = r.status_code
+
+            async def ask(key: str, model: str) -> None:
+                r = await client.post("/v1/chat/completions", content=payload(model))
+                answers[key] = r.status_code
+
+            async with trio.open_nursery() as n:
+                n.start_soon(stream)
+                await streaming.wait()
+                n.start_soon(ask, "b", "model-b")
+                await wait_state(running.board, "a", "ready", where=lambda e: not e.admitting)
+                n.start_soon(ask, "a again", "model-a")
+                await queued(running.board, "a", 1)
+        assert reader.worst < 0.5, reader.worst
+    assert answers == {"stream": 200, "b": 200, "a again": 200}, answers
+    assert b"".join(streamed).rstrip().endswith(b"data: [DONE]")
+    a, b = running.board.current.engine("a"), running.board.current.engine("b")
+    assert a is not None and b is not None and a.state == "ready" and b.state == "cold"
+    assert b.activity is not None and b.activity.endswith("to make room for a")
+    assert running.runners["a"].starts == 2 and running.runners["b"].starts == 1
+
+
+async def test_two_cold_engines_asked_at_once_with_memory_for_one_take_turns(
+        nursery, tmp_path) -> None:
+    """Both cold, both asked at the same moment, room for one: one starts and serves, then
+    makes way for the other (never both at once, never a deadlock); both answers 200."""
+    settings = on_demand(
+        tmp_path, {"a": sim_command("vllm", "--load-s", "0.5"),
+                   "b": sim_command("vllm", "--load-s", "0.5")},
+        activation=f"memory_budget_bytes = {10 * GB}", extra=f"memory_bytes = {6 * GB}")
+    with trio.fail_after(40):
+        running = await nursery.start(service.run, settings)
+        both_up: list[bool] = []
+
+        async def watch() -> None:  # at no moment are both engines up
+            version = -1
+            while True:
+                snap = await running.board.wait_changed(version)
+                version = snap.version
+                up = [e.state not in ("cold", "stopped") for e in snap.engines]
+                both_up.append(all(up))
+
+        async with httpx2.AsyncClient(headers=JSON, base_url=running.url, timeout=30) as client:
+            answers: dict[str, int] = {}
+
+            async def ask(model: str) -> None:
+                r = await client.post("/v1/chat/completions", content=payload(model))
+                answers[model] = r.status_code
+
+            async with trio.open_nursery() as n:
+                n.start_soon(watch)
+                async with trio.open_nursery() as asking:
+                    asking.start_soon(ask, "model-a")
+                    asking.start_soon(ask, "model-b")
+                n.cancel_scope.cancel()
+    assert answers == {"model-a": 200, "model-b": 200}, answers
+    assert not any(both_up)
+    states = sorted(e.state for e in running.board.current.engines)
+    assert states == ["cold", "ready"], states

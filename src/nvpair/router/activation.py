@@ -46,6 +46,9 @@ log = logging.getLogger("nvpair.activation")
 DISPATCH_GAP_S = 0.25
 #: how often idle engines are looked for (at most; a shorter idle_unload_s looks sooner)
 IDLE_CHECK_S = 5.0
+#: the longest wait before room is looked for again, while engines that cannot be evicted
+#: now stand in the way (their changes on the board wake it sooner)
+ROOM_RECHECK_S = 1.0
 #: Retry-After of a request that waited too long or whose engine could not start
 RETRY_AFTER_S = 5
 
@@ -156,6 +159,9 @@ class Activator:
         self.queues: dict[str, EngineQueue] = {}
         #: when a routed request last used each engine (or it became ready for one)
         self.last_used: dict[str, float] = {}
+        #: engines whose room is made (planned, taken at once), until they are up or failed:
+        #: they count against the budget while still cold, so two starts never share room
+        self._reserved: set[str] = set()
         self._part = Part("activation", logger=log)
         self._nursery: trio.Nursery | None = None
         self._wake = trio.Event()
@@ -252,6 +258,7 @@ class Activator:
                 self._part.ok()
         finally:
             queue.activating = False
+            self._reserved.discard(name)
         if failure is not None:
             log.warning("%s: %s", name, failure)
             queue.fail_all(failure)
@@ -317,24 +324,42 @@ class Activator:
         runner.unload()
         return f"engine {name} failed to start: {e.error or e.state}{said}"
 
-    async def _make_room(self, name: str) -> str | None:
-        """Drain and stop victims until ``name`` fits the budget; None, or why it cannot."""
+    def _running(self, name: str) -> list[Candidate]:
+        """The other on-demand engines that hold memory now, as the planner sees them."""
         snap = self.board.current
         running = []
         for other, spec in self.specs.items():
             e = snap.engine(other)
-            if other == name or e is None or e.state in ("cold", "stopped"):
+            if other == name or e is None or (e.state in ("cold", "stopped")
+                                              and other not in self._reserved):
                 continue
             queue = self.queues.get(other)
             awaited = queue is not None and (queue.activating or bool(queue.waiting))
             running.append(Candidate(other, spec.priority, footprint(e, spec),
                                      self.last_used.get(other, 0.0), self._in_flight(other),
                                      evictable=e.admitting and not awaited))
-        need = footprint(snap.engine(name), self.specs[name])
-        budget = self.budget(running)
-        decided = plan(name, need, budget, running)
-        if decided.reason is not None:
-            return f"no room for {name}: {decided.reason}"
+        return running
+
+    async def _make_room(self, name: str) -> str | None:
+        """Drain and stop victims until ``name`` fits the budget; None, or why it cannot.
+
+        When only engines that cannot be evicted now stand in the way (starting, awaited
+        by requests of their own, draining), it waits for them while requests wait for
+        ``name`` (each for at most its queue_wait_s): they become victims once served."""
+        while True:
+            running = self._running(name)
+            need = footprint(self.board.current.engine(name), self.specs[name])
+            budget = self.budget(running)
+            decided = plan(name, need, budget, running)
+            if decided.reason is None:
+                self._reserved.add(name)  # (before any await: the room is this engine's)
+                break
+            fits_alone = (budget if need is None else need) <= budget
+            blocked = fits_alone and any(not c.evictable for c in running)
+            if not blocked or not self.queue(name).waiting:
+                return f"no room for {name}: {decided.reason}"
+            with trio.move_on_after(ROOM_RECHECK_S):  # (a queue's change is a board change)
+                await self.board.wait_changed(self.board.current.version)
         now = trio.current_time()
         for victim in decided.victims:
             c = next(c for c in running if c.name == victim)
