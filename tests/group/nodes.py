@@ -46,6 +46,27 @@ def sim_manifest(path: Path, *, load_s: float = 0.3, rank_extra: tuple[str, ...]
     return path
 
 
+def vllm_manifest(path: Path) -> Path:
+    """A vLLM-like group manifest: the head first, then ``--headless`` ranks (no HTTP: a
+    rank is ready when its process runs)."""
+    base = json.loads((Path(__file__).resolve().parents[2] / "engines" / "vllm.json")
+                      .read_text())
+    common = ["{model}", "--nnodes", "{nnodes}", "--node-rank", "{rank}", "--master-addr",
+              "{dist_host}", "--master-port", "{dist_port}", "--no-control", "--load-s", "0.3"]
+    base["group"] = {"start_order": "head_first", "roles": {
+        "head": {"start": {"argv": [*SIM, "vllm", "--host", "{host}", "--port", "{port}",
+                                    "--model", *common]}},
+        "rank": {"start": {"argv": [*SIM, "vllm", "--headless", "--model", *common]},
+                 "ready": "process", "stop_grace_s": 2}}}
+    path.write_text(json.dumps(base))
+    return path
+
+
+def start_time(pid: int) -> int:
+    """A process's start time in clock ticks since boot (/proc/PID/stat)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+
+
 def rpc_manifest(path: Path, counts: Path, *, listen_after_s: float = 1.0) -> Path:
     """A llama.cpp-RPC-like group manifest: ``rpc-server`` stand-ins on the ranks (ranks
     first, watched by their listening socket), a head that connects to them, then serves."""

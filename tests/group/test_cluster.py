@@ -11,7 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from tests.group.nodes import Group, group_processes, rpc_manifest, sim_manifest
+from tests.group.nodes import (
+    Group,
+    group_processes,
+    rpc_manifest,
+    sim_manifest,
+    start_time,
+    vllm_manifest,
+)
 from tests.peers.cluster import open_cluster
 
 
@@ -272,3 +279,18 @@ async def test_forming_waits_for_the_last_rank_and_reads_stay_fast(tmp_path: Pat
             engines = await cluster.json(group.head, "/v1/engines/g")
             assert engines["admitting"] is True
             print(f"slowest read while forming: {slowest * 1000:.0f} ms")
+
+
+async def test_vllm_headless_ranks_start_after_the_head(tmp_path: Path) -> None:
+    manifest = vllm_manifest(tmp_path / "vllm.json")
+    async with open_cluster(tmp_path) as cluster:
+        group = Group(cluster, tmp_path, 3, manifest=manifest)
+        with trio.fail_after(60):
+            await cluster.start(*group.nodes)
+            doc = await group.wait(ready, within=30, what="the vLLM group ready")
+            head, *ranks = [r["pid"] for r in doc["ranks"]]
+            assert all(start_time(head) <= start_time(pid) for pid in ranks)
+            os.kill(ranks[0], signal.SIGKILL)
+            doc = await group.wait(lambda d: ready(d) and d["restarts"] == 1, within=30,
+                                   what="a new epoch ready")
+            assert doc["history"][1]["reason"] == "rank 1 (n1) was killed by SIGKILL"
