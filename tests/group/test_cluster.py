@@ -294,3 +294,31 @@ async def test_vllm_headless_ranks_start_after_the_head(tmp_path: Path) -> None:
             doc = await group.wait(lambda d: ready(d) and d["restarts"] == 1, within=30,
                                    what="a new epoch ready")
             assert doc["history"][1]["reason"] == "rank 1 (n1) was killed by SIGKILL"
+
+
+async def test_the_heads_nvpair_restarted_moves_the_epoch_on_and_its_leave_stops_ranks(
+        tmp_path: Path) -> None:
+    manifest = sim_manifest(tmp_path / "sim.json")
+    async with open_cluster(tmp_path) as cluster:
+        group = Group(cluster, tmp_path, 3, manifest=manifest)
+        with trio.fail_after(90):
+            await cluster.start(*group.nodes)
+            doc = await group.wait(ready, within=30, what="the group ready")
+            epoch, old = doc["epoch"], set(group_processes())
+            await cluster.stop(group.head, signal.SIGKILL)
+            log = group.head._log_file
+            assert log is not None
+            log.close()
+            await cluster.start(group.head)
+            doc = await group.wait(lambda d: ready(d) and d["epoch"] > epoch, within=30,
+                                   what="a new epoch ready after the head's nvpair restart")
+            assert doc["epoch"] == epoch + 1  # kept in the state dir, one past it
+            assert not old & set(group_processes())  # every process of the old boot gone
+            # the head's nvpair stops (SIGTERM): it leaves, and its ranks stop at once
+            ranks = [r["pid"] for r in doc["ranks"][1:]]
+            left_at = trio.current_time()
+            await cluster.stop(group.head)
+            await gone(lambda: any(p in group_processes() for p in ranks), 5)
+            print(f"the head left -> ranks stopped {trio.current_time() - left_at:.2f} s")
+            rank_doc = await group.doc(group.nodes[1])
+            assert rank_doc["ranks"][1]["state"] == "stopped" and rank_doc["error"] is None
