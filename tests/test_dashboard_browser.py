@@ -192,9 +192,12 @@ async def test_dashboard_reconnects_after_nvpair_restarts(nursery, tmp_path) -> 
             # the first nvpair has ended; a new one on the same port
             async with trio.open_nursery() as second:
                 again = await second.start(service.run, settings)
+                back_at = trio.current_time()
                 assert again.url == running.url
                 await page.wait_for("document.querySelector('#link').textContent === "
-                                    "'live'", within=5)  # retry (1-3 s) + 1 s, and slack
+                                    "'live'", within=5)
+                retry_s = await page.evaluate("view.retryMs") / 1000  # the stream's retry:
+                assert trio.current_time() - back_at <= retry_s + 1.0
                 assert await page.evaluate("view.lastId.split('.')[0]") != boot
                 assert await rows(page) == ["one"]  # no duplicate rows
                 await wait_state(again.board, "one", "ready")
@@ -229,4 +232,38 @@ async def test_dashboard_asks_for_the_token_once_and_keeps_it_in_the_tab(
             assert await page.evaluate("localStorage.length") == 0
             assert await page.evaluate("document.cookie") == ""
             assert await page.evaluate("document.querySelector('#login').hidden") is True
+        running.stop()
+
+
+async def test_peers_and_groups_render_as_text_where_present(nursery, tmp_path) -> None:
+    """Peers and groups come from other nodes: what they report is text too. (This nvpair
+    has neither, so the page's own renderers are given what a peer event and
+    GET /v1/groups would say.)"""
+    sim = await nursery.start(serve_sim, SimOptions(kind="vllm", model="m"))
+    settings = load_settings(str(config(tmp_path, {"one": sim.port}, None,
+                                        listen="127.0.0.1:0")))
+    with trio.fail_after(40):
+        running = await nursery.start(service.run, settings)
+        async with open_browser() as browser:
+            page = await browser.new_page()
+            await page.goto(f"{running.url}/ui/")
+            await page.wait_for("document.querySelector('#link').textContent === 'live'")
+            assert await page.evaluate("document.querySelector('#groups-section').hidden")
+            assert await page.evaluate("document.querySelector('#peers').textContent") == "none"
+            await page.evaluate(f"""
+                handle('peer', {{node: {json.dumps(HOSTILE)}, state: 'stale', models: []}});
+                handle('peer', {{node: 'b', state: 'fresh', models: []}});
+                renderGroups({{node: 'x', groups: [{{name: {json.dumps(HOSTILE)},
+                    state: 'degraded', epoch: 3, error: {json.dumps(HOSTILE)},
+                    ranks: [{{rank: 0, node: 'a', state: 'ready'}},
+                            {{rank: 1, node: {json.dumps(HOSTILE)}, state: 'unknown'}}],
+                    history: [{{epoch: 2, reason: {json.dumps(HOSTILE)}}}]}}]}})""")
+            assert await page.evaluate(
+                "document.querySelector('#peers').textContent") == "1 fresh, 1 stale"
+            groups = await page.evaluate("document.querySelector('#groups').textContent")
+            assert "epoch 3" in groups and "rank 1" in groups
+            assert groups.count(HOSTILE) == 4  # name, rank's node, error, history
+            assert not await page.evaluate("document.querySelector('#groups-section').hidden")
+            assert await page.evaluate("document.querySelectorAll('img').length") == 0
+            assert page.exceptions == [] and page.console_errors == []
         running.stop()

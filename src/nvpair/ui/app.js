@@ -564,6 +564,10 @@ function renderDrawer() {
 function renderDrawerEvents() {
   const mine = view.events.filter((ev) => ev.type === 'engine' && ev.doc.name === view.drawer)
     .slice(-EVENTS_KEPT);
+  if (!mine.length) {
+    $('drawer-events').replaceChildren(el('li', { class: 'quiet' }, 'no change since this page opened'));
+    return;
+  }
   $('drawer-events').replaceChildren(...mine.reverse().map((ev) => el('li', {},
     `${ev.at.toLocaleTimeString()} ${ev.doc.removed ? 'removed' : ev.doc.state}`,
     ev.doc.error ? el('span', { class: 'error' }, ` ${ev.doc.error}`) : null)));
