@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.peers.cluster import Cluster, Node
+from tests.peers.cluster import USER_TOKEN, Cluster, Node
 
 SIM = [sys.executable, "-m", "nvpair.sim"]
 
@@ -90,16 +90,23 @@ class Group:
     """``count`` nodes n0..n{count-1} (n0 the head) of one group named ``g``."""
 
     def __init__(self, cluster: Cluster, tmp: Path, count: int, *, manifest: Path,
-                 group_extra: str = "") -> None:
+                 group_extra: str = "",
+                 hosts: list[tuple[str, str | None]] | None = None) -> None:
+        """``hosts``: each node's address and network namespace (default 127.0.0.N)."""
         self.cluster = cluster
         self.port = free_port()  # each node's API, on its own address
         self.engine_port = free_port()
         self.dist_port = free_port()
-        self.nodes = [cluster.add(Node(f"n{i}", f"127.0.0.{i + 1}", self.port, tmp, None))
-                      for i in range(count)]
+        hosts = hosts or [(f"127.0.0.{i + 1}", None) for i in range(count)]
+        self.nodes = [cluster.add(Node(f"n{i}", hosts[i][0], self.port, tmp, None,
+                                       netns=hosts[i][1])) for i in range(count)]
         for node in self.nodes:
             peers = [o for o in self.nodes if o is not node]
-            lines = [f"listen = '{node.host}:{node.port}'", f"node = '{node.name}'",
+            lines = []
+            if not node.host.startswith("127."):  # off loopback: the API wants a token
+                (node.dir / "user-token").write_text(USER_TOKEN)
+                lines.append(f"token_file = '{node.dir / 'user-token'}'")
+            lines += [f"listen = '{node.host}:{node.port}'", f"node = '{node.name}'",
                      f"log_dir = '{node.dir / 'logs'}'", f"state_dir = '{node.dir / 'state'}'",
                      "[[engines]]", "name = 'g'", f"kind = '{manifest}'", "managed = true",
                      "model = 'big-model'", f"host = '{node.host}'",
