@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 import trio
-
 from tests.group.nodes import Group, group_processes, sim_manifest
 from tests.peers.cluster import USER_TOKEN, open_cluster
 from tests.peers.test_partition import namespace, sh, unblock
