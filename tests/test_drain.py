@@ -8,7 +8,14 @@ import sys
 import httpx2
 import msgspec
 import trio
-from tests.managed import free_port, managed_config, reading, sim_command, wait_state
+from tests.managed import (
+    free_port,
+    managed_config,
+    reading,
+    sim_command,
+    states_during,
+    wait_state,
+)
 from tests.router.script_engine import JSON
 
 from nvpair import service
@@ -78,14 +85,26 @@ async def test_drain_results(nursery, tmp_path) -> None:
         assert runner.drain(then="restart", reason="test") == Accepted("draining")
         assert runner.drain(then="restart", reason="test") == Accepted("draining")
         assert isinstance(runner.drain(then="stop", reason="test"), Busy)
-        await trio.sleep(0.3)
-        assert running.board.current.engine("e").state == "ready"  # type: ignore[union-attr]
+        # while the request is in flight, the engine stays up (not admitting)
+        assert set(await states_during(running.board, 0.5)) <= {"ready"}
         running.traffic.finished("e", "ok")
         first_pid = running.board.current.engine("e").pid  # type: ignore[union-attr]
         restarted = await wait_state(running.board, "e", "ready",
                                      where=lambda e: e.pid != first_pid and e.admitting)
         assert restarted.activity == "drained (test), then restarted"
-        assert runner.request("stop") == Accepted("stopping")
-        await wait_state(running.board, "e", "stopped")
-        assert runner.drain(then="stop", reason="test") == Accepted("stop")
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            r = await client.post("/v1/engines/e/drain")
+            assert r.status_code == 202 and r.json()["operation"] == "draining", r.text
+            assert r.json()["admitting"] is False
+            again = await client.post("/v1/engines/e/drain")
+            assert again.status_code == 202 and again.json()["operation"] == "draining"
+            await wait_state(running.board, "e", "stopped")
+            assert runner.request("start") == Accepted("starting")
+            await wait_state(running.board, "e", "ready")
+            assert runner.request("stop") == Accepted("stopping")
+            busy = await client.post("/v1/engines/e/drain")  # a stop in progress
+            assert busy.status_code == 409 and busy.json()["error"]["code"] == "engine_busy"
+            await wait_state(running.board, "e", "stopped")
+            stopped = await client.post("/v1/engines/e/drain")  # nothing to drain
+            assert stopped.status_code == 202 and stopped.json()["operation"] == "stop"
         assert isinstance(runner.drain(then="restart", reason="test"), Busy)
