@@ -263,6 +263,8 @@ async def test_forming_waits_for_the_last_rank_and_reads_stay_fast(tmp_path: Pat
             assert doc["ranks"][2]["state"] == "unknown"
             engines = await cluster.json(group.head, "/v1/engines/g")
             assert engines["admitting"] is False  # the router sends the head nothing yet
+            assert engines["group"] == {"name": "g", "epoch": doc["epoch"], "ranks_ready": 1,
+                                        "ranks": 2}
             slowest = 0.0
             await cluster.start(late)
             with trio.fail_after(30):
