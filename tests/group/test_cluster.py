@@ -324,3 +324,22 @@ async def test_the_heads_nvpair_restarted_moves_the_epoch_on_and_its_leave_stops
             print(f"the head left -> ranks stopped {trio.current_time() - left_at:.2f} s")
             rank_doc = await group.doc(group.nodes[1])
             assert rank_doc["ranks"][1]["state"] == "stopped" and rank_doc["error"] is None
+
+
+async def test_a_rank_whose_nvpair_stops_ends_the_epoch_at_once(tmp_path: Path) -> None:
+    manifest = sim_manifest(tmp_path / "sim.json")
+    async with open_cluster(tmp_path) as cluster:
+        group = Group(cluster, tmp_path, 3, manifest=manifest)
+        with trio.fail_after(60):
+            await cluster.start(*group.nodes)
+            doc = await group.wait(ready, within=30, what="the group ready")
+            epoch = doc["epoch"]
+            stopped_at = trio.current_time()
+            await cluster.stop(group.nodes[2])  # SIGTERM: it leaves the cluster
+            doc = await group.wait(lambda d: d["epoch"] > epoch, within=5,
+                                   what="the epoch over")
+            took = trio.current_time() - stopped_at
+            assert took < 2.0, took  # not the grace after a ttl
+            old = next(e for e in doc["history"] if e["epoch"] == epoch)
+            assert old["reason"] == f"rank 2 (n2) left (its nvpair stopped) (epoch {epoch})"
+            print(f"a rank's nvpair stopped -> the epoch over {took:.2f} s")

@@ -158,6 +158,14 @@ def test_a_rank_starting_again_in_a_ready_epoch_is_a_lost_rank() -> None:
     assert h.state == "down" and h.reason == "rank 2 (n2) is starting (epoch 1)"
 
 
+def test_a_rank_whose_nvpair_left_ends_the_epoch_at_once() -> None:
+    h = ready(first_epoch(0, 0, 0.0), 1)
+    left = (Member(1, "n1", "ready", 1), Member(2, "n2", "stopped", 1, "left (its nvpair "
+                                                                       "stopped)"))
+    h = step(h, 3, Proc("ready", 1), left, POLICY)
+    assert h.state == "down" and h.reason == "rank 2 (n2) left (its nvpair stopped) (epoch 1)"
+
+
 def test_forming_has_the_startup_budget_only() -> None:
     h = first_epoch(0, 0, 0.0)
     waiting = (Member(1, "n1", "ready", 1), Member(2, "n2", "unknown"))

@@ -234,7 +234,8 @@ def step(h: Head, now: float, proc: Proc, members: tuple[Member, ...], policy: P
         silent = [m for m in gone if m.state == "unknown"]
         if len(silent) < len(gone):  # a rank starting again, or stopped: its epoch is over
             m = next(m for m in gone if m.state != "unknown")
-            return _down(h, now, policy, f"{_rank_words(m)} is {m.state} (epoch {m.epoch})")
+            why = m.exit if m.state == "stopped" and m.exit else f"is {m.state}"
+            return _down(h, now, policy, f"{_rank_words(m)} {why} (epoch {m.epoch})")
         if not gone:
             reset = (h.ready_since is not None
                      and now - h.ready_since >= policy.reset_after_s)

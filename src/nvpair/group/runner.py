@@ -324,7 +324,10 @@ class GroupRunner:
         for rank, node in enumerate(self.group.ranks[1:], start=1):
             heard = self.peers.heard(node, self.spec.name, now)
             r = heard.report
-            if r is None or heard.peer not in ("fresh", "one-way") or r.rank != rank:
+            if heard.peer == "left" and r is not None and r.rank == rank:
+                # its nvpair said goodbye: its process is stopping, no grace to wait out
+                out.append(Member(rank, node, "stopped", r.epoch, "left (its nvpair stopped)"))
+            elif r is None or heard.peer not in ("fresh", "one-way") or r.rank != rank:
                 state: machine.RankState = "unknown"
                 out.append(Member(rank, node, state, None if r is None else r.epoch))
             else:
