@@ -91,8 +91,10 @@ class Group:
 
     def __init__(self, cluster: Cluster, tmp: Path, count: int, *, manifest: Path,
                  group_extra: str = "",
-                 hosts: list[tuple[str, str | None]] | None = None) -> None:
-        """``hosts``: each node's address and network namespace (default 127.0.0.N)."""
+                 hosts: list[tuple[str, str | None]] | None = None,
+                 etcd_url: str | None = None) -> None:
+        """``hosts``: each node's address and network namespace (default 127.0.0.N);
+        ``etcd_url``: the etcd backend instead of push."""
         self.cluster = cluster
         self.port = free_port()  # each node's API, on its own address
         self.engine_port = free_port()
@@ -117,6 +119,11 @@ class Group:
                      f"ranks = [{', '.join(repr(n.name) for n in self.nodes)}]",
                      f"dist_port = {self.dist_port}", "rank_lost_grace_s = 2",
                      "restart_backoff = {initial_s = 0.5, max_s = 2}", group_extra]
+            if etcd_url is not None:
+                lines += ["[cluster]", "backend = 'etcd'", f"etcd_url = '{etcd_url}'",
+                          "etcd_lease_ttl_s = 3", "etcd_prefix = 'nvpair/test/nodes/'"]
+                node.config.write_text("\n".join(lines) + "\n")
+                continue
             for other in peers:
                 lines += ["[[peers]]", f"url = '{other.url}'", f"name = '{other.name}'"]
             lines += ["[cluster]", "interval_s = 1", f"token_file = '{cluster.token_file}'"]
