@@ -10,6 +10,7 @@ import trio
 
 from nvpair.asgi import Mount
 from nvpair.config import Settings
+from nvpair.group.epochkey import EpochKey
 from nvpair.group.runner import GroupRunner, Heard, Reports, Status
 from nvpair.group.view import PREFIX, GroupsView
 from nvpair.orphans import EngineProcs
@@ -91,9 +92,11 @@ class Groups:
         link = GroupLink(broker.table, advertiser)
         self.link = link
         for spec in self.specs:
-            self.runners[spec.name] = GroupRunner(
+            runner = self.runners[spec.name] = GroupRunner(
                 spec, board, link, self.reports, self.settings.node, self.settings.log_dir,
                 procs, self.settings.state_dir)
+            if broker.etcd is not None and runner.group.rank == 0:
+                runner.claim = EpochKey(broker.etcd, spec.name, self.settings.node).claim
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:

@@ -16,7 +16,7 @@ import logging
 import os
 import re
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple, Protocol
@@ -26,7 +26,7 @@ import msgspec
 import trio
 
 from nvpair.ages import age
-from nvpair.boundary import Part
+from nvpair.boundary import Part, describe
 from nvpair.changes import Changes
 from nvpair.command import build_command, engine_env
 from nvpair.config import EngineSpec, placeholder_values
@@ -237,6 +237,12 @@ class GroupRunner:
         self._output = Part(f"group {spec.name}: output", logger=log)
         self._client: httpx2.AsyncClient | None = None
         self.heard_head: Heard | None = None
+        #: with the etcd backend, the head claims each epoch before it starts anything
+        #: (``nvpair.group.epochkey``): None once claimed, else why not
+        self.claim: Callable[[int], Awaitable[str | None]] | None = None
+        self._claimed: int | None = None
+        self._claiming = False
+        self.claim_error: str | None = None
 
     def _failed(self, reason: str | None) -> None:
         self.error = reason
@@ -369,16 +375,41 @@ class GroupRunner:
             self._stop(slot)
         elif (not running and machine.head_may_run(h, members, self.policy, running=False)
               and self.started_epoch != h.epoch and (slot is None or slot.done)):
-            self._start(h.epoch, self._head_values())
+            if self.claim is None or self._claimed == h.epoch:
+                self._start(h.epoch, self._head_values())
+            elif not self._claiming and self._nursery is not None:
+                self._claiming = True
+                self._nursery.start_soon(self._claim, h.epoch)
         self._note(0, self._proc().state, now)
         own = machine.report(h, self._proc(), members, self.policy, self.spec.name)
         slot = self.slot
         if slot is not None and slot.alive:
             own = msgspec.structs.replace(own, pid=slot.pid)
+        if self.claim is not None and self._claimed != h.epoch:  # not this head's epoch yet
+            own = msgspec.structs.replace(own, run=False, go=False)
         self.reports.set(own)
         self._admit(h.state == "ready", GroupTag(self.spec.name, h.epoch, own.ranks_ready,
                                                  self.group.nnodes - 1))
         return machine.wake_at(h, self.policy)
+
+    async def _claim(self, epoch: int) -> None:
+        """Claim ``epoch`` in etcd (``claim``), then wake the loop; a refusal or a failure is
+        the group's ``claim_error`` and is tried again in a second."""
+        assert self.claim is not None
+        why: str | None = "the claim took too long"
+        try:
+            with trio.move_on_after(5.0):
+                why = await self.claim(epoch)
+        except Exception as exc:  # etcd away, an answer not etcd's: said, tried again
+            why = f"cannot claim the epoch in etcd: {describe(exc)}"
+        self.claim_error = None if why is None else f"epoch {epoch} not claimed: {why}"
+        if why is None:
+            self._claimed = epoch
+        else:
+            log.warning("group %s: %s", self.spec.name, self.claim_error)
+            await trio.sleep(1.0)
+        self._claiming = False
+        self._wake.bump()
 
     def _admit(self, admitting: bool, tag: GroupTag) -> None:
         """The router sends the head requests only while the whole group is ready; its
@@ -583,7 +614,7 @@ class GroupRunner:
         return Status(name=self.spec.name, node=self.node, rank=self.group.rank,
                       role=self.group.role, ranks=self.group.ranks, head=self.head,
                       members=self.members, report=self.reports.items.get(self.spec.name),
-                      detail=tuple(detail), error=self.error,
+                      detail=tuple(detail), error=self.error or self.claim_error,
                       head_report=None if self.heard_head is None else self.heard_head.report,
                       head_proc=self._proc().state if self.group.rank == 0 else "none",
                       log_file=None if self.log is None or self.log.path is None
