@@ -55,6 +55,10 @@ async def test_ready_after_the_last_rank_and_a_killed_rank_restarts_the_group(
             assert set(procs.values()) == {epoch}, procs
             rank_pid = doc["ranks"][2]["pid"]
             assert rank_pid in procs
+            # each process's memory (anonymous + swap, coarse; read every 5 s): a few MB
+            doc = await group.wait(lambda d: all(
+                isinstance(r["memory_bytes"], int) and 1 << 20 <= r["memory_bytes"] < 1 << 30
+                for r in d["ranks"]), within=7, what="every process's memory")
             # kill -9 the process of rank 2: the head sees the group down within 1 s
             os.kill(rank_pid, signal.SIGKILL)
             killed_at = trio.current_time()

@@ -13,6 +13,7 @@ from nvpair.group.machine import (
     Proc,
     Report,
     backoff_s,
+    coarse,
     first_epoch,
     head_may_run,
     reconcile,
@@ -228,6 +229,13 @@ def test_restart_head_keeps_the_ranks() -> None:
     h2 = step(h2, 2, Proc("exited", 1), members(1, "ready", "ready"), rpc)
     h2 = step(h2, 3, Proc(), members(1, "ready", "down"), rpc)
     assert (h2.state, h2.epoch) == ("down", 2)
+
+
+def test_memory_is_coarse() -> None:
+    assert coarse(0) == 0 and coarse(5 << 20) == 5 << 20 and coarse((5 << 20) + 7) == 5 << 20
+    for n in (3 << 20, 123_456_789, 106 << 30, (1 << 40) + 12345):
+        assert 0.93 * n < coarse(n) <= n
+    assert coarse(106 << 30) == coarse((106 << 30) + (100 << 20))  # 100 MB more: no change
 
 
 HEAD = Report(name="g", rank=0, epoch=5, state="forming", run=True, go=True)

@@ -37,7 +37,8 @@ def test_the_error_says_what_ended_the_epoch_and_when_it_restarts() -> None:
         "restarting", 8, 1, 38.0)
     assert [r["state"] for r in d["ranks"]] == ["ready", "ready", "stopped"]
     assert d["ranks"][2] == {"rank": 2, "node": "c", "state": "stopped", "state_age_s": 3.0,
-                             "pid": None, "exit_code": -9, "exit": "was killed by SIGKILL"}
+                             "pid": None, "exit_code": -9, "exit": "was killed by SIGKILL",
+                             "memory_bytes": None}
     assert d["history"][0]["log_file"] == "/logs/g.e7.log"
     assert d["history"][0]["ended_at"] - d["history"][0]["started_at"] == pytest.approx(90)
 

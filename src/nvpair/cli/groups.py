@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from nvpair.cli.memory import size
 from nvpair.cli.table import STATE_COLOURS, render
 
 GROUP_COLOURS = {**STATE_COLOURS, "forming": "cyan", "degraded": "yellow", "restarting": "cyan",
@@ -31,9 +32,10 @@ def show(doc: dict[str, Any]) -> None:
     rows, colours = [], []
     for r in doc["ranks"]:
         rows.append((r["rank"], r["node"], r["state"], f"{r['state_age_s']:.1f}s",
-                     _pid(r["pid"]), r["exit"] or ""))
-        colours.append([None, None, GROUP_COLOURS.get(r["state"]), None, None, "dim"])
-    print(render(("RANK", "NODE", "STATE", "FOR", "PID", "EXIT"), rows, colours=colours))
+                     _pid(r["pid"]), size(r.get("memory_bytes")), r["exit"] or ""))
+        colours.append([None, None, GROUP_COLOURS.get(r["state"]), None, None, None, "dim"])
+    print(render(("RANK", "NODE", "STATE", "FOR", "PID", "MEMORY", "EXIT"), rows,
+                 colours=colours))
     if doc.get("error"):
         print(f"error: {doc['error']}")
     history = doc.get("history") or []

@@ -59,6 +59,15 @@ class Report(msgspec.Struct, frozen=True, omit_defaults=True):
     #: how the process ended, in words
     exit: Words | None = None
     ranks_ready: Annotated[int, msgspec.Meta(ge=0)] = 0
+    #: its process's anonymous memory plus swap, to about 5 % (None: unread)
+    memory_bytes: Annotated[int, msgspec.Meta(ge=0)] | None = None
+
+
+def coarse(n: int) -> int:
+    """``n`` bytes to about 3-6 % (at least 1 MiB steps), so a report's memory, and with it
+    the advert, changes only when the memory really moves."""
+    step = max(1 << 20, 1 << max(n.bit_length() - 5, 0))
+    return max(n, 0) // step * step
 
 
 class GroupTag(msgspec.Struct, frozen=True, gc=False):

@@ -34,6 +34,7 @@ from nvpair.group import machine
 from nvpair.group.machine import GroupTag, Head, Member, Policy, Proc, Report
 from nvpair.group.spec import GroupSettings, role_manifest, role_values
 from nvpair.logs import EngineLog
+from nvpair.memproc import MemorySourceError, read_status
 from nvpair.orphans import EngineProcs
 from nvpair.process import EngineProcess, Stopping, describe_exit, run_engine_process
 from nvpair.snapshot import Board
@@ -46,6 +47,19 @@ LOGS_KEPT = 5
 TICK_S = 1.0
 #: how often a rank that is not ready yet is looked at (its probe, its socket)
 STARTING_CHECK_S = 0.25
+#: how often the memory of this node's group process is read (/proc/PID/status)
+MEMORY_EVERY_S = 5.0
+
+
+def memory_of(pid: int | None) -> int | None:
+    """A process's anonymous memory plus swap, coarsely (``machine.coarse``; None: not
+    readable, or no process)."""
+    if pid is None:
+        return None
+    try:
+        return machine.coarse(read_status(pid).watched_bytes)
+    except MemorySourceError:
+        return None
 
 
 class Heard(NamedTuple):
@@ -197,6 +211,8 @@ class Status(msgspec.Struct, frozen=True):
     log_file: str | None = None
     #: the head's own process: none, starting, ready, exited
     head_proc: str = "none"
+    #: per rank: its process's memory as last reported (this node's: as last read)
+    memory: tuple[int | None, ...] = ()
 
 
 class GroupRunner:
@@ -243,6 +259,9 @@ class GroupRunner:
         self._claimed: int | None = None
         self._claiming = False
         self.claim_error: str | None = None
+        #: when this node's group process's memory was read, for which (pid, ready), what
+        self._memory: tuple[float, tuple[int | None, bool], int | None] = (
+            float("-inf"), (None, False), None)
 
     def _failed(self, reason: str | None) -> None:
         self.error = reason
@@ -385,6 +404,7 @@ class GroupRunner:
         slot = self.slot
         if slot is not None and slot.alive:
             own = msgspec.structs.replace(own, pid=slot.pid)
+        own = msgspec.structs.replace(own, memory_bytes=self._memory_now())
         if self.claim is not None and self._claimed != h.epoch:  # not this head's epoch yet
             own = msgspec.structs.replace(own, run=False, go=False)
         self.reports.set(own)
@@ -410,6 +430,18 @@ class GroupRunner:
             await trio.sleep(1.0)
         self._claiming = False
         self._wake.bump()
+
+    def _memory_now(self) -> int | None:
+        """This node's group process's memory, read at most every ``MEMORY_EVERY_S``."""
+        slot = self.slot
+        pid = slot.pid if slot is not None and slot.alive else None
+        ready = slot is not None and slot.ready
+        at, last, value = self._memory
+        now = trio.current_time()
+        if (pid, ready) != last or now - at >= MEMORY_EVERY_S:  # (again once it is loaded)
+            value = memory_of(pid)
+            self._memory = (now, (pid, ready), value)
+        return value
 
     def _admit(self, admitting: bool, tag: GroupTag) -> None:
         """The router sends the head requests only while the whole group is ready; its
@@ -455,7 +487,9 @@ class GroupRunner:
             self._start(d.epoch, values)
             assert self.slot is not None
             self.slot.head_boot = heard.boot
-        self.reports.set(self._rank_report(head))
+        report = self._rank_report(head)
+        self.reports.set(msgspec.structs.replace(report, memory_bytes=self._memory_now())
+                         if report.pid is not None else report)
         wake = float("inf")
         if (head is None or heard.peer not in ("fresh", "one-way")) and (
                 heard.silent_s is not None and running is not None):
@@ -598,6 +632,7 @@ class GroupRunner:
 
     def status(self, now: float) -> Status:
         detail = []
+        memory: list[int | None] = []
         slot = self.slot
         for rank in range(self.group.nnodes):
             since = self._since.get(rank, ("", now))[1]
@@ -611,12 +646,20 @@ class GroupRunner:
                     pid, exit_words = heard.report.pid, heard.report.exit
                     code = heard.report.exit_code
             detail.append((rank, age(now, since) or 0.0, pid, exit_words, code))
+            if rank == self.group.rank:
+                memory.append(self._memory[2] if pid is not None else None)
+            elif rank > 0 and self.group.rank == 0:
+                r = self.peers.heard(self.group.ranks[rank], self.spec.name, now).report
+                memory.append(None if r is None or r.pid is None else r.memory_bytes)
+            else:
+                memory.append(None)
         return Status(name=self.spec.name, node=self.node, rank=self.group.rank,
                       role=self.group.role, ranks=self.group.ranks, head=self.head,
                       members=self.members, report=self.reports.items.get(self.spec.name),
                       detail=tuple(detail), error=self.error or self.claim_error,
                       head_report=None if self.heard_head is None else self.heard_head.report,
                       head_proc=self._proc().state if self.group.rank == 0 else "none",
+                      memory=tuple(memory),
                       log_file=None if self.log is None or self.log.path is None
                       else str(self.log.path))
 

@@ -89,7 +89,8 @@ def doc(s: Status, now: float, log_dir: str | None = None) -> dict[str, Any]:
             state = "unknown"
         ranks.append({"rank": rank, "node": s.ranks[rank], "state": state,
                       "state_age_s": state_age, "pid": pid, "exit_code": code,
-                      "exit": exit_words})
+                      "exit": exit_words, "memory_bytes": s.memory[rank]
+                      if rank < len(s.memory) else None})
     out: dict[str, Any] = {
         "name": s.name, "node": s.node, "role": s.role, "rank": s.rank,
         "head": s.ranks[0]}
