@@ -24,9 +24,11 @@ url = "http://127.0.0.1:1"
 
 
 def config(tmp_path: Path, *, node: str = "spark-2", kind: str = "sglang", group: str = "",
-           peers: bool = True, extra: str = "managed = true\n") -> str:
+           peers: bool = True, extra: str = "managed = true\n", receive_only: bool = False
+           ) -> str:
     (tmp_path / "token").write_text("secret\n")
-    return (f'node = "{node}"\n' + (PEERS if peers else "")
+    cluster = '[cluster]\ntoken_file = "token"\n' if receive_only else ""
+    return (f'node = "{node}"\n' + (PEERS if peers else cluster)
             + f'[[engines]]\nname = "big"\nkind = "{kind}"\nmodel = "m"\n{extra}'
             + '[engines.args]\ntp = 4\n[engines.group]\n'
             + (group or 'ranks = ["spark-1", "spark-2", "spark-3"]\ndist_port = 50000\n'))
@@ -72,6 +74,7 @@ def test_the_environment_overrides_the_name(tmp_path: Path, monkeypatch) -> None
      "n.toml: engines[0].group.ranks[2]: 'a' is in ranks twice"),
     ({"kind": "ollama"}, "n.toml: engines[0].group: the ollama manifest has no group roles"),
     ({"peers": False}, "n.toml: engines[0].group: a group needs peers"),
+    ({"peers": False, "receive_only": True}, "n.toml: engines[0].group: a group needs peers"),
     ({"extra": ""}, "n.toml: engines[0].group: a group needs managed = true"),
     ({"extra": 'managed = true\ncommand = ["x"]\n'},
      "n.toml: engines[0].group: command cannot be used with a group"),
