@@ -75,6 +75,8 @@ def test_the_environment_overrides_the_name(tmp_path: Path, monkeypatch) -> None
     ({"kind": "ollama"}, "n.toml: engines[0].group: the ollama manifest has no group roles"),
     ({"peers": False}, "n.toml: engines[0].group: a group needs peers"),
     ({"peers": False, "receive_only": True}, "n.toml: engines[0].group: a group needs peers"),
+    ({"extra": 'managed = true\nactivation = "on_demand"\n'},
+     "n.toml: engines[0].activation: a group runs always"),
     ({"extra": ""}, "n.toml: engines[0].group: a group needs managed = true"),
     ({"extra": 'managed = true\ncommand = ["x"]\n'},
      "n.toml: engines[0].group: command cannot be used with a group"),
