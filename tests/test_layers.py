@@ -34,27 +34,34 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 RANKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("leaves", ("nvpair.errors", "nvpair.decoding", "nvpair.ages", "nvpair.urls",
                 "nvpair.tls", "nvpair.streams", "nvpair.boundary", "nvpair.logs",
-                "nvpair.looplag", "nvpair.changes", "nvpair.histogram")),
+                "nvpair.looplag", "nvpair.changes", "nvpair.histogram", "nvpair.evict",
+                "nvpair.memtrend", "nvpair.memproc")),
     ("config", ("nvpair.manifest", "nvpair.command", "nvpair.cluster", "nvpair.config",
-                "nvpair.schema", "nvpair.deploy")),
+                "nvpair.schema", "nvpair.deploy", "nvpair.group.spec")),
     ("snapshot", ("nvpair.snapshot", "nvpair.state", "nvpair.traffic", "nvpair.listing",
-                  "nvpair.events")),
+                  "nvpair.events", "nvpair.group.machine",
+                  "nvpair.history", "nvpair.memstate")),
     ("supervision", ("nvpair.probes", "nvpair.prober", "nvpair.sweep", "nvpair.process",
-                     "nvpair.lifecycle", "nvpair.supervisor", "nvpair.orphans")),
+                     "nvpair.lifecycle", "nvpair.supervisor", "nvpair.orphans",
+                     "nvpair.group.runner", "nvpair.memwatch")),
     ("http", ("nvpair.asgi", "nvpair.views", "nvpair.sse", "nvpair.api", "nvpair.control",
-              "nvpair.server", "nvpair.metrics")),
+              "nvpair.server", "nvpair.metrics", "nvpair.group.view",
+              "nvpair.dashboard")),
     ("router", ("nvpair.router",)),
-    ("peers", ("nvpair.peers",)),
+    ("peers", ("nvpair.peers", "nvpair.group.link", "nvpair.group.epochkey")),
     ("service", ("nvpair.service",)),
-    ("cli", ("nvpair.cli", "nvpair.__main__")),
+    # nvpair.group is only its package's docstring; its modules are placed above, each in
+    # its own layer (a lower rank wins, so the package's name goes last)
+    ("cli", ("nvpair.cli", "nvpair.__main__", "nvpair.group")),
 )
 #: a program of its own (``python -m nvpair.sim``): outside the ranks, see the sim rules.
 SIM = "nvpair.sim"
 
 SUPERVISION = ("nvpair.probes", "nvpair.prober", "nvpair.sweep", "nvpair.process",
-               "nvpair.lifecycle", "nvpair.supervisor", "nvpair.orphans")
+               "nvpair.lifecycle", "nvpair.supervisor", "nvpair.orphans", "nvpair.group.runner",
+               "nvpair.memwatch")
 PURE_CONFIG = ("nvpair.config", "nvpair.cluster", "nvpair.manifest", "nvpair.decoding",
-               "nvpair.errors", "nvpair.command")
+               "nvpair.errors", "nvpair.command", "nvpair.group.spec")
 IO_LIBRARIES = ("trio", "httpx2", "httpcore2")
 
 

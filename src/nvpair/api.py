@@ -287,7 +287,7 @@ class Api:
             await send_json(send, 200, views.engine_status(engine, snap, now, self.node))
             return
         action = rest[0]
-        if action in ("start", "stop", "restart") and len(rest) == 1:
+        if action in ("start", "stop", "restart", "drain") and len(rest) == 1:
             if method != "POST":
                 await send_error(send, 405, f"use POST /v1/engines/{name}/{action}")
                 return
@@ -345,7 +345,7 @@ class Api:
 #: routes counted under their own path; others by their shape (``route_label``)
 FIXED_ROUTES = frozenset({"/healthz", "/metrics", "/v1/models", "/v1/cluster/models",
                           "/v1/engines", "/v1/events"})
-ENGINE_ACTIONS = frozenset({"start", "stop", "restart", "logs"})
+ENGINE_ACTIONS = frozenset({"start", "stop", "restart", "drain", "logs"})
 
 
 def route_label(path: str, mounts: Sequence[Mount] = ()) -> str:

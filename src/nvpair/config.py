@@ -9,13 +9,14 @@ import re
 import socket
 import tomllib
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
 from nvpair.cluster import ClusterConfig, ClusterSettings, resolve_cluster
 from nvpair.decoding import convert, one_line
 from nvpair.errors import ConfigError, ManifestError
+from nvpair.group.spec import GroupConfig, GroupSettings, resolve_group
 from nvpair.manifest import (
     BUILTIN_KINDS,
     PROBE_NAMES,
@@ -54,10 +55,59 @@ class EngineConfig(Base, frozen=True):
     aliases: tuple[str, ...] = ()
     #: hide this engine while nothing answers (used by the embedded default config).
     optional: bool = False
+    #: one engine run across several nodes (docs/groups.md).
+    group: GroupConfig | None = None
     #: how long a managed engine may take to become ready (default: the manifest's).
     startup_budget_s: Seconds | None = None
     #: seconds between SIGTERM and SIGKILL when stopping (default: the manifest's).
     stop_grace_s: Seconds | None = None
+    #: adopted engines: a file holding the engine's pid, for the memory watch (docs/memory.md).
+    pid_file: str | None = None
+    #: adopted engines: the engine's cgroup v2 (a path under /sys/fs/cgroup), instead.
+    cgroup: str | None = None
+    #: "always" runs it from the start; "on_demand" starts it for a request (docs/on-demand.md).
+    activation: Literal["always", "on_demand"] = "always"
+    #: on demand: stop after this long with no routed request (0: never).
+    idle_unload_s: Annotated[float, msgspec.Meta(ge=0, le=30 * 86400)] = 0.0
+    #: on demand: a higher priority survives eviction longer.
+    priority: Annotated[int, msgspec.Meta(ge=-1000, le=1000)] = 0
+    #: on demand: the footprint evictions are planned with ("measured": the memory watch's).
+    memory_bytes: Literal["measured"] | Annotated[int, msgspec.Meta(ge=0)] = "measured"
+
+
+class ActivationConfig(Base, frozen=True):
+    """The ``[activation]`` table: what on-demand engines share (docs/on-demand.md)."""
+
+    #: what on-demand engines may use together ("auto": headroom minus the reserve).
+    memory_budget_bytes: Literal["auto"] | Annotated[int, msgspec.Meta(ge=0)] = "auto"
+    #: requests waiting per model, then 429.
+    queue_max: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 64
+    #: a waiting request gets 503 with Retry-After after this long.
+    queue_wait_s: Seconds = 300.0
+
+
+#: hours, fractions allowed (a test watches windows of seconds)
+Hours = Annotated[float, msgspec.Meta(gt=0, le=24 * 366)]
+
+
+class MemoryConfig(Base, frozen=True):
+    """The ``[memory]`` table: the memory watch and what it does (docs/memory.md)."""
+
+    #: seconds between readings of the engines' processes and the node.
+    interval_s: Seconds = 15.0
+    #: the trend is judged over this many hours of readings.
+    window_h: Hours = 6.0
+    #: an engine whose headroom runs out within this many hours is leaking.
+    horizon_h: Hours = 24.0
+    #: what the OOM killers keep free: "auto" is earlyoom's, max(10 % of MemAvailable +
+    #: AnonPages, 2 GiB); or a number of bytes.
+    reserve_bytes: Literal["auto"] | Annotated[int, msgspec.Meta(ge=0)] = "auto"
+    #: "warn" (log, event, metric), or "restart_when_quiet" (managed engines).
+    action: Literal["warn", "restart_when_quiet"] = "warn"
+    #: restart_when_quiet: no routed request in flight for this long first.
+    quiet_s: Annotated[float, msgspec.Meta(ge=0, le=86400)] = 300.0
+    #: restart_when_quiet: at most one memory restart of an engine in this many hours.
+    min_restart_interval_h: Annotated[float, msgspec.Meta(ge=0, le=24 * 366)] = 6.0
 
 
 class PeerConfig(Base, frozen=True):
@@ -112,6 +162,10 @@ class Config(Base, frozen=True):
     router: RouterConfig = RouterConfig()
     #: the peers broker: cluster token, advertised URL, backend (push or etcd); docs/peers.md.
     cluster: ClusterConfig = ClusterConfig()
+    #: the memory watch: readings, trend windows, the reserve and the action (docs/memory.md).
+    memory: MemoryConfig = MemoryConfig()
+    #: engines started on demand: the memory budget and the queues (docs/on-demand.md).
+    activation: ActivationConfig = ActivationConfig()
 
 
 log = logging.getLogger("nvpair.config")
@@ -145,6 +199,16 @@ class EngineSpec(msgspec.Struct, frozen=True):
     allow_generating: bool = False
     startup_budget_s: float = 600.0
     stop_grace_s: float = 30.0
+    #: adopted engines: where the memory watch finds its pid, or its cgroup (None: its socket)
+    pid_file: str | None = None
+    cgroup: str | None = None
+    #: this node's part of a multi-node group (None: a single-node engine).
+    group: GroupSettings | None = None
+    activation: str = "always"  # or "on_demand"
+    idle_unload_s: float = 0.0
+    priority: int = 0
+    #: the configured footprint (None: "measured", from the memory watch only)
+    memory_bytes: int | None = None
 
     @property
     def url(self) -> str:
@@ -173,6 +237,8 @@ class Settings(msgspec.Struct, frozen=True):
     max_streams: int = 64
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
+    memory: MemoryConfig = MemoryConfig()
+    activation: ActivationConfig = ActivationConfig()
 
 
 def parse_listen(value: str, source: str) -> tuple[str, int]:
@@ -282,6 +348,10 @@ def resolve(config: Config, source: str, base: Path, *, listen: str | None = Non
     cluster = resolve_cluster(config.cluster, config.peers, source=source, base=base,
                               node=config.node or socket.gethostname(), api_token=token,
                               read_secret=read_secret)
+    engines = [_grouped(eng, spec, f"{source}: engines[{i}]", config.node or socket.gethostname(),
+                        cluster is not None and bool(cluster.etcd or cluster.peers))
+               for i, (eng, spec) in
+               enumerate(zip(config.engines, engines, strict=True))]
     state_dir = Path(config.state_dir).expanduser() if config.state_dir else default_state_dir()
     if not state_dir.is_absolute():
         state_dir = base / state_dir
@@ -306,6 +376,8 @@ def resolve(config: Config, source: str, base: Path, *, listen: str | None = Non
         max_streams=config.max_streams,
         header_timeout_s=config.header_timeout_s,
         body_timeout_s=config.body_timeout_s,
+        memory=_checked_memory(config.memory, source),
+        activation=config.activation,
     )
 
 
@@ -360,6 +432,10 @@ def _resolve_engine(eng: EngineConfig, where: str, base: Path) -> EngineSpec:
             f"{where}: managed = true but neither the engine's command nor the "
             f"{manifest.kind} manifest's start.argv says how to start it"
         )
+    if eng.activation == "on_demand" and not eng.managed:
+        raise ConfigError(f"{where}.activation: on_demand needs managed = true (nvpair "
+                          "starts and stops the engine)")
+    pid_file = _memory_source(eng, where, base)
     api_key = None
     if eng.api_key_file:
         api_key = read_secret(eng.api_key_file, where, "api_key_file", base)
@@ -381,6 +457,12 @@ def _resolve_engine(eng: EngineConfig, where: str, base: Path) -> EngineSpec:
         allow_generating=manifest.allow_generating_probes or eng.allow_generating_probes,
         startup_budget_s=eng.startup_budget_s or manifest.startup_budget_s,
         stop_grace_s=eng.stop_grace_s or manifest.stop.grace_s,
+        pid_file=pid_file,
+        cgroup=eng.cgroup,
+        activation=eng.activation,
+        idle_unload_s=eng.idle_unload_s,
+        priority=eng.priority,
+        memory_bytes=None if eng.memory_bytes == "measured" else eng.memory_bytes,
     )
     if spec.managed:
         from nvpair.command import CommandError, build_command
@@ -430,3 +512,51 @@ def placeholder_values(spec: EngineSpec) -> dict[str, object]:
     if spec.api_key is not None:
         values["api_key"] = spec.api_key
     return values
+
+
+def _grouped(eng: EngineConfig, spec: EngineSpec, where: str, node: str,
+             peers: bool) -> EngineSpec:
+    """``spec`` with this node's part of its group (``[engines.group]``), if it has one."""
+    if eng.group is None:
+        return spec
+    if eng.activation != "always":
+        raise ConfigError(f"{where}.activation: a group runs always; on_demand cannot be "
+                          "used with [engines.group]")
+    group = resolve_group(eng.group, engine=spec.name, manifest=spec.manifest,
+                          managed=spec.managed, command=spec.command,
+                          values=placeholder_values(spec), node=node, env=os.environ,
+                          peers=peers, where=where)
+    return msgspec.structs.replace(spec, group=group)
+
+
+def _memory_source(eng: EngineConfig, where: str, base: Path) -> str | None:
+    """An adopted engine's ``pid_file`` (made absolute) after checking ``cgroup`` too."""
+    for key in ("pid_file", "cgroup"):
+        value = getattr(eng, key)
+        if value is None:
+            continue
+        if eng.managed:
+            raise ConfigError(f"{where}.{key}: only for adopted engines (nvpair knows the "
+                              "processes of an engine it starts)")
+        if not value.strip() or "\0" in value:
+            raise ConfigError(f"{where}.{key}: expected a path, got {value!r}")
+    if eng.pid_file is not None and eng.cgroup is not None:
+        raise ConfigError(f"{where}: pid_file and cgroup both say where the engine's "
+                          "processes are; give one")
+    if eng.pid_file is None:
+        return None
+    path = Path(eng.pid_file).expanduser()
+    return str(path if path.is_absolute() else base / path)
+
+
+#: the trend needs at least this many readings in its window
+MIN_READINGS = 8
+
+
+def _checked_memory(memory: MemoryConfig, source: str) -> MemoryConfig:
+    window_s = memory.window_h * 3600
+    if window_s < MIN_READINGS * memory.interval_s:
+        raise ConfigError(
+            f"{source}: memory.window_h: {memory.window_h:g} h ({window_s:g} s) holds fewer "
+            f"than {MIN_READINGS} readings of memory.interval_s = {memory.interval_s:g} s")
+    return memory

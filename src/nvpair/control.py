@@ -32,11 +32,14 @@ class Control:
         self.node = node
 
     async def command(self, name: str, action: str) -> tuple[int, dict[str, Any]]:
-        """Ask engine ``name``'s runner for ``action`` (start, stop or restart): 202 with
+        """Ask engine ``name``'s runner for ``action`` (start, stop, restart or drain): 202 with
         the engine's status, or 409 with why not. Raises KeyError for an unknown engine
         (the API checks the name first)."""
         runner = self.runners[name]
-        result = runner.request(cast(Action, action))
+        if action == "drain":  # finish the routed requests in flight, then stop
+            result = runner.drain(then="stop", reason="asked by the operator")
+        else:
+            result = runner.request(cast(Action, action))
         if isinstance(result, Busy):
             return 409, error_doc(409, result.reason, "engine_busy")
         snap = self.board.current

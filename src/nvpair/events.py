@@ -28,6 +28,7 @@ import trio
 
 from nvpair.changes import Changes
 from nvpair.errors import NvpairError
+from nvpair.memstate import event_doc
 from nvpair.snapshot import Board, EngineState, shown_state
 
 #: event types a stream may ask for (``?types=``); ``snapshot`` and ``bye`` always come.
@@ -93,7 +94,9 @@ def engine_content(e: EngineState, now: float) -> dict[str, Any]:
             "identity": None if e.identity is None else {
                 "model": e.identity.model, "version": e.identity.version},
             "error": "; ".join(x for x in (e.error, e.notice) if x) or None,
-            "restarts": e.restarts, "pid": e.pid, "exit_code": e.exit_code}
+            "restarts": e.restarts, "pid": e.pid, "exit_code": e.exit_code,
+            "admitting": e.admitting, "queued": e.queued, "activity": e.activity,
+            "memory": event_doc(e.memory)}
 
 
 def parse_event_id(text: str) -> tuple[str, int] | None:

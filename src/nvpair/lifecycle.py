@@ -59,11 +59,15 @@ from nvpair.state import enter
 from nvpair.traffic import Traffic
 
 __all__ = ["KILL_WAIT_S", "OUTPUT_DRAIN_S", "Accepted", "Action", "Busy", "EngineRunner",
-           "Result", "StartError", "Why", "first_of"]
+           "Result", "StartError", "Then", "Why", "first_of"]
 
 log = logging.getLogger("nvpair.lifecycle")
 
 Action = Literal["start", "stop", "restart"]
+#: what a drain ends in: the engine stopped (an on-demand engine: cold) or restarted
+Then = Literal["stop", "restart"]
+#: how often a drain looks at the requests in flight (the router counts them in Traffic)
+DRAIN_POLL_S = 0.05
 #: Why a run of an engine process ended: it exited by itself, it was not ready within its
 #: startup budget, or a stop or restart was asked for.
 Why = Literal["exited", "budget", "stop", "restart"]
@@ -133,9 +137,19 @@ class EngineRunner:
         self._reaper: trio.Nursery | None = None
         self.procs = procs if procs is not None else EngineProcs(None)  # state files
         self.traffic = traffic
+        #: whether an exit by itself (its code) was a kill for memory, in words, or None
+        #: (the memory watch's ``MemoryWatch.explain_exit``; None: not asked)
+        self.explain_exit: Callable[[int | None], str | None] | None = None
         self.board = board
         self.sweep = sweep  # where its prober is enrolled while its probes run
-        self.desired: Literal["running", "stopped"] = "running"
+        #: an on-demand engine rests ``cold`` until a request starts it (docs/on-demand.md)
+        self.on_demand = spec.activation == "on_demand"
+        self.desired: Literal["running", "stopped"] = "stopped" if self.on_demand else "running"
+        #: the state it rests in once stopped: ``stopped`` when asked to stop, ``cold`` for
+        #: an on-demand engine drained (idle, evicted) or not started yet
+        self.rest: Literal["stopped", "cold"] = "cold" if self.on_demand else "stopped"
+        #: the drain in progress: what it ends in, and why it was asked for
+        self.draining: tuple[Then, str] | None = None
         self.operation: str | None = None
         self._restart = False
         self._wake = Changes()  # bumped by every request
@@ -156,6 +170,7 @@ class EngineRunner:
         Returns ``Accepted`` (also for a repeat of what is in progress, or nothing to do)
         or ``Busy`` when a stop is in progress and ``action`` is a start or restart."""
         if action == "stop":
+            self.rest = "stopped"
             if self.desired == "stopped":
                 return self._accepted(action)
             self.desired = "stopped"
@@ -167,6 +182,7 @@ class EngineRunner:
                 self._kick()  # nothing to change, but it ends a wait after a runner failure
                 return self._accepted(action)
             self.desired = "running"
+            self.rest = "cold" if self.on_demand else "stopped"
             self.operation = "starting"
         else:
             if self.operation == "stopping":
@@ -178,6 +194,77 @@ class EngineRunner:
             self.operation = "restarting"
         self._kick()
         return self._accepted(action)
+
+    def drain(self, *, then: Then = "stop", reason: str = "drain requested") -> Result:
+        """Stop admitting, let the routed requests in flight finish (up to the stop grace),
+        then stop (an on-demand engine: ``cold``) or restart. Never waits.
+
+        The engine's state shows ``admitting: false`` at once, so the router sends its
+        models elsewhere (another engine or a peer), or queues or answers 503 meanwhile.
+        Returns ``Accepted("draining")`` (also for a repeat), ``Accepted("stop")`` when a
+        stopped engine is asked to drain to a stop (nothing to do), or ``Busy``: a stop in
+        progress, a drain to the other end, or a restart of an engine that is stopped."""
+        name = self.spec.name
+        if self.draining is not None:  # (also once it stops or restarts for the drain)
+            if self.draining[0] == then:
+                return Accepted("draining")
+            return Busy(f"engine {name} is draining to {self.draining[0]} already")
+        if self.operation == "stopping":
+            return Busy(f"engine {name} is stopping already")
+        if self.desired == "stopped":
+            if then == "stop":
+                return Accepted("stop")
+            return Busy(f"engine {name} is stopped; start it instead")
+        self.draining = (then, reason)
+        self.operation = "draining"
+        in_flight = self._in_flight()
+        activity = f"draining ({reason}): {in_flight} in flight, then {then}"
+        self._set(admitting=False, activity=activity)
+        log.info("%s: %s", name, activity)
+        self._kick()
+        return Accepted("draining")
+
+    def unload(self) -> Result:
+        """Stop at once and rest ``cold`` (an on-demand engine whose start failed: the next
+        request tries again, rather than the restart loop); otherwise a plain stop."""
+        result = self.request("stop")
+        self.rest = "cold" if self.on_demand else "stopped"
+        return result
+
+    def _in_flight(self) -> int:
+        """Routed requests in flight on this engine (nvpair.traffic, the router's count)."""
+        entry = None if self.traffic is None else self.traffic.engines.get(self.spec.name)
+        return 0 if entry is None else entry.in_flight
+
+    async def _drained(self) -> None:
+        """Until nothing is in flight, the stop grace has passed, or a stop or restart was
+        asked for meanwhile; then what the drain ends in is asked for."""
+        assert self.draining is not None
+        then, _reason = self.draining
+        with trio.move_on_after(self.spec.stop_grace_s):
+            while self._in_flight() > 0 and not self._wanted_off():
+                with trio.move_on_after(DRAIN_POLL_S):
+                    await self._wake.wait()
+        if self._wanted_off():
+            return
+        if then == "stop":
+            self.desired = "stopped"
+            self.rest = "cold" if self.on_demand else "stopped"
+            self.operation = "stopping"
+        else:
+            self._restart = True
+            self.operation = "restarting"
+
+    def _drain_done(self) -> None:
+        if self.draining is not None:
+            then, reason = self.draining
+            self.draining = None
+            left = self._in_flight()
+            cut = f"; {left} still in flight after the stop grace" if left else ""
+            done = "stopped" if then == "stop" else "restarted"
+            activity = f"drained ({reason}), then {done}{cut}"
+            self._set(activity=activity)
+            log.info("%s: %s", self.spec.name, activity)
 
     def _accepted(self, action: Action) -> Accepted:
         return Accepted(self.operation or action)
@@ -242,7 +329,8 @@ class EngineRunner:
         if self.desired == "stopped":
             # The last model list stays (unlisted while stopped): a request for it
             # gets "not ready" (503), not "no such model" (404).
-            self._set(state="stopped", pid=None, error=self.stuck)
+            self._drain_done()
+            self._set(state=self.rest, pid=None, error=self.stuck, admitting=True)
             self.operation = None
             await self._until(lambda: self.desired == "running")
             return
@@ -262,7 +350,7 @@ class EngineRunner:
         self.operation = None
         async with trio.open_nursery() as nursery:
             await nursery.start(self._probes())
-            await self._until(self._wanted_off)
+            await self._asked()
             nursery.cancel_scope.cancel(reason="stop requested")
 
     async def _run_process(self) -> None:
@@ -308,7 +396,7 @@ class EngineRunner:
         self.starts += 1
         self._ready_at = None
         self._set(state="starting", pid=proc.pid, error=None, exit_code=None,
-                  exited_at=None, restarts=self.starts - 1)
+                  exited_at=None, restarts=self.starts - 1, admitting=True)
         self.operation = None
         async with trio.open_nursery() as probing:
             await probing.start(self._probes())
@@ -347,7 +435,9 @@ class EngineRunner:
         await trio.sleep_forever()
 
     async def _asked(self) -> Why:
-        await self._until(self._wanted_off)
+        await self._until(lambda: self._wanted_off() or self.draining is not None)
+        if self.draining is not None:
+            await self._drained()
         return "stop" if self.desired != "running" else "restart"
 
     def _wanted_off(self) -> bool:
@@ -362,15 +452,21 @@ class EngineRunner:
         spec = self.spec
         stuck = self.stuck
         if why in ("stop", "restart"):
-            self._set(state="stopped" if why == "stop" else "starting", pid=None,
-                      exit_code=code, exited_at=_wall(), error=stuck)
+            self._drain_done()
+            self._set(state=self.rest if why == "stop" else "starting", pid=None,
+                      exit_code=code, exited_at=_wall(), error=stuck, admitting=True)
             return
+        if self.draining is not None and self.draining[0] == "stop":  # it ended by itself
+            self.desired = "stopped"
         if why == "budget":
             last = self.board.current.engine(spec.name)
             detail = f" (last probe: {last.error})" if last and last.error else ""
             error = f"not ready within its startup budget of {spec.startup_budget_s:g} s{detail}"
         else:
             error = f"engine process {describe_exit(code)}"
+            cause = None if self.explain_exit is None else self.explain_exit(code)
+            if cause is not None:
+                error = f"engine process {describe_exit(code)}: {cause}"
         if stuck is not None:
             error = f"{error}; {stuck}"
         if self._ready_for() >= spec.manifest.restart.reset_after_s:

@@ -22,7 +22,8 @@ from typing import Annotated
 import msgspec
 
 from nvpair.ages import age
-from nvpair.snapshot import LISTED_STATES, Board, EngineState
+from nvpair.group.machine import GroupTag
+from nvpair.snapshot import SHOWN_STATES, Board, EngineState
 
 #: the longest model id, owner or alias peers take (and names: engines, kinds, states);
 #: items are not cut to these here, the advertiser leaves out the ones that do not fit.
@@ -45,6 +46,8 @@ class ModelItem(msgspec.Struct, frozen=True, gc=False):
     created: int = 0
     owned_by: Text = ""  # as listed: the engine's owned_by, else the kind
     alias_of: Text | None = None
+    #: the head of a multi-node group: the group's name, epoch and ranks (docs/groups.md)
+    group: GroupTag | None = None
 
 
 def visible(e: EngineState) -> bool:
@@ -123,7 +126,7 @@ class Catalog:
         moved = []  # engines whose listed names or rank changed (not only their fields)
         for pos in changed:
             e = engines[pos]
-            basis = (e.models, e.aliases, e.state in LISTED_STATES, shown[pos] != "ready")
+            basis = (e.models, e.aliases, e.state in SHOWN_STATES, shown[pos] != "ready")
             old = self.basis[pos]
             if (old is not None and old[0] is basis[0] and old[1] is basis[1]
                     and old[2:] == basis[2:]):
@@ -140,7 +143,7 @@ class Catalog:
                     ids[:] = [p for p in ids if p != pos]
                 affected.add(model_id)
             self.shown[pos] = str(shown[pos])
-            self.names[pos] = _names(e) if e.state in LISTED_STATES else []
+            self.names[pos] = _names(e) if e.state in SHOWN_STATES else []
         for pos in moved:
             for name in self.names[pos]:
                 model_id = name[0]
@@ -181,7 +184,7 @@ class Catalog:
             if rebuild or model_id in affected or model_id not in items:
                 items[model_id] = ModelItem(  # (positional: 10,000 of them in milliseconds)
                     model_id, name, alone if len(ids) == 1 else tuple(names_of[p] for p in ids),
-                    kind, shown, stale, created, owned_by or kind, alias_of)
+                    kind, shown, stale, created, owned_by or kind, alias_of, e.group)
         self.owned[pos] = owned
         self.changed_at[pos] = self.version
 
@@ -213,6 +216,12 @@ class _Nvpair(msgspec.Struct):
     alias_of: str | None
 
 
+class _GroupNvpair(_Nvpair):
+    """``nvpair`` of a group's model: ``group`` too (other items are encoded without it)."""
+
+    group: GroupTag
+
+
 class _Item(msgspec.Struct):
     """An item of ``/v1/models`` on the wire (docs/api.md)."""
 
@@ -229,6 +238,10 @@ _PLACEHOLDER = _AGE + b"null"
 
 
 def wire(item: ModelItem, node: str, checked_age_s: float | None) -> _Item:
+    if item.group is not None:
+        return _Item(item.id, "model", item.created, item.owned_by, _GroupNvpair(
+            item.engine, item.engines, item.kind, node, item.state, item.stale,
+            checked_age_s, item.alias_of, item.group))
     return _Item(item.id, "model", item.created, item.owned_by, _Nvpair(
         item.engine, item.engines, item.kind, node, item.state, item.stale, checked_age_s,
         item.alias_of))

@@ -24,6 +24,7 @@ import trio
 
 from nvpair import __version__
 from nvpair.histogram import Histogram
+from nvpair.memstate import trend_level
 from nvpair.snapshot import Board, EngineState, Snapshot, shown_state
 from nvpair.traffic import Traffic
 
@@ -31,7 +32,7 @@ CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 #: a rendered body serves every scrape of the same second (and content versions)
 CACHE_S = 1.0
 #: every state an engine can be in (``nvpair.snapshot.State``), each a series of 0 or 1
-ENGINE_STATES = ("starting", "ready", "stale", "unhealthy", "down", "stopped")
+ENGINE_STATES = ("starting", "ready", "stale", "unhealthy", "down", "stopped", "cold")
 #: every state of a peer (``nvpair.peers.table.PeerState``)
 PEER_STATES = ("fresh", "one-way", "stale", "gone", "left")
 
@@ -156,6 +157,7 @@ class Metrics:
         self._sweep(family, add)
         self._peers(now, family, add)
         self._router(engines, names, family, add)
+        memory_families(snap, names, family, add)
         self._api(family, add)
         if self.streams is not None:
             family("nvpair_events_streams", "gauge", "Open /v1/events streams.")
@@ -243,6 +245,42 @@ def _lines(e: EngineState, state: str, offset: float) -> _Engine:
         f"nvpair_engine_restarts_total{{{lbl}}} {e.restarts}\n",
         "".join(probes),
         tuple(((e.kind, p), st.latency_ms_total, st.requests) for p, st in e.probes))
+
+
+def memory_families(snap: Snapshot, names: list[str], family: Callable[[str, str, str], None],
+                    add: Callable[[str], None]) -> None:
+    """The memory watch's gauges (docs/metrics.md), from the snapshot."""
+    watched = [(e.memory, lbl) for e, lbl in zip(snap.engines, names, strict=True)
+               if e.memory is not None and e.memory.rss_anon_bytes is not None]
+    if watched:
+        family("nvpair_engine_memory_anon_bytes", "gauge",
+               "The engine's processes' anonymous resident memory plus swap (RssAnon + VmSwap).")
+        for m, lbl in watched:
+            add(f"nvpair_engine_memory_anon_bytes{{{lbl}}} "
+                f"{(m.rss_anon_bytes or 0) + (m.swap_bytes or 0)}\n")
+        family("nvpair_engine_memory_trend", "gauge",
+               "The engine's memory trend: 0 flat, 1 growing, 2 leaking, 3 critical.")
+        for m, lbl in watched:
+            add(f"nvpair_engine_memory_trend{{{lbl}}} {trend_level(m.trend)}\n")
+        family("nvpair_engine_memory_slope_bytes_per_hour", "gauge",
+               "The slope of the engine's memory floor over the trend window.")
+        for m, lbl in watched:
+            add(f"nvpair_engine_memory_slope_bytes_per_hour{{{lbl}}} "
+                f"{number(m.slope_bytes_per_h or 0.0)}\n")
+    node = snap.memory
+    if node is not None and node.mem_available is not None:
+        family("nvpair_node_memory_available_bytes", "gauge", "MemAvailable of the node.")
+        add(f"nvpair_node_memory_available_bytes {node.mem_available}\n")
+        family("nvpair_node_memory_reserve_bytes", "gauge",
+               "What the OOM killers keep free (the memory watch's reserve).")
+        add(f"nvpair_node_memory_reserve_bytes {node.reserve_bytes or 0}\n")
+        family("nvpair_node_memory_trend", "gauge",
+               "The node's memory trend: 0 flat, 1 growing, 2 leaking, 3 critical.")
+        add(f"nvpair_node_memory_trend {trend_level(node.trend)}\n")
+        if node.psi_some_avg10 is not None:
+            family("nvpair_node_memory_pressure_some_avg10", "gauge",
+                   "PSI: the share (percent) of the last 10 s some task stalled on memory.")
+            add(f"nvpair_node_memory_pressure_some_avg10 {number(node.psi_some_avg10)}\n")
 
 
 def histogram(add: Callable[[str], None], name: str, labels: str, h: Histogram) -> None:

@@ -17,14 +17,19 @@ from nvpair.asgi import Mount
 from nvpair.boundary import Part
 from nvpair.config import Settings, url_host
 from nvpair.control import Control
+from nvpair.dashboard import Dashboard, HistoryView
 from nvpair.events import Journal
+from nvpair.group.link import Groups
+from nvpair.history import History
 from nvpair.lifecycle import EngineRunner
+from nvpair.memwatch import MemoryWatch
 from nvpair.metrics import Metrics
 from nvpair.peers.broker import Broker
 from nvpair.peers.feed import PeerFeed
 from nvpair.peers.push import keep_alive_for
 from nvpair.peers.receiver import ADVERTS_PATH
 from nvpair.router import ROUTED_PATHS, Router, Traffic
+from nvpair.router.activation import Activator
 from nvpair.router.view import TrafficView
 from nvpair.server import Connections, Limits, connection_cap
 from nvpair.server import serve as serve_http
@@ -50,6 +55,10 @@ class Running(msgspec.Struct, frozen=False):
     connections: Connections | None = None
     #: the change journal of GET /v1/events
     events: Journal | None = None
+    #: this node's parts of multi-node groups
+    groups: Groups | None = None
+    #: the memory watch (docs/memory.md)
+    memory: MemoryWatch | None = None
 
 
 def limits(settings: Settings) -> Limits:
@@ -92,21 +101,39 @@ async def run(settings: Settings, *,
     the started value, in Trio's exception groups (the CLI unwraps it into one line).
     Nothing an engine, a peer or a client does ends it: those are their parts' state.
     """
+    groups = Groups(settings)  # this node's parts of multi-node groups (docs/groups.md)
+    settings = groups.local(settings)  # a group's engine: adopted on its head, not on ranks
     board = Board(tuple(initial_state(spec) for spec in settings.engines))
     sweep = Sweep(board, settings.sweep_deadline_s)
     traffic = Traffic(settings.router)
     procs = orphans.EngineProcs(settings.state_dir)
     runners = {spec.name: EngineRunner(spec, board, sweep, settings.log_dir, traffic, procs)
                for spec in settings.engines}
+    memory = MemoryWatch(settings.memory, board, settings.engines, traffic=traffic,
+                         runners=runners)
+    for name, runner in runners.items():  # an exit while memory ran out: said so
+        runner.explain_exit = memory.exit_explainer(name)
     peers = None if settings.cluster is None else Broker(settings.cluster, board, settings.node)
     cluster_token = None if settings.cluster is None else settings.cluster.token
+    groups.attach(board, peers, procs)
+    activator = None  # engines on demand (docs/on-demand.md)
+    if any(spec.activation == "on_demand" for spec in settings.engines):
+        activator = Activator(board, settings.engines, runners, traffic, settings.activation)
     router = Router(board, settings.engines, settings.router, traffic, node=settings.node,
-                    peers=None if peers is None else peers.table, cluster_token=cluster_token)
+                    peers=None if peers is None else peers.table, cluster_token=cluster_token,
+                    activator=activator)
     mounts = [Mount(handler=TrafficView(traffic), paths=frozenset({"/v1/router"}))]
+    history = History(board)  # the dashboard's charts (docs/dashboard.md)
+    mounts += [Mount(handler=Dashboard(token_set=settings.token is not None,
+                                       allowed_hosts=frozenset(settings.allowed_hosts)),
+                     paths=Dashboard.paths, prefix=Dashboard.prefix, own_auth=True),
+               Mount(handler=HistoryView(history, settings.node, mounts),
+                     paths=frozenset({HistoryView.path}))]
     if settings.router.enabled:
         mounts.append(Mount(handler=router, paths=ROUTED_PATHS, peer_auth=True))
     if peers is not None:
         mounts.extend(peers.mounts)
+    mounts.extend(groups.mounts)
     events = Journal(board, node=settings.node, max_streams=settings.max_streams,
                      peers=None if peers is None else PeerFeed(peers.table))
     api = Api(board, node=settings.node, token=settings.token, events=events,
@@ -122,17 +149,23 @@ async def run(settings: Settings, *,
         await shutdown.wait()
         events.close()
 
-    await orphans.reclaim(procs, settings.engines)  # what a killed nvpair left running
+    # what a killed nvpair left running (a group rank's too: not in the local settings)
+    await orphans.reclaim(procs, groups.settings.engines)
     # Lifetimes, outermost last to end: the router's engine clients, the engines, the API.
     # On shutdown the API drains first, then engines stop, then the clients close.
     async with trio.open_nursery() as outer:
         outer.start_soon(looplag.from_env)  # opt-in: NVPAIR_LOOP_LAG_FILE (benchmarks)
         await outer.start(router.run)
+        if activator is not None:
+            await outer.start(activator.run)
         outer.start_soon(Part("events journal").supervise, events.run)  # a bug: retried
+        outer.start_soon(Part("history").supervise, history.run)
         async with trio.open_nursery() as engines:
             for runner in runners.values():
                 await engines.start(runner.run)
             await engines.start(sweep.run)
+            await engines.start(groups.run)
+            await engines.start(memory.run)
             async with trio.open_nursery() as http:
                 connections = Connections(connection_cap(settings.max_connections))
                 binds = await http.start(
@@ -147,7 +180,9 @@ async def run(settings: Settings, *,
                 task_status.started(Running(url=binds[0], board=board, sweep=sweep,
                                             runners=runners, traffic=traffic,
                                             stop=shutdown.set, peers=peers, procs=procs,
-                                            connections=connections, events=events))
+                                            connections=connections, events=events,
+                                            groups=groups,
+                                            memory=memory))
             # hypercorn has stopped accepting and drained in-flight requests; engines stop
             # with their grace periods (each SIGTERM, wait, SIGKILL, in parallel).
             engines.cancel_scope.cancel(reason="nvpair is shutting down")

@@ -23,10 +23,15 @@ import msgspec
 import trio
 
 from nvpair.changes import Changes
+from nvpair.group.machine import GroupTag
+from nvpair.memstate import EngineMemory, NodeMemory
 
-State = Literal["starting", "ready", "stale", "unhealthy", "down", "stopped"]
+State = Literal["starting", "ready", "stale", "unhealthy", "down", "stopped", "cold"]
 #: States whose models are listed (a stale engine is last known good).
 LISTED_STATES: frozenset[str] = frozenset({"ready", "stale"})
+#: States whose models ``/v1/models`` shows: also ``cold`` (an on-demand engine at rest,
+#: started by a request for its model; docs/on-demand.md). Only LISTED_STATES are routed.
+SHOWN_STATES: frozenset[str] = LISTED_STATES | {"cold"}
 
 # The snapshot's structs hold only immutable values, never a reference back, so they can
 # have no cycles: ``gc=False`` keeps them out of the cyclic collector, which at 1,024
@@ -105,6 +110,16 @@ class EngineState(msgspec.Struct, frozen=True, gc=False):
     aliases: tuple[str, ...] = ()
     #: a ready engine with no successful health probe for this long is reported stale.
     overdue_after_s: float = 30.0
+    #: its memory as the memory watch last read it (not listed: it moves no listing)
+    memory: EngineMemory | None = None
+    #: False while it drains: the router sends it no new request (nvpair.lifecycle drain)
+    admitting: bool = True
+    #: requests waiting for this on-demand engine to be ready (nvpair.router.activation)
+    queued: int = 0
+    #: the last activation, eviction or drain, in words (an event when it changes)
+    activity: str | None = None
+    #: the head of a multi-node group: its group, for its models' nvpair.group (docs/groups.md)
+    group: GroupTag | None = None
 
     def probe(self, name: str) -> ProbeStats | None:
         for n, stats in self.probes:
@@ -127,7 +142,7 @@ def shown_state(e: EngineState, now: float, overdue_after: float | None = None) 
 def listed_key(e: EngineState, now: float) -> tuple[object, ...]:
     """What the listing shows of one engine: equal keys, equal listings (the ages aside)."""
     return (e.state, shown_state(e, now), e.kind, e.models, e.models_stale, e.aliases,
-            e.optional and e.checked_at is None, e.name)
+            e.optional and e.checked_at is None, e.name, e.admitting, e.group)
 
 
 def _same_types(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
@@ -161,6 +176,8 @@ class Snapshot(msgspec.Struct, frozen=True, gc=False):
     version: int
     engines: tuple[EngineState, ...]
     listing: int = 0
+    #: the node's memory as the memory watch last read it (``node.memory``)
+    memory: NodeMemory | None = None
 
     def engine(self, name: str) -> EngineState | None:
         for e in self.engines:
@@ -223,9 +240,24 @@ class Board:
             for i in moved:
                 self.serials[i] = version
         self._current = Snapshot(version=self._changes.version + 1, engines=engines,
-                                 listing=self.listing.version)
+                                 listing=self.listing.version, memory=self._current.memory)
         self._changes.bump()
         return self._current
+
+    def publish_memory(self, engines: dict[str, EngineMemory], node: NodeMemory | None
+                       ) -> Snapshot:
+        """One memory reading of every watched engine and of the node, in one snapshot
+        (sync). Memory is not listed: the listing version does not move."""
+        old = self._current.engines
+        new = list(old)
+        changed = []
+        for name, memory in engines.items():
+            i = self._index.get(name)
+            if i is not None and old[i].memory != memory:
+                new[i] = msgspec.structs.replace(old[i], memory=memory)
+                changed.append(i)
+        self._current = msgspec.structs.replace(self._current, memory=node)
+        return self._publish(tuple(new), changed)
 
     def update(self, name: str, change: Callable[[EngineState], EngineState]) -> EngineState:
         """Replace one engine's state with ``change(old)``; sync, so nothing interleaves."""

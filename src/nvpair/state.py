@@ -90,7 +90,7 @@ def after_liveness(
     engine = count(engine, probe, spec.path, outcome, now)
     stats = engine.probe(probe)
     assert stats is not None
-    if engine.state == "stopped":
+    if engine.state in ("stopped", "cold"):
         return engine
     if outcome.ok:
         engine = msgspec.structs.replace(engine, checked_at=now)
@@ -153,7 +153,9 @@ def initial_state(spec: EngineSpec, now: float | None = None) -> EngineState:
         kind=spec.kind,
         url=spec.url,
         managed=spec.managed,
-        state="starting",
+        # an on-demand engine rests cold, its configured model listed (docs/on-demand.md)
+        state="cold" if spec.activation == "on_demand" else "starting",
+        models=(Model(id=spec.model),) if spec.activation == "on_demand" and spec.model else (),
         since=trio.current_time() if now is None else now,
         optional=spec.optional,
         aliases=spec.aliases,
@@ -303,7 +305,7 @@ def part_failed(engine: EngineState, reason: str, now: float, by: Finder | None 
     ``with_mismatch``: the engine stays unhealthy until ``by`` works again, so a part that
     keeps failing does not flap the engine ready at each good health probe. A mismatch
     another finder found stays its own."""
-    if engine.state == "stopped":
+    if engine.state in ("stopped", "cold"):
         return engine
     if by is not None and (engine.mismatch is None or engine.mismatch_by == by):
         return with_mismatch(engine, by, reason, now)

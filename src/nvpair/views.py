@@ -6,7 +6,8 @@ from typing import Any
 
 from nvpair.ages import age
 from nvpair.listing import visible
-from nvpair.snapshot import LISTED_STATES, EngineState, Snapshot
+from nvpair.memstate import engine_doc, node_doc
+from nvpair.snapshot import SHOWN_STATES, EngineState, Snapshot
 from nvpair.state import effective_state
 
 
@@ -54,6 +55,14 @@ def engine_status(e: EngineState, snap: Snapshot, now: float, node: str) -> dict
         "exit_code": e.exit_code,
         "exited_at": e.exited_at,
         "error": "; ".join(x for x in (e.error, e.notice) if x) or None,
+        "admitting": e.admitting,
+        "queued": e.queued,
+        "activity": e.activity,
+        # the head of a multi-node group (docs/groups.md): GET /v1/groups has the rest
+        "group": None if e.group is None else {
+            "name": e.group.name, "epoch": e.group.epoch, "ranks_ready": e.group.ranks_ready,
+            "ranks": e.group.ranks},
+        "memory": engine_doc(e.memory),
         "version": snap.version,
     }
 
@@ -62,6 +71,7 @@ def engines_doc(snap: Snapshot, now: float, node: str) -> dict[str, Any]:
     return {
         "node": node,
         "version": snap.version,
+        "memory": node_doc(snap.memory),
         "engines": [engine_status(e, snap, now, node) for e in snap.engines if visible(e)],
     }
 
@@ -77,7 +87,7 @@ def models_doc(snap: Snapshot, now: float, node: str) -> dict[str, Any]:
                    key=lambda e: effective_state(e, now, e.overdue_after_s) != "ready")
     for e in order:
         state = effective_state(e, now, e.overdue_after_s)
-        if state not in LISTED_STATES:
+        if state not in SHOWN_STATES:
             continue
         names: list[tuple[str, int, str, str | None]] = [
             (m.id, m.created, m.owned_by, None) for m in e.models]

@@ -10,6 +10,7 @@ from typing import Any
 import httpx2
 import msgspec
 
+from nvpair.cli.memory import TREND_COLOURS, trend_cell
 from nvpair.cli.table import STATE_COLOURS, render
 from nvpair.config import find_config_path, load_settings, url_host
 from nvpair.errors import ConfigError, InputError
@@ -63,10 +64,11 @@ def print_status(engines: list[dict[str, Any]]) -> None:
         health = e["probes"].get("health") or e["probes"].get("ready") or {}
         rows.append((e["name"], e["kind"], e["state"], ", ".join(e["models"]) or "-",
                      _age(e["checked_age_s"]), str(health.get("requests", 0)),
-                     str(e["restarts"]), e["error"] or ""))
-        colours.append([None, None, STATE_COLOURS.get(e["state"]), None, None, None, None, "dim"])
-    print(render(("ENGINE", "KIND", "STATE", "MODELS", "CHECKED", "PROBES", "RESTARTS", "ERROR"),
-                 rows, colours=colours))
+                     str(e["restarts"]), trend_cell(e.get("memory")), e["error"] or ""))
+        colours.append([None, None, STATE_COLOURS.get(e["state"]), None, None, None, None,
+                        TREND_COLOURS.get(trend_cell(e.get("memory"))), "dim"])
+    print(render(("ENGINE", "KIND", "STATE", "MODELS", "CHECKED", "PROBES", "RESTARTS",
+                  "MEMORY", "ERROR"), rows, colours=colours))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,12 +104,20 @@ def _run(args: argparse.Namespace) -> int:
                 for m in doc["data"]]
         print(render(("MODEL", "ENGINE", "NODE", "STATE"), rows) if rows else "no models listed")
         return 0
-    if cmd in ("start", "stop", "restart"):
+    if cmd in ("start", "stop", "restart", "drain"):
         doc = call(args, "POST", f"/v1/engines/{args.name}/{cmd}")
         print(f"{args.name}: {cmd} accepted; state {doc.get('state')}")
         return 0
     if cmd == "logs":
         return follow_logs(args)
+    if cmd == "memory":
+        from nvpair.cli import memory
+
+        return memory.run(args)
+    if cmd == "groups":
+        from nvpair.cli import groups
+
+        return groups.run(args)
     raise ConfigError(f"unknown command {cmd}")
 
 

@@ -54,21 +54,24 @@ def build_parser() -> argparse.ArgumentParser:
         ("start", "start an engine (managed engines)"),
         ("stop", "stop an engine"),
         ("restart", "restart an engine"),
+        ("drain", "stop an engine once its requests in flight have finished"),
         ("logs", "show an engine's output"),
         ("events", "print a running nvpair's events as they come, one line each"),
+        ("memory", "show each engine's memory: floor, slope, when it runs out"),
+        ("groups", "show multi-node groups, or stop, start or restart one (docs/groups.md)"),
     ):
         p = sub.add_parser(name, help=helptext)
         config_arg(p)
         p.add_argument("--url", help="nvpair's base URL (default: from the config's listen)")
-        if name in ("start", "stop", "restart", "logs"):
+        if name in ("start", "stop", "restart", "drain", "logs"):
             p.add_argument("name", help="engine name")
-        if name == "status":
+        if name in ("status", "memory"):
             p.add_argument("name", nargs="?", help="one engine (default: all)")
         if name == "logs":
             p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
             p.add_argument("-n", "--tail", type=int, default=100,
                            help="lines to show (default 100)")
-        if name in ("status", "models", "events"):
+        if name in ("status", "models", "events", "memory"):
             p.add_argument("--json", action="store_true", help="machine-readable output")
         if name == "status":
             p.add_argument("--watch", "-w", action="store_true",
@@ -78,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--engine", metavar="NAME", help="only this engine's events")
         if name == "models":
             p.add_argument("--cluster", action="store_true", help="include peers' models")
+        if name == "groups":
+            p.add_argument("name", nargs="?", help="one group (default: all)")
+            p.add_argument("action", nargs="?", choices=("stop", "start", "restart"),
+                           help="ask the group's head to stop, start or restart it")
+            p.add_argument("--json", action="store_true", help="machine-readable output")
     return parser
 
 

@@ -40,6 +40,7 @@ from nvpair.boundary import Part
 from nvpair.config import EngineSpec, RouterConfig
 from nvpair.decoding import decode_json
 from nvpair.errors import NvpairError
+from nvpair.router.activation import Activator, QueueFull, Ticket, Unavailable
 from nvpair.router.peering import PeerRoute, PeerRouter
 from nvpair.router.select import Known, choose, order_peers
 from nvpair.router.upstream import BODY_ERRORS, SEND_ERRORS, Refused, Upstream
@@ -90,6 +91,8 @@ class Result:
         self.status: int | None = None
         self.started = trio.current_time()
         self.first_byte_at: float | None = None
+        #: called when the answer's head came (the next queued request may go)
+        self.on_head: Callable[[], None] | None = None
 
     def finish(self, outcome: str, error: str | None) -> None:
         self.outcome, self.error, self.done = outcome, error, True
@@ -118,8 +121,10 @@ class Router:
 
     def __init__(self, board: Board, engines: Iterable[EngineSpec], config: RouterConfig,
                  traffic: Traffic, *, node: str = "nvpair", peers: PeerRouter | None = None,
-                 cluster_token: str | None = None) -> None:
+                 cluster_token: str | None = None, activator: Activator | None = None) -> None:
         self.board = board
+        #: engines on demand (nvpair.router.activation); None: none configured
+        self.activator = activator
         #: the boundary of the router's own tasks: the reaper and the closing of pools
         self._pools = Part("router: connection pools", logger=log)
         self.node = node
@@ -252,6 +257,10 @@ class Router:
             return
         now = trio.current_time()
         choice = choose(self.board.current, head.model, self.traffic, self.known, now, self.rng)
+        if (self.activator is not None and choice.engines
+                and self.activator.holds(choice.engines[0])):  # behind those waiting for it
+            await self._queued(scope, receive, send, body, choice.engines[0], head.model)
+            return
         targets = [self._engine(name) for name in choice.engines[:2]]
         reason, known = choice.reason, choice.known
         if not targets and self.peers is not None and header(scope, FORWARDED_BY) is None:
@@ -270,6 +279,11 @@ class Router:
                 reason = "; ".join(([reason] if choice.known and reason else [])
                                    + [f"no node serving {head.model!r} is ready: "
                                       + ", ".join(others)])
+        if not targets and self.activator is not None:
+            cold = self.activator.candidate(choice.owners)
+            if cold is not None:  # hot nowhere: start it, wait in its queue
+                await self._queued(scope, receive, send, body, cold, head.model)
+                return
         if not targets:
             if known:
                 await send_error(send, 503, reason or "no engine ready", "engine_not_ready",
@@ -283,8 +297,36 @@ class Router:
             await self._forward(scope, body, targets, send)
             nursery.cancel_scope.cancel(reason="answer complete")
 
+    async def _queued(self, scope: Scope, receive: Receive, send: Send, body: bytes,
+                      name: str, model: str) -> None:
+        """Wait in the on-demand engine's queue (it starts once), then forward; nothing
+        goes on the wire before the engine answers. A client that leaves leaves the queue."""
+        assert self.activator is not None
+        ticket: Ticket | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+            try:
+                try:
+                    ticket = await self.activator.admit(name)
+                except QueueFull as exc:
+                    await send_error(send, 429, str(exc), "queue_full", [(b"retry-after", b"5")])
+                except Unavailable as exc:
+                    await send_error(send, 503, str(exc), "engine_not_ready",
+                                     [(b"retry-after", b"5")])
+                if ticket is not None:
+                    now = trio.current_time()
+                    choice = choose(self.board.current, model, self.traffic, self.known,
+                                    now, self.rng)
+                    names = [n for n in choice.engines if n == name] or [name]
+                    await self._forward(scope, body, [self._engine(names[0])], send,
+                                        on_head=ticket.headed)
+            finally:
+                if ticket is not None:
+                    ticket.leave()
+            nursery.cancel_scope.cancel(reason="answer complete")
+
     async def _forward(self, scope: Scope, body: bytes, targets: list[Target],
-                       send: Send) -> None:
+                       send: Send, *, on_head: Callable[[], None] | None = None) -> None:
         headers = [(k, v) for k, v in scope.get("headers", ()) if k in FORWARD_REQUEST]
         last_error = "no engine"
         for target in targets:  # held from now (the reaper leaves a pool with users alone)
@@ -292,7 +334,10 @@ class Router:
         try:
             for target in targets:  # the first, and one retry if it never got the request
                 self.traffic.started(target.key)
+                if self.activator is not None:
+                    self.activator.used(target.key)  # (routed requests only, never probes)
                 result = Result()
+                result.on_head = on_head
                 try:
                     await self._relay(target, scope, [*headers, *target.extra], body, send,
                                       result)
@@ -313,6 +358,8 @@ class Router:
         finally:
             now = trio.current_time()
             for target in targets:
+                if self.activator is not None:
+                    self.activator.used(target.key)  # idle from the end of the last one
                 target.upstream.users -= 1
                 target.upstream.used_at = now
                 self._release(target.upstream)
@@ -354,6 +401,8 @@ class Router:
                     sse = sse or (key == b"content-type"
                                   and value.startswith(b"text/event-stream"))
             result.status = response.status
+            if result.on_head is not None:
+                result.on_head()
             await send({"type": "http.response.start", "status": response.status,
                         "headers": out})
             chunks = _Chunks(response, first_by, self.config)

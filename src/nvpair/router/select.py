@@ -18,6 +18,8 @@ class Choice(msgspec.Struct, frozen=True):
     engines: tuple[str, ...] = ()
     known: bool = False  # the model is served (or was, or is configured) somewhere
     reason: str | None = None
+    #: with no engine to try: the engines that have listed the model (or are configured to)
+    owners: tuple[str, ...] = ()
 
 
 class Known:
@@ -51,7 +53,7 @@ class Known:
             self._seen = [((), (), False)] * len(layout)
             self._served = [set() for _ in layout]
         for pos, e in enumerate(snap.engines):
-            listed = e.state in LISTED_STATES
+            listed = e.state in LISTED_STATES and e.admitting  # (a draining engine: not)
             seen = self._seen[pos]
             if seen[0] is e.models and seen[1] is e.aliases and seen[2] == listed:
                 continue
@@ -92,12 +94,15 @@ def choose(snap: Snapshot, model: str, traffic: Traffic, known: Known, now: floa
     owners = known.engines_for(model)
     if owners:
         states = ", ".join(f"{n} is {_state(snap, n, now)}" for n in owners)
-        return Choice(known=True, reason=f"no engine serving {model!r} is ready ({states})")
+        return Choice(known=True, reason=f"no engine serving {model!r} is ready ({states})",
+                      owners=tuple(owners))
     return Choice(reason=f"the model {model!r} does not exist on this node")
 
 
 def _state(snap: Snapshot, name: str, now: float) -> str:
     e = snap.engine(name)
+    if e is not None and not e.admitting:
+        return "draining"
     return "gone" if e is None else effective_state(e, now, e.overdue_after_s)
 
 
