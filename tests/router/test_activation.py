@@ -14,8 +14,6 @@ import httpx2
 import msgspec
 import pytest
 import trio
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from tests.managed import FAST_PROBES, fast_manifest, free_port, reading, sim_command, wait_state
 from tests.router.script_engine import JSON
 
@@ -394,25 +392,25 @@ def test_the_footprint_is_the_memory_watch_reading_else_the_configured_one() -> 
     assert footprint(initial_state(measured, now=0.0), measured) is None  # not known
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.text(max_size=400))
-def test_meminfo_takes_any_text(tmp_path_factory, text) -> None:
-    from nvpair.router.activation import meminfo
+def test_the_auto_budget_keeps_the_memory_watchs_reserve() -> None:
+    """One reserve for both features: the [memory] table's reserve_bytes ("auto":
+    nvpair.memtrend.reserve_bytes), on /proc/meminfo read now, else on the memory watch's
+    node reading; a cgroup limit the watch read caps it."""
+    from nvpair.memproc import Meminfo
+    from nvpair.memstate import NodeMemory
+    from nvpair.memtrend import reserve_bytes
+    from nvpair.router.activation import auto_budget
 
-    path = tmp_path_factory.mktemp("meminfo") / "meminfo"
-    path.write_text(text)
-    values = meminfo(str(path))
-    assert all(isinstance(v, int) and v >= 0 for v in values.values())
-
-
-def test_meminfo_reads_kilobytes_as_bytes(tmp_path) -> None:
-    from nvpair.router.activation import meminfo
-
-    path = tmp_path / "meminfo"
-    path.write_text("MemTotal:       16384 kB\nMemAvailable:    8192 kB\nHugePages_Total: 0\n")
-    assert meminfo(str(path)) == {"MemTotal": 16384 * 1024, "MemAvailable": 8192 * 1024,
-                                  "HugePages_Total": 0}
-    assert meminfo(str(tmp_path / "none")) == {}
+    info = Meminfo(mem_total=64 * GB, mem_available=40 * GB, anon_pages=10 * GB)
+    assert auto_budget(6 * GB, "auto", info, None) == 46 * GB - reserve_bytes(40 * GB, 10 * GB)
+    assert auto_budget(6 * GB, 3 * GB, info, None) == 43 * GB  # the configured reserve
+    node = NodeMemory(mem_available=20 * GB, anon_pages=0)
+    assert auto_budget(0, 3 * GB, None, node) == 17 * GB  # the watch's reading, no meminfo
+    assert auto_budget(0, 3 * GB, info, node) == 37 * GB  # meminfo read now comes first
+    capped = NodeMemory(mem_available=20 * GB, cgroup_max=16 * GB, cgroup_current=10 * GB)
+    assert auto_budget(2 * GB, 3 * GB, info, capped) == 8 * GB
+    assert auto_budget(0, "auto", None, None) == 0  # nothing known: no room
+    assert auto_budget(GB, 100 * GB, info, None) == 0  # never below zero
 
 
 # (as in tests/test_sse.py: httpx2's nested stream generators, left to the collector)
@@ -524,3 +522,67 @@ async def test_two_cold_engines_asked_at_once_with_memory_for_one_take_turns(
     assert not any(both_up)
     states = sorted(e.state for e in running.board.current.engines)
     assert states == ["cold", "ready"], states
+
+
+async def test_a_cold_start_with_requests_waiting_is_seen_ready_within_a_quarter_second(
+        nursery, autojump_clock) -> None:
+    """With vLLM's own manifest (ready probed every 2 s), requests waiting for the engine
+    make its ready probe tick every 0.25 s at most: the engine is seen ready at most
+    0.25 s (and its jitter) after it is, not up to 2 s. Once nobody waits, it is probed at
+    the manifest's rate again."""
+    from tests.fakes import FakeEngine, engine_spec, vllm_routes
+    from tests.test_process import FakeSpawn
+
+    from nvpair.config import ActivationConfig
+    from nvpair.lifecycle import EngineRunner
+    from nvpair.prober import AWAITED_READY_INTERVAL_S
+    from nvpair.router.activation import Activator
+    from nvpair.snapshot import Board
+    from nvpair.state import initial_state
+    from nvpair.traffic import Traffic
+
+    spec = engine_spec("vllm", managed=True, port=free_port(), model="m",
+                       command=["srv", "--port", "{port}"], activation="on_demand")
+    assert spec.probes.ready is not None and spec.probes.ready.interval_s == 2
+    board = Board((initial_state(spec),))
+    fake = FakeEngine(vllm_routes())
+    fake.routes["/health"] = (503, "loading")
+    traffic = Traffic()
+    probed = trio.Event()
+
+    async def handle(request: httpx2.Request) -> httpx2.Response:
+        probed.set()
+        return await fake.handle(request)
+
+    runner = EngineRunner(spec, board, None, None, traffic,
+                          transport=httpx2.MockTransport(handle), spawn=FakeSpawn())
+    activator = Activator(board, [spec], {"e": runner}, traffic, ActivationConfig())
+    await nursery.start(runner.run)
+    await nursery.start(activator.run)
+    loaded_at: list[float] = []
+
+    async def load() -> None:  # the engine is ready 0.3 s past a probe (old: 1.7 s more)
+        await probed.wait()
+        await trio.sleep(10.3)
+        fake.routes["/health"] = (200, "")
+        loaded_at.append(trio.current_time())
+
+    nursery.start_soon(load)
+    ticket = await activator.admit("e")
+    seen = trio.current_time() - loaded_at[0]
+    assert seen <= AWAITED_READY_INTERVAL_S * 1.05 + 0.01, seen
+    probes = len(fake.times["/health"])
+    assert probes <= 10.6 / AWAITED_READY_INTERVAL_S + 2, probes  # bounded meanwhile
+    ticket.headed()
+    ticket.leave()
+
+    # nobody waits: a start (the operator's) is probed at the manifest's 2 s again
+    runner.request("stop")
+    await wait_state(board, "e", "cold", "stopped", within=100)
+    fake.routes["/health"] = (503, "loading")
+    before = len(fake.times["/health"])
+    started = trio.current_time()
+    runner.request("start")
+    await trio.sleep(20)
+    slow = len(fake.times["/health"]) - before
+    assert slow <= (trio.current_time() - started) / 2 + 2, slow

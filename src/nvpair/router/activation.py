@@ -33,10 +33,13 @@ import msgspec
 import trio
 
 from nvpair.boundary import Part
-from nvpair.config import ActivationConfig, EngineSpec
+from nvpair.config import ActivationConfig, EngineSpec, MemoryConfig
 from nvpair.errors import NvpairError
 from nvpair.evict import Candidate, gigabytes, plan
 from nvpair.lifecycle import Busy, EngineRunner
+from nvpair.memproc import Meminfo, MemorySourceError, read_meminfo
+from nvpair.memstate import NodeMemory
+from nvpair.memtrend import reserve_bytes
 from nvpair.snapshot import LISTED_STATES, Board, EngineState
 from nvpair.traffic import Traffic
 
@@ -130,19 +133,26 @@ def footprint(e: EngineState | None, spec: EngineSpec) -> int | None:
     return spec.memory_bytes
 
 
-def meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
-    """``/proc/meminfo`` in bytes (empty where there is none)."""
-    values: dict[str, int] = {}
-    try:
-        with open(path) as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                parts = rest.split()
-                if parts and parts[0].isdigit():  # (kB: bytes; a count stays a count)
-                    values[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
-    except OSError:
-        pass
-    return values
+def auto_budget(using: int, reserve: int | str, info: Meminfo | None,
+                node: NodeMemory | None) -> int:
+    """The ``"auto"`` memory budget: what on-demand engines use now (``using``) plus what
+    is available, minus the reserve, at least 0.
+
+    Available: ``info`` (``/proc/meminfo`` read now), else the memory watch's last node
+    reading, else nothing. The reserve: the ``[memory]`` table's ``reserve_bytes``, and for
+    ``"auto"`` the watch's own rule (``nvpair.memtrend.reserve_bytes``, earlyoom's line).
+    Where the watch read a cgroup limit, the room left under it caps the headroom."""
+    if info is not None:
+        available, anon = info.mem_available, info.anon_pages
+    elif node is not None and node.mem_available is not None:
+        available, anon = node.mem_available, node.anon_pages or 0
+    else:
+        available, anon = 0, 0
+    kept = reserve_bytes(available, anon) if reserve == "auto" else int(reserve)
+    headroom = available - kept
+    if node is not None and node.cgroup_max is not None and node.cgroup_current is not None:
+        headroom = min(headroom, node.cgroup_max - node.cgroup_current)
+    return max(headroom + using, 0)
 
 
 class Activator:
@@ -150,8 +160,10 @@ class Activator:
 
     def __init__(self, board: Board, specs: Iterable[EngineSpec],
                  runners: Mapping[str, EngineRunner], traffic: Traffic,
-                 config: ActivationConfig) -> None:
+                 config: ActivationConfig, memory: MemoryConfig | None = None) -> None:
         self.board = board
+        #: the reserve of the "auto" budget is the memory watch's (``reserve_bytes``)
+        self.memory = memory or MemoryConfig()
         self.specs = {s.name: s for s in specs if s.activation == "on_demand"}
         self.runners = runners
         self.traffic = traffic
@@ -377,16 +389,17 @@ class Activator:
 
     def budget(self, running: list[Candidate]) -> int:
         """The memory on-demand engines may use together: the configured number, or
-        ("auto") what is available now plus what they use, minus the reserve
-        (max(10 % of MemAvailable + AnonPages, 2 GiB), as earlyoom keeps)."""
+        ("auto", ``auto_budget``) what is available now plus what they use, minus the
+        ``[memory]`` table's reserve."""
         configured = self.config.memory_budget_bytes
         if isinstance(configured, int):
             return configured
-        info = meminfo()
-        available = info.get("MemAvailable", 0)
-        reserve = max((available + info.get("AnonPages", 0)) // 10, 2 << 30)
+        try:
+            info: Meminfo | None = read_meminfo()  # (a procfs read: microseconds)
+        except MemorySourceError:  # (none, or one we cannot parse: the watch's reading)
+            info = None
         using = sum(c.footprint or 0 for c in running)
-        return max(available + using - reserve, 0)
+        return auto_budget(using, self.memory.reserve_bytes, info, self.board.current.memory)
 
     async def _until_rest(self, name: str) -> None:
         version = -1
