@@ -1,8 +1,9 @@
 """The change journal behind ``GET /v1/events``: content changes numbered, kept in a ring,
 and handed to each stream as one latest value per key.
 
-The journal watches the board (and the peer table, through ``PeerSource``) and keeps what
-an event shows of each *key* (``engine:NAME``, ``models``, ``peer:NODE``). When a key's
+The journal watches the board (and the peer table, through ``PeerSource``, and this node's
+multi-node groups, through ``GroupSource``) and keeps what an event shows of each *key*
+(``engine:NAME``, ``models``, ``peer:NODE``, ``group:NAME``). When a key's
 content changes, ``seq`` grows by one and the change becomes an ``Event`` with that seq:
 a probe that changes nothing (counters, ages) changes no content and sends nothing. The
 last ``ring`` events (``RING_BYTES`` at most) are kept for resuming
@@ -32,7 +33,7 @@ from nvpair.memstate import event_doc
 from nvpair.snapshot import Board, EngineState, shown_state
 
 #: event types a stream may ask for (``?types=``); ``snapshot`` and ``bye`` always come.
-TYPES = frozenset({"engine", "models", "peer"})
+TYPES = frozenset({"engine", "models", "peer", "group"})
 #: recent events kept for resuming (``Last-Event-ID``): at most this many, and at most
 #: ``RING_BYTES`` of content (an engine of 10,000 models makes events of ~500 KB)
 RING = 256
@@ -71,6 +72,36 @@ class PeerSource(Protocol):
     def peers(self, now: float) -> dict[str, dict[str, Any]]:
         """Each peer's event content by node: state and models, no ages or counters."""
         ...
+
+
+class GroupSource(Protocol):
+    """What the journal reads of this node's groups (``nvpair.group.link.Groups``)."""
+
+    @property
+    def version(self) -> int: ...
+
+    async def wait_changed(self, since: int) -> int:
+        """Wait until ``version`` differs from ``since`` (it moves after every step of a
+        group's loop, whether or not anything changed)."""
+        ...
+
+    def contents(self, now: float) -> dict[str, dict[str, Any]]:
+        """Each group's ``GET /v1/groups/{name}`` document by name."""
+        ...
+
+
+#: what moves with time alone in a group's document: left out of its event
+GROUP_TIMES = frozenset({"state_age_s", "restart_in_s", "started_at", "ended_at"})
+
+
+def group_content(doc: Any) -> Any:
+    """What a ``group`` event shows: the group's document without ages and times, so that
+    only a change of state, epoch, rank, pid, exit, memory or error sends an event."""
+    if isinstance(doc, dict):
+        return {k: group_content(v) for k, v in doc.items() if k not in GROUP_TIMES}
+    if isinstance(doc, list):
+        return [group_content(v) for v in doc]
+    return doc
 
 
 class Event(msgspec.Struct, frozen=True):
@@ -159,12 +190,14 @@ class Journal:
     """Content changes of the board and the peers, numbered per boot (see the module)."""
 
     def __init__(self, board: Board, *, node: str, peers: PeerSource | None = None,
-                 ring: int = RING, max_streams: int = 64, boot_id: str | None = None,
+                 groups: GroupSource | None = None, ring: int = RING,
+                 max_streams: int = 64, boot_id: str | None = None,
                  timing: Timing = Timing()) -> None:
         self.board = board
         self.timing = timing
         self.node = node
         self.peers = peers
+        self.groups = groups
         self.boot_id = boot_id or secrets.token_hex(6)
         self.max_streams = max_streams
         #: its version is ``seq``: the number of content changes this boot
@@ -179,6 +212,7 @@ class Journal:
         self._engines: dict[str, EngineState] = {}  # as last looked at (by identity)
         self._listing = -1
         self._peer_version = -1
+        self._group_version = -1
         self.refresh(_now(), initial=True)
 
     @property
@@ -219,6 +253,10 @@ class Journal:
                         and k.removeprefix("peer:") not in current]:
                 self._put("peer", key, _encode({"node": key.removeprefix("peer:"),
                                                 "state": "forgotten", "models": []}), initial)
+        if self.groups is not None and self.groups.version != self._group_version:
+            self._group_version = self.groups.version
+            for name, doc in self.groups.contents(now).items():
+                self._put("group", "group:" + name, _encode(group_content(doc)), initial)
 
     def _put(self, type_: str, key: str, data: bytes, initial: bool,
              engine: str | None = None) -> None:
@@ -254,11 +292,13 @@ class Journal:
         engines = pick("engine:") if stream.engine is None else [
             self._data[k] for k in ("engine:" + stream.engine,) if k in self._data]
         peers = pick("peer:") if "peer" in stream.types else []
+        groups = b"" if self.groups is None or "group" not in stream.types else b"".join(
+            (b',"groups":[', b",".join(pick("group:")), b"]"))
         return b"".join((b'{"node":', _encode(self.node), b',"boot_id":',
                          _encode(self.boot_id), b',"seq":', str(self.seq).encode(),
                          b',"engines":[', b",".join(engines), b'],"models":',
                          self._data.get("models", b"null"), b',"peers":[',
-                         b",".join(peers), b"]}"))
+                         b",".join(peers), b"]", groups, b"}"))
 
     def missed(self, last_event_id: str | None) -> list[Event] | None:
         """The events after ``last_event_id``, when this boot's ring still holds all of
@@ -314,6 +354,8 @@ class Journal:
                 partial(self.board.wait_listed, self._listing)]
             if self.peers is not None:
                 waits.append(partial(self.peers.wait_changed, self._peer_version))
+            if self.groups is not None:
+                waits.append(partial(self.groups.wait_changed, self._group_version))
             await first_of(waits)
             self.refresh(trio.current_time())
 

@@ -3,6 +3,7 @@ fresh that is (``nvpair.group.runner.GroupPeers``)."""
 
 from __future__ import annotations
 
+from typing import Any
 from urllib.parse import urlsplit
 
 import msgspec
@@ -12,7 +13,7 @@ from nvpair.asgi import Mount
 from nvpair.config import Settings
 from nvpair.group.epochkey import EpochKey
 from nvpair.group.runner import GroupRunner, Heard, Reports, Status
-from nvpair.group.view import PREFIX, GroupsView
+from nvpair.group.view import PREFIX, GroupsView, doc
 from nvpair.orphans import EngineProcs
 from nvpair.peers.advert import Advertiser
 from nvpair.peers.broker import Broker
@@ -129,6 +130,19 @@ class Groups:
             return None
         e = self.link.table.entries.get(runner.group.head_node)
         return None if e is None else e.advert.url
+
+    # -- GET /v1/events' group events (nvpair.events.GroupSource) -------------------------
+
+    @property
+    def version(self) -> int:
+        return self.reports.steps.version
+
+    async def wait_changed(self, since: int) -> int:
+        return await self.reports.steps.wait_changed(since)
+
+    def contents(self, now: float) -> dict[str, dict[str, Any]]:
+        return {name: doc(s, now, str(self.settings.log_dir)) for name in self.runners
+                if (s := self.status(name, now)) is not None}
 
     @property
     def mounts(self) -> list[Mount]:

@@ -95,6 +95,8 @@ class Reports:
     def __init__(self) -> None:
         self.items: dict[str, Report] = {}
         self.changes = Changes()
+        #: moves after every step of a group's loop (GET /v1/events' cue: nvpair.events)
+        self.steps = Changes()
         #: called on every change (the advertiser refreshes, so peers hear at once)
         self.listeners: list[Callable[[], None]] = []
 
@@ -323,6 +325,7 @@ class GroupRunner:
             now = trio.current_time()
             wake = self._head_step(now) if self.group.rank == 0 else self._rank_step(now)
             self.part.ok()
+            self.reports.steps.bump()
             timeout = max(min(wake - trio.current_time(), TICK_S), 0.0)
             with trio.move_on_after(timeout):
                 await self._wake.wait_changed(version)

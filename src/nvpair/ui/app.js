@@ -22,7 +22,7 @@ const view = {
   drawer: null,         // the engine whose drawer is open
   drawerHistory: null,  // its last hour (GET /v1/history?engine=)
   logAbort: null,
-  groups: false,
+  groups: new Map(),    // name -> the group's document (the snapshot, then group events)
   lastId: null, retryMs: 2000,
 };
 
@@ -193,13 +193,13 @@ function handle(type, doc, id) {
     }
     for (const name of [...view.engines.keys()]) if (!names.has(name)) view.engines.delete(name);
     view.peers = new Map((doc.peers || []).map((p) => [p.node, p]));
-    view.groups = view.groups || 'groups' in doc;
+    view.groups = new Map((doc.groups || []).map((g) => [g.name, g]));
     remember(type, { engines: names.size }, id);
     renderAll();
+    renderGroups([...view.groups.values()]);
     refreshEngines();
     refreshModels();
     refreshHistory();
-    if (view.groups) refreshGroups();
   } else if (type === 'engine') {
     remember(type, doc, id);
     if (doc.removed) view.engines.delete(doc.name);
@@ -215,10 +215,10 @@ function handle(type, doc, id) {
     refreshModels();
   } else if (type === 'models') {
     refreshModels();
-  } else if (type === 'group') {
+  } else if (type === 'group') {  // the group's whole document (no ages): drawn as it is
     remember(type, doc, id);
-    view.groups = true;
-    refreshGroups();
+    view.groups.set(doc.name, doc);
+    renderGroups([...view.groups.values()]);
   } else if (type === 'memory') {
     refreshEngines();
   } else if (type === 'bye') {
@@ -291,7 +291,6 @@ const refreshHistory = coalesced(async () => {  // the last 10 minutes of every 
   view.version = doc.version;
   view.uptime = doc.uptime_s;
   view.uptimeAt = performance.now();
-  if (doc.routes && doc.routes.groups && !view.groups) { view.groups = true; refreshGroups(); }
   renderHeader();
   renderEngines();
   if (view.drawer) refreshDrawerHistory();
@@ -304,13 +303,6 @@ const refreshDrawerHistory = coalesced(async () => {  // the drawer's engine: th
   const series = (doc.engines || {})[name];
   view.drawerHistory = series ? toPoints(series, doc.step_s) : [];
   if (view.drawer === name) renderDrawer();
-});
-
-const refreshGroups = coalesced(async () => {
-  const response = await api('v1/groups');
-  if (response.status === 404) { view.groups = false; $('groups-section').hidden = true; return; }
-  if (!response.ok) throw new Error(`v1/groups: ${response.status}`);
-  renderGroups(await response.json());
 });
 
 // -- rendering -------------------------------------------------------------------------
@@ -623,11 +615,13 @@ function renderGroups(doc) {
   $('groups-section').hidden = !groups.length;
   $('groups').replaceChildren(...groups.map((g) => {
     const ranks = Array.isArray(g.ranks) ? g.ranks : Object.values(g.ranks || {});
-    const history = Array.isArray(g.history) ? g.history.slice(-10) : [];
+    const history = Array.isArray(g.history) ? g.history.slice(0, 10) : [];  // newest first
     return el('div', { class: 'group' },
       el('h3', {}, `${g.name ?? ''} `, el('span', { class: stateClass(g.state) }, g.state ?? '?'),
-        g.epoch === undefined ? null : ` epoch ${g.epoch}`),
-      el('div', { class: 'groups-grid' }, ...ranks.map((r, i) => el('div', { class: 'rank' },
+        g.epoch === undefined || g.epoch === null ? null : ` epoch ${g.epoch}`,
+        typeof g.ranks_ready === 'number' && ranks.length > 1
+          ? ` · ${g.ranks_ready}/${ranks.length - 1} ranks ready` : null),
+      el('div', { class: 'groups-grid' }, ...ranks.map((r, i) => el('div', { class: 'rank', 'data-rank': r.rank ?? i },
         `rank ${r.rank ?? i}`, r.node ? ` · ${r.node}` : null, ' ',
         el('span', { class: stateClass(r.state) }, r.state ?? '?')))),
       g.error ? el('p', { class: 'error' }, g.error) : null,
@@ -648,9 +642,8 @@ function tick() {  // ages move: only their text, so a button is never replaced 
 }
 
 setInterval(tick, 1000);
-setInterval(() => {  // counters, charts and groups (groups send no events)
+setInterval(() => {  // counters and charts (groups and everything else come as events)
   refreshHistory();
   refreshEngines();
-  if (view.groups) refreshGroups();
 }, 10000);
 follow();
