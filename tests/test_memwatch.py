@@ -363,3 +363,81 @@ async def test_a_rise_of_the_cgroups_oom_kill_explains_any_exit(tmp_path: Path) 
         assert watch.explain_exit("e", code) == (
             f"{KILLED_FOR_MEMORY}: the cgroup's oom_kill count rose")
     assert watch.explain_exit("other", 1) is None
+
+
+class _Runner:
+    """Records what the action asks of an engine's runner."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, str]] = []
+
+    def request(self, action: Any) -> object:
+        self.asked.append(("request", action))
+        return None
+
+    def drain(self, *, then: str = "stop", reason: str = "drain requested") -> object:
+        self.asked.append((then, reason))
+        return None
+
+
+def _leaking(trend: str = "leaking") -> Any:
+    from nvpair.memtrend import Trend, TrendReading
+
+    return TrendReading(trend=Trend(trend), slope_bytes_per_h=1e9, exhaustion_s=7200.0,
+                        floor_bytes=1 << 30, covered_s=3600.0, why="rising")
+
+
+async def test_the_wait_for_quiet_is_bounded_by_quiet_max_s(tmp_path: Path,
+                                                            autojump_clock: Any) -> None:
+    """An engine never quiet (a request always in flight) is drained for its restart once
+    quiet_max_s has passed, not never; one that stops leaking meanwhile is not restarted."""
+    from nvpair.traffic import Traffic
+
+    settings = one_engine(tmp_path, extra="action = 'restart_when_quiet'\nquiet_s = 300\n"
+                                          "quiet_max_s = 900")
+    traffic = Traffic()
+    traffic.started("e")  # busy for ever
+    runner = _Runner()
+    board = Board(tuple(initial_state(s) for s in settings.engines))
+    watch = MemoryWatch(settings.memory, board, settings.engines, traffic=traffic,
+                        runners={"e": runner})
+    w = watch.engines["e"]
+    w.trend = "leaking"
+    started = trio.current_time()
+    with trio.fail_after(5000):  # (before the bound: waited for ever)
+        await watch._restart_when_quiet(w, _leaking())
+    assert trio.current_time() - started == pytest.approx(900, abs=0.2)
+    assert runner.asked == [("restart", "memory")] and w.memory_restarts == 1
+
+    # quiet at last after 100 s: the restart comes quiet_s later, within the bound
+    runner.asked.clear()
+
+    async def quiet_later() -> None:
+        await trio.sleep(100)
+        traffic.finished("e", "ok")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(quiet_later)
+        started = trio.current_time()
+        await watch._restart_when_quiet(w, _leaking())
+    assert trio.current_time() - started == pytest.approx(400, abs=0.5)
+    assert runner.asked == [("restart", "memory")]
+
+    # no longer leaking during the wait: no restart, the action ends
+    runner.asked.clear()
+    traffic.started("e")
+
+    async def recovers() -> None:
+        await trio.sleep(50)
+        w.trend = "flat"
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(recovers)
+        await watch._restart_when_quiet(w, _leaking())
+    assert runner.asked == [] and not w.acting and w.memory.action is None
+
+
+def test_quiet_max_s_is_a_number_of_seconds(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as caught:
+        one_engine(tmp_path, extra="quiet_max_s = -1")
+    assert "quiet_max_s" in str(caught.value) and "\n" not in str(caught.value)

@@ -106,6 +106,8 @@ class MemoryConfig(Base, frozen=True):
     action: Literal["warn", "restart_when_quiet"] = "warn"
     #: restart_when_quiet: no routed request in flight for this long first.
     quiet_s: Annotated[float, msgspec.Meta(ge=0, le=86400)] = 300.0
+    #: restart_when_quiet: the longest wait for that quiet moment; then it drains anyway.
+    quiet_max_s: Annotated[float, msgspec.Meta(ge=0, le=86400)] = 3600.0
     #: restart_when_quiet: at most one memory restart of an engine in this many hours.
     min_restart_interval_h: Annotated[float, msgspec.Meta(ge=0, le=24 * 366)] = 6.0
 

@@ -454,11 +454,19 @@ class MemoryWatch:
         name = w.spec.name
         try:
             with w.acts.guard():
-                quiet = self.config.quiet_s
-                self._say(w, f"leaking: waiting for {quiet:g} s with no request in flight, "
-                             "then a restart")
-                if r.trend is not Trend.CRITICAL:
-                    await self._quiet(name, quiet, w)
+                quiet, most = self.config.quiet_s, self.config.quiet_max_s
+                self._say(w, f"leaking: waiting for {quiet:g} s with no request in flight "
+                             f"(at most {most:g} s), then a restart")
+                waited = "critical" if r.trend is Trend.CRITICAL else await self._quiet(
+                    name, quiet, w, most)
+                if waited == "recovered":
+                    log.info("%s: no longer leaking; not restarted", name)
+                    self._say(w, None)
+                    return
+                if waited == "bound":
+                    log.warning("%s: leaking, and no quiet moment of %g s in %g s "
+                                "(quiet_max_s): draining it anyway (requests in flight "
+                                "finish within its stop grace)", name, quiet, most)
                 runner = self.runners[name]
                 drain = getattr(runner, "drain", None)
                 if drain is not None:  # stop admitting, finish what is in flight, restart
@@ -478,23 +486,32 @@ class MemoryWatch:
         finally:
             w.acting = False
 
-    async def _quiet(self, name: str, quiet_s: float, w: _Watched) -> None:
-        """Until no routed request has been in flight for ``quiet_s`` (or the engine is no
-        longer leaking: then this waits on, for the next leak)."""
+    async def _quiet(self, name: str, quiet_s: float, w: _Watched, most_s: float) -> str:
+        """Until no routed request has been in flight for ``quiet_s``: ``quiet``; the engine
+        turned ``critical`` meanwhile (restart now) or is no longer leaking
+        (``recovered``: no restart); or ``most_s`` went by without a quiet moment:
+        ``bound``."""
         since: float | None = None
+        deadline = trio.current_time() + most_s
         while True:
             now = trio.current_time()
-            busy = self._in_flight(name) > 0 or w.trend not in ("leaking", "critical")
-            if busy:
+            if w.trend not in ("leaking", "critical"):
+                return "recovered"
+            if w.trend == "critical":
+                return "critical"
+            if self._in_flight(name) > 0:
                 since = None
             elif since is None:
                 since = now
             if since is not None and now - since >= quiet_s:
-                return
-            await trio.sleep(QUIET_POLL_S if since is None
-                             else min(QUIET_POLL_S, quiet_s - (now - since)) or QUIET_POLL_S)
+                return "quiet"
+            if now >= deadline:
+                return "bound"
+            await trio.sleep(min(deadline - now, QUIET_POLL_S if since is None
+                                 else min(QUIET_POLL_S, quiet_s - (now - since))
+                                 or QUIET_POLL_S))
 
-    def _say(self, w: _Watched, action: str) -> None:
+    def _say(self, w: _Watched, action: str | None) -> None:
         w.memory = _with(w.memory, action=action, memory_restarts=w.memory_restarts)
         self.board.publish_memory({w.spec.name: w.memory}, self.board.current.memory)
 
