@@ -26,6 +26,8 @@ import pytest
 import trio
 from trio_websocket import WebSocketConnection, open_websocket_url
 
+from nvpair.changes import Changes
+
 CHROMIUM = "/usr/bin/chromium"
 
 #: tests that need the browser: ``pytestmark = needs_chromium``
@@ -101,6 +103,9 @@ class Page:
         self.console_errors: list[str] = []
         #: every URL the page asked for (Network.requestWillBeSent), in order
         self.requests: list[str] = []
+        #: every answer's URL and status (Network.responseReceived), in order
+        self.responses: list[tuple[str, int]] = []
+        self._responded = Changes()
         self._loaded = trio.Event()
 
     def on_event(self, method: str, params: dict[str, Any]) -> None:
@@ -118,11 +123,24 @@ class Page:
                                                 for a in params["args"]))
         elif method == "Network.requestWillBeSent":
             self.requests.append(params["request"]["url"])
+        elif method == "Network.responseReceived":
+            self.responses.append((params["response"]["url"], params["response"]["status"]))
+            self._responded.bump()
         elif method == "Page.loadEventFired":
             self._loaded.set()
 
     async def send(self, method: str, **params: Any) -> Any:
         return await self.browser.send(method, self.session, **params)
+
+    async def wait_response(self, url: str, after: int = 0, within: float = 5.0) -> int:
+        """The status of the first answer to ``url`` among ``responses[after:]``, waiting
+        for it (each answer the page receives wakes this)."""
+        with trio.fail_after(within):
+            while True:
+                for got, status in self.responses[after:]:
+                    if got == url:
+                        return status
+                await self._responded.wait()
 
     async def goto(self, url: str) -> None:
         """Navigate and wait for the load event."""

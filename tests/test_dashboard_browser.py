@@ -38,7 +38,8 @@ timeout_s = 0.3
 
 
 def config(tmp: Path, sims: dict[str, int], managed_port: int | None, *, listen: str,
-           token: str | None = None) -> Path:
+           token: str | None = None, managed_args: tuple[str, ...] = (),
+           managed_toml: str = "") -> Path:
     text = f"listen = '{listen}'\nnode = 'test-node'\nlog_dir = '{tmp / 'logs'}'\n"
     if token is not None:
         (tmp / "token").write_text(token + "\n")
@@ -49,7 +50,8 @@ def config(tmp: Path, sims: dict[str, int], managed_port: int | None, *, listen:
         manifest = fast_manifest(tmp, "vllm")
         text += (f"[[engines]]\nname = 'managed'\nkind = '{manifest}'\nport = {managed_port}\n"
                  f"model = 'sim-managed'\nmanaged = true\n"
-                 f"command = {json.dumps(sim_command('vllm'))}\n{PROBES}")
+                 f"command = {json.dumps(sim_command('vllm', *managed_args))}\n"
+                 f"{managed_toml}{PROBES}")
     path = tmp / "nvpair.toml"
     path.write_text(text)
     return path
@@ -266,4 +268,57 @@ async def test_peers_and_groups_render_as_text_where_present(nursery, tmp_path) 
             assert not await page.evaluate("document.querySelector('#groups-section').hidden")
             assert await page.evaluate("document.querySelectorAll('img').length") == 0
             assert page.exceptions == [] and page.console_errors == []
+        running.stop()
+
+
+async def click(page: Page, engine: str, selector: str) -> None:
+    await page.evaluate(f"[...document.querySelectorAll('#engines tr')].find("
+                        f"r => r.dataset.engine === {json.dumps(engine)})"
+                        f".querySelector({json.dumps(selector)}).click()")
+
+
+async def test_a_refused_action_is_shown_in_words_and_cleared_by_the_next(
+        nursery, tmp_path) -> None:
+    """A start asked while the engine is stopping is refused (409 engine_busy): the page says
+    why above the tables; the start asked again once it has stopped is taken and clears it."""
+    settings = load_settings(str(config(
+        tmp_path, {}, free_port(), listen="127.0.0.1:0", managed_args=("--ignore-sigterm",),
+        managed_toml="stop_grace_s = 1.5\n")))  # its stop takes the grace, then SIGKILL
+    with trio.fail_after(40):
+        running = await nursery.start(service.run, settings)
+        await wait_state(running.board, "managed", "ready")
+        async with open_browser() as browser:
+            page = await browser.new_page()
+            await page.goto(f"{running.url}/ui/")
+            await page.wait_for("document.querySelector('#link').textContent === 'live' && "
+                                "document.querySelector('button.act-stop')")
+            api = f"{running.url}/v1/engines/managed/"
+            await click(page, "managed", "button.act-stop")
+            await page.evaluate("document.querySelector('button.confirm').click()")
+            assert await page.wait_response(api + "stop") == 202
+            runner = running.runners["managed"]
+            assert runner.operation == "stopping"
+            await page.wait_for("document.querySelector('button.act-start')")
+            seen = len(page.responses)
+            await click(page, "managed", "button.act-start")
+            await page.evaluate("document.querySelector('button.confirm').click()")
+            assert await page.wait_response(api + "start", after=seen) == 409
+            said = await page.wait_for("!document.querySelector('#notice').hidden && "
+                                       "document.querySelector('#notice').textContent")
+            assert said == "start managed: engine managed is stopping; start it once it has " \
+                           "stopped", said
+            assert runner.operation == "stopping"  # the refusal changed nothing
+            await wait_state(running.board, "managed", "stopped")
+            await page.wait_for("document.querySelector('#engines [data-state]')"
+                                ".dataset.state === 'stopped'")
+            assert await page.evaluate("document.querySelector('#notice').textContent") == said
+            seen = len(page.responses)
+            await click(page, "managed", "button.act-start")
+            await page.evaluate("document.querySelector('button.confirm').click()")
+            assert await page.wait_response(api + "start", after=seen) == 202
+            await page.wait_for("document.querySelector('#notice').hidden")
+            await wait_state(running.board, "managed", "ready")
+            assert page.exceptions == []
+            # the 409 is the one console error: Chromium logs every failed fetch
+            assert all("409" in e for e in page.console_errors), page.console_errors
         running.stop()
