@@ -105,11 +105,14 @@ def latencies(url: str, model: str, count: int) -> list[float]:
 
 def wait_state(url: str, name: str, state: str, within: float = 60.0) -> None:
     deadline = time.monotonic() + within
+    doc: dict[str, Any] = {}
     while time.monotonic() < deadline:
-        if get_json(f"{url}/v1/engines/{name}")["state"] == state:
+        doc = get_json(f"{url}/v1/engines/{name}")
+        if doc["state"] == state:
             return
         time.sleep(0.02)
-    raise RuntimeError(f"engine {name} never became {state}")
+    raise RuntimeError(f"engine {name} never became {state}: {doc.get('state')}, "
+                       f"{doc.get('error')}")
 
 
 def run(quick: bool) -> dict[str, Any]:

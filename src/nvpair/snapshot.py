@@ -116,6 +116,8 @@ class EngineState(msgspec.Struct, frozen=True, gc=False):
     admitting: bool = True
     #: requests waiting for this on-demand engine to be ready (nvpair.router.activation)
     queued: int = 0
+    #: trio time the longest-waiting of them came (None: none waits); status shows its age
+    queued_since: float | None = None
     #: the last activation, eviction or drain, in words (an event when it changes)
     activity: str | None = None
     #: the head of a multi-node group: its group, for its models' nvpair.group (docs/groups.md)

@@ -586,3 +586,59 @@ async def test_a_cold_start_with_requests_waiting_is_seen_ready_within_a_quarter
     await trio.sleep(20)
     slow = len(fake.times["/health"]) - before
     assert slow <= (trio.current_time() - started) / 2 + 2, slow
+
+
+async def test_the_status_shows_how_many_wait_and_the_oldest_wait(
+        nursery, autojump_clock) -> None:
+    """GET /v1/engines/{name} carries ``queued`` and ``queued_oldest_s`` (the longest wait
+    now, computed when read); the event stream carries ``queued`` only (no ages)."""
+    from tests.fakes import FakeEngine, engine_spec, vllm_routes
+    from tests.test_process import FakeSpawn
+
+    from nvpair.config import ActivationConfig
+    from nvpair.events import engine_content
+    from nvpair.lifecycle import EngineRunner
+    from nvpair.router.activation import Activator
+    from nvpair.snapshot import Board
+    from nvpair.state import initial_state
+    from nvpair.traffic import Traffic
+    from nvpair.views import engine_status
+
+    spec = engine_spec("vllm", managed=True, port=free_port(), model="m",
+                       command=["srv", "--port", "{port}"], activation="on_demand")
+    board = Board((initial_state(spec),))
+    fake = FakeEngine(vllm_routes())
+    fake.routes["/health"] = (503, "loading")
+    traffic = Traffic()
+    runner = EngineRunner(spec, board, None, None, traffic, transport=fake.transport(),
+                          spawn=FakeSpawn())
+    activator = Activator(board, [spec], {"e": runner}, traffic, ActivationConfig())
+    await nursery.start(runner.run)
+    await nursery.start(activator.run)
+
+    def status() -> dict[str, Any]:
+        snap = board.current
+        return engine_status(snap.engine("e"), snap, trio.current_time(), "n")  # type: ignore[arg-type]
+
+    assert (status()["queued"], status()["queued_oldest_s"]) == (0, None)
+    first = trio.CancelScope()
+
+    async def wait(scope: trio.CancelScope) -> None:
+        with scope:
+            await activator.admit("e")
+
+    nursery.start_soon(wait, first)
+    await trio.sleep(10)
+    nursery.start_soon(wait, trio.CancelScope())
+    await trio.sleep(5)
+    doc = status()
+    assert doc["queued"] == 2 and doc["queued_oldest_s"] == pytest.approx(15, abs=0.01)
+    content = engine_content(board.current.engine("e"), trio.current_time())  # type: ignore[arg-type]
+    assert content["queued"] == 2 and "queued_oldest_s" not in content
+    first.cancel()  # the oldest leaves: the next is the oldest now
+    await trio.sleep(1)
+    doc = status()
+    assert doc["queued"] == 1 and doc["queued_oldest_s"] == pytest.approx(6, abs=0.01)
+    fake.routes["/health"] = (200, "")
+    await wait_state(board, "e", "ready", where=lambda e: e.queued == 0, within=30)
+    assert status()["queued_oldest_s"] is None

@@ -70,6 +70,8 @@ class Ticket:
 
     queue: EngineQueue
     ready: trio.Event = field(default_factory=trio.Event)
+    #: when it came (trio time): the oldest waiting one's is the engine's ``queued_since``
+    at: float = field(default_factory=trio.current_time)
     failure: str | None = None
     left: bool = False
     done: bool = False
@@ -214,8 +216,9 @@ class Activator:
             def publish() -> None:
                 q = self.queues[name]
                 count = len(q.waiting)
-                self.board.update(name, lambda e: e if e.queued == count else
-                                  _replace(e, queued=count))
+                since = q.waiting[0].at if q.waiting else None
+                self.board.update(name, lambda e: e if (e.queued, e.queued_since) == (
+                    count, since) else _replace(e, queued=count, queued_since=since))
             queue = self.queues[name] = EngineQueue(name, publish)
         return queue
 
