@@ -126,7 +126,9 @@ class Catalog:
         moved = []  # engines whose listed names or rank changed (not only their fields)
         for pos in changed:
             e = engines[pos]
-            basis = (e.models, e.aliases, e.state in SHOWN_STATES, shown[pos] != "ready")
+            # a group's head lists its models only while the group is ready (admitting)
+            listed = e.state in SHOWN_STATES and (e.group is None or e.admitting)
+            basis = (e.models, e.aliases, listed, shown[pos] != "ready")
             old = self.basis[pos]
             if (old is not None and old[0] is basis[0] and old[1] is basis[1]
                     and old[2:] == basis[2:]):
@@ -143,7 +145,7 @@ class Catalog:
                     ids[:] = [p for p in ids if p != pos]
                 affected.add(model_id)
             self.shown[pos] = str(shown[pos])
-            self.names[pos] = _names(e) if e.state in SHOWN_STATES else []
+            self.names[pos] = _names(e) if listed else []
         for pos in moved:
             for name in self.names[pos]:
                 model_id = name[0]

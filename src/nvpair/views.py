@@ -57,11 +57,13 @@ def engine_status(e: EngineState, snap: Snapshot, now: float, node: str) -> dict
         "error": "; ".join(x for x in (e.error, e.notice) if x) or None,
         "admitting": e.admitting,
         "queued": e.queued,
+        "queued_oldest_s": age(now, e.queued_since),
         "activity": e.activity,
-        # the head of a multi-node group (docs/groups.md): GET /v1/groups has the rest
+        # the head of a multi-node group (docs/groups.md): GET /v1/groups has the rest (a
+        # rank's engine is on no board: only the head, rank 0, has one)
         "group": None if e.group is None else {
-            "name": e.group.name, "epoch": e.group.epoch, "ranks_ready": e.group.ranks_ready,
-            "ranks": e.group.ranks},
+            "name": e.group.name, "role": "head", "rank": 0, "epoch": e.group.epoch,
+            "ranks_ready": e.group.ranks_ready, "ranks": e.group.ranks},
         "memory": engine_doc(e.memory),
         "version": snap.version,
     }
@@ -87,8 +89,8 @@ def models_doc(snap: Snapshot, now: float, node: str) -> dict[str, Any]:
                    key=lambda e: effective_state(e, now, e.overdue_after_s) != "ready")
     for e in order:
         state = effective_state(e, now, e.overdue_after_s)
-        if state not in SHOWN_STATES:
-            continue
+        if state not in SHOWN_STATES or (e.group is not None and not e.admitting):
+            continue  # (a group's head: listed only while its group is ready, admitting)
         names: list[tuple[str, int, str, str | None]] = [
             (m.id, m.created, m.owned_by, None) for m in e.models]
         if e.models:
@@ -114,4 +116,8 @@ def models_doc(snap: Snapshot, now: float, node: str) -> dict[str, Any]:
                     "alias_of": alias_of,
                 },
             }
+            if e.group is not None:  # a group's head (docs/groups.md)
+                items[model_id]["nvpair"]["group"] = {
+                    "name": e.group.name, "epoch": e.group.epoch,
+                    "ranks_ready": e.group.ranks_ready, "ranks": e.group.ranks}
     return {"object": "list", "data": list(items.values())}

@@ -97,6 +97,19 @@ async def test_ready_after_the_last_rank_and_a_killed_rank_restarts_the_group(
             text = out.stdout.decode()
             assert f"group g: ready, epoch {doc['epoch']}, 2/2 ranks ready" in text, text
             assert "(this node: n2, rank 2)" in text and "n2" in text
+            # nvpair status: the head's engine, and a groups table on every member
+            for node, role, rank in ((group.head, "head", 0), (group.nodes[1], "rank", 1)):
+                out = await trio.run_process(
+                    [sys.executable, "-m", "nvpair", "status", "--url", node.url],
+                    capture_stdout=True, capture_stderr=True,
+                    env={**os.environ, "NO_COLOR": "1"})
+                lines = out.stdout.decode().splitlines()
+                assert ("ENGINE" in lines[0]) == (role == "head"), lines
+                assert "no engines answer yet" not in lines, lines
+                row = next(line.split() for line in lines if line.startswith("g ")
+                           and role in line.split())
+                assert row[:7] == ["g", role, str(rank), "n0", "ready", str(doc["epoch"]),
+                                   "2/2"], lines
             out = await trio.run_process(
                 [sys.executable, "-m", "nvpair", "groups", "--url", group.nodes[1].url, "g",
                  "restart"], capture_stdout=True, capture_stderr=True)
@@ -267,8 +280,12 @@ async def test_forming_waits_for_the_last_rank_and_reads_stay_fast(tmp_path: Pat
             assert doc["ranks"][2]["state"] == "unknown"
             engines = await cluster.json(group.head, "/v1/engines/g")
             assert engines["admitting"] is False  # the router sends the head nothing yet
-            assert engines["group"] == {"name": "g", "epoch": doc["epoch"], "ranks_ready": 1,
-                                        "ranks": 2}
+            assert engines["group"] == {"name": "g", "role": "head", "rank": 0,
+                                        "epoch": doc["epoch"], "ranks_ready": 1, "ranks": 2}
+            # a forming group's head is not listed as serving, here or on its peers
+            assert (await cluster.json(group.head, "/v1/models"))["data"] == []
+            assert (await cluster.json(group.nodes[1], "/v1/models?scope=cluster"))[
+                "data"] == []
             slowest = 0.0
             await cluster.start(late)
             with trio.fail_after(30):
@@ -284,6 +301,8 @@ async def test_forming_waits_for_the_last_rank_and_reads_stay_fast(tmp_path: Pat
             assert slowest < 0.2, slowest
             engines = await cluster.json(group.head, "/v1/engines/g")
             assert engines["admitting"] is True
+            models = await cluster.json(group.head, "/v1/models")
+            assert [m["id"] for m in models["data"]] == ["big-model"]
             print(f"slowest read while forming: {slowest * 1000:.0f} ms")
 
 

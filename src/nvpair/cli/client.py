@@ -90,10 +90,15 @@ def _run(args: argparse.Namespace) -> int:
         engines = [doc] if args.name else doc["engines"]
         if args.json:
             print(msgspec.json.encode(doc).decode())
-        elif not engines:
-            print("no engines answer yet")
-        else:
+            return 0
+        if engines:
             print_status(engines)
+        from nvpair.cli.groups import print_groups
+
+        # a rank of a multi-node group has no engine of its own: its groups table says why
+        groups_shown = not args.name and print_groups(args, blank_line=bool(engines))
+        if not engines and not groups_shown:
+            print("no engines answer yet")
         return 0
     if cmd == "models":
         doc = call(args, "GET", "/v1/models?scope=cluster" if args.cluster else "/v1/models")

@@ -14,6 +14,7 @@ import msgspec
 
 from nvpair.cli.memory import size
 from nvpair.cli.table import STATE_COLOURS, render
+from nvpair.errors import InputError
 
 GROUP_COLOURS = {**STATE_COLOURS, "forming": "cyan", "degraded": "yellow", "restarting": "cyan",
                  "failed": "red", "fenced": "red", "unknown": "yellow", "stopping": "cyan"}
@@ -43,6 +44,34 @@ def show(doc: dict[str, Any]) -> None:
         print("epochs (newest first):")
         for e in history[:HISTORY_SHOWN]:
             print(f"  {e['epoch']}: {e['reason'] or 'running'}")
+
+
+def print_groups(args: argparse.Namespace, *, blank_line: bool) -> bool:
+    """``nvpair status``'s groups table, under the engines: one row per group this node is
+    in (nothing where there are none: ``/v1/groups`` then answers 404); whether it printed
+    one."""
+    from nvpair.cli.client import call
+
+    try:
+        doc = call(args, "GET", "/v1/groups")
+    except InputError:
+        return False
+    groups = doc.get("groups") if isinstance(doc, dict) else None
+    if not isinstance(groups, list) or not groups:
+        return False
+    rows, colours = [], []
+    for g in groups:
+        ranks = f"{g.get('ranks_ready', 0)}/{len(g['ranks']) - 1}"
+        epoch = "-" if g.get("epoch") is None else str(g["epoch"])
+        rows.append((g["name"], g["role"], str(g["rank"]), g["head"], g["state"], epoch, ranks,
+                     g.get("error") or ""))
+        colours.append([None, None, None, None, GROUP_COLOURS.get(g["state"]), None, None,
+                        "dim"])
+    if blank_line:
+        print()
+    print(render(("GROUP", "ROLE", "RANK", "HEAD", "STATE", "EPOCH", "RANKS READY", "ERROR"),
+                 rows, colours=colours))
+    return True
 
 
 def run(args: argparse.Namespace) -> int:
