@@ -642,3 +642,48 @@ async def test_the_status_shows_how_many_wait_and_the_oldest_wait(
     fake.routes["/health"] = (200, "")
     await wait_state(board, "e", "ready", where=lambda e: e.queued == 0, within=30)
     assert status()["queued_oldest_s"] is None
+
+
+async def test_a_drain_during_a_cold_start_starts_it_again_for_the_waiting_requests(
+        nursery, autojump_clock) -> None:
+    """The operator drains an on-demand engine while it starts for a request: it stops
+    (nothing in flight) and rests cold, and the request that waits starts it again and is
+    served; before, it got 503 'failed to start: cold'."""
+    from tests.fakes import FakeEngine, engine_spec, vllm_routes
+    from tests.test_process import FakeSpawn
+
+    from nvpair.config import ActivationConfig
+    from nvpair.lifecycle import EngineRunner
+    from nvpair.router.activation import Activator
+    from nvpair.snapshot import Board
+    from nvpair.state import initial_state
+    from nvpair.traffic import Traffic
+
+    spec = engine_spec("vllm", managed=True, port=free_port(), model="m",
+                       command=["srv", "--port", "{port}"], activation="on_demand")
+    board = Board((initial_state(spec),))
+    fake = FakeEngine(vllm_routes())
+    fake.routes["/health"] = (503, "loading")
+    traffic = Traffic()
+    runner = EngineRunner(spec, board, None, None, traffic, transport=fake.transport(),
+                          spawn=FakeSpawn())
+    activator = Activator(board, [spec], {"e": runner}, traffic, ActivationConfig())
+    await nursery.start(runner.run)
+    await nursery.start(activator.run)
+
+    async def operator() -> None:
+        await wait_state(board, "e", "starting", within=30)
+        await trio.sleep(5)
+        runner.drain(then="stop", reason="drain requested")
+        await wait_state(board, "e", "cold", within=30)
+        await wait_state(board, "e", "starting", within=30)  # started again for the request
+        await trio.sleep(5)
+        fake.routes["/health"] = (200, "")
+
+    nursery.start_soon(operator)
+    with trio.fail_after(200):
+        ticket = await activator.admit("e")
+    ticket.headed()
+    ticket.leave()
+    assert runner.starts == 2
+    assert board.current.engine("e").state == "ready"  # type: ignore[union-attr]

@@ -308,6 +308,11 @@ class Activator:
             settled = await self._settled(name, just_started=started)
             if settled == "ready":
                 return None
+            if settled == "drained":  # (the operator's drain while it started: no failure)
+                if not self.queue(name).waiting:
+                    return f"engine {name} was drained while it started"
+                started = False
+                continue  # cold: started again for the requests that wait
             if settled == "stopped":
                 return f"engine {name} was stopped (nvpair stop); start it with nvpair start"
             if settled == "down":
@@ -315,17 +320,22 @@ class Activator:
             # "cold": a drain ended; start it (again) for the requests waiting
 
     async def _settled(self, name: str, *, just_started: bool) -> str:
-        """Until the engine is ready and admitting, down, stopped or cold: which. Just
-        started, it is still cold until its runner takes the start: that cold is not it."""
+        """Until the engine is ready and admitting, down, stopped or cold: which (cold after
+        a drain seen meanwhile: ``drained``). Just started, it is still cold until its runner
+        takes the start: that cold is not it."""
         version = -1
         left_cold = not just_started
+        drained = False
         while True:
             snap = await self.board.wait_changed(version)
             version = snap.version
             e = snap.engine(name)
             if e is not None and e.state != "cold":
                 left_cold = True
+                drained = drained or not e.admitting
             if e is None or e.state in ("down", "stopped") or (e.state == "cold" and left_cold):
+                if e is not None and e.state == "cold" and drained:
+                    return "drained"
                 return "down" if e is None else e.state
             if e.state in LISTED_STATES and e.admitting:
                 return "ready"
