@@ -1,16 +1,32 @@
 """The group runner's pieces that need no cluster: the listening-socket check (never a
-connection), the kept epoch, the epoch logs kept, and the reports the advert carries."""
+connection), the kept epoch, the epoch logs kept, the reports the advert carries, and a
+rank's probe cadence (within budget, a hung rank still found soon)."""
 
 from __future__ import annotations
 
 import socket
 from pathlib import Path
 
+import httpx2
+import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
+from nvpair.config import decode_config, resolve
 from nvpair.group.machine import Report
-from nvpair.group.runner import Reports, listening, prune_logs, read_epoch
+from nvpair.group.runner import (
+    RECHECK_S,
+    STARTING_CHECK_S,
+    GroupRunner,
+    Reports,
+    Slot,
+    listening,
+    next_look,
+    prune_logs,
+    read_epoch,
+)
+from nvpair.orphans import EngineProcs
+from nvpair.snapshot import Board
 
 
 def test_listening_reads_the_sockets_of_one_address_and_port() -> None:
@@ -78,3 +94,62 @@ def test_reports_tell_their_listeners_of_changes_only() -> None:
     assert len(calls) == 1
     reports.set(Report(name="a", rank=0, epoch=1, state="forming"))
     assert len(calls) == 2 and [x.name for x in reports.all()] == ["a", "g"]
+
+
+def rank_runner(tmp_path: Path) -> GroupRunner:
+    """Rank 1 of a group of the built-in SGLang manifest (its rank probe: GET /ping)."""
+    (tmp_path / "token").write_text("secret\n")
+    text = ('node = "n1"\n[cluster]\ntoken_file = "token"\n[[peers]]\n'
+            'url = "http://127.0.0.1:1"\n[[engines]]\nname = "g"\nkind = "sglang"\n'
+            'model = "m"\nmanaged = true\n[engines.group]\nranks = ["n0", "n1"]\n'
+            "dist_port = 50000\n")
+    s = resolve(decode_config(text.encode(), "n.toml"), "n.toml", tmp_path)
+    return GroupRunner(s.engines[0], Board(()), None, Reports(),  # type: ignore[arg-type]
+                       "n1", None, EngineProcs(None), None)
+
+
+async def test_a_ready_rank_is_probed_within_budget_and_a_hung_one_found_soon(
+        tmp_path: Path, autojump_clock: object) -> None:
+    runner = rank_runner(tmp_path)
+    probe = runner.group.member.probe
+    assert probe is not None and probe.path == "/ping"
+    hung = trio.Event()
+    asked: list[float] = []
+
+    async def handler(request: httpx2.Request) -> httpx2.Response:
+        asked.append(trio.current_time())
+        if hung.is_set():
+            await trio.sleep_forever()
+        return httpx2.Response(200)
+
+    runner._client = httpx2.AsyncClient(transport=httpx2.MockTransport(handler),
+                                        base_url=runner.spec.url)
+    slot = Slot(1)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(runner._watch_rank, slot)
+        await trio.sleep(1)
+        assert slot.ready
+        start, count = trio.current_time(), len(asked)
+        await trio.sleep(3600)
+        per_hour = len(asked) - count
+        # the design's budget: at most 720 an hour (one every 5 s); it was 1,800 (every 2 s)
+        assert per_hour <= 720, per_hour
+        assert per_hour >= 700, per_hour
+        hung.set()  # it stops answering: found hung after its failure threshold of looks
+        hung_at = trio.current_time()
+        version = runner._wake.version
+        while slot.ready:  # (the runner's own cue: it moves when the rank's readiness does)
+            version = await runner._wake.wait_changed(version)
+        took = trio.current_time() - hung_at
+        # up to one interval until the next look, then 3 timeouts of 2 s, 1 s apart
+        assert took <= probe.interval_s + 3 * probe.timeout_s + 2 * RECHECK_S + 0.2, took
+        assert start < hung_at
+        nursery.cancel_scope.cancel()
+    await runner._client.aclose()
+
+
+def test_next_look() -> None:
+    assert next_look(False, False, 5.0) == STARTING_CHECK_S
+    assert next_look(True, True, 5.0) == 5.0
+    assert next_look(True, False, 5.0) == RECHECK_S
+    assert next_look(True, False, 0.5) == 0.5

@@ -47,8 +47,21 @@ LOGS_KEPT = 5
 TICK_S = 1.0
 #: how often a rank that is not ready yet is looked at (its probe, its socket)
 STARTING_CHECK_S = 0.25
+#: how soon a ready rank whose look failed is looked at again (its interval otherwise:
+#: the steady cost stays the interval's, while a hung rank is still found in a few seconds)
+RECHECK_S = 1.0
 #: how often the memory of this node's group process is read (/proc/PID/status)
 MEMORY_EVERY_S = 5.0
+
+
+def next_look(ready: bool, ok: bool, interval_s: float) -> float:
+    """Seconds until a rank is looked at again: soon while it starts, its interval while it
+    answers, and soon after a failed look (a rank that stops answering is down after its
+    failure threshold of looks, not that many intervals). A rank's exit needs no look: its
+    process is nvpair's child."""
+    if not ready:
+        return STARTING_CHECK_S
+    return interval_s if ok else min(RECHECK_S, interval_s)
 
 
 def memory_of(pid: int | None) -> int | None:
@@ -580,8 +593,8 @@ class GroupRunner:
                 slot.ready = ok
                 self._wake.bump()
             failures = 0 if ok else failures + 1
-            interval = role.probe.interval_s if role.probe is not None else 2.0
-            await trio.sleep(interval if slot.ready else STARTING_CHECK_S)
+            await trio.sleep(next_look(slot.ready, ok, role.probe.interval_s
+                                       if role.probe is not None else 2.0))
 
     def _threshold(self) -> int:
         probe = self.group.member.probe
