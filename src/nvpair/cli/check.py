@@ -18,12 +18,13 @@ def steady_rate_per_hour(engine: EngineSpec) -> float:
 
 def report(settings: Settings) -> dict[str, object]:
     engines = []
-    for e in settings.engines:
+    for e in _local(settings).engines:
         engines.append(
             {
                 "name": e.name,
                 "kind": e.kind,
                 "managed": e.managed,
+                "group": None if e.group is None else e.group.name,
                 "url": e.url,
                 "model": e.model,
                 "optional": e.optional,
@@ -48,7 +49,50 @@ def report(settings: Settings) -> dict[str, object]:
         "token": settings.token is not None,
         "peers": [p.url for p in _peers(settings)],
         "engines": engines,
+        "groups": [group_part(e) for e in settings.engines if e.group is not None],
     }
+
+
+def _local(settings: Settings) -> Settings:
+    """What this node runs as engines: a group's engine is adopted on its head (its group
+    runner starts the process) and absent on its ranks (``Groups.local``)."""
+    from nvpair.group.link import Groups
+
+    return Groups(settings).local(settings)
+
+
+def group_part(e: EngineSpec) -> dict[str, object]:
+    """This node's part of ``e``'s group (docs/groups.md)."""
+    g = e.group
+    assert g is not None
+    role = g.my_role
+    probe = None
+    if g.rank != 0 and role.ready == "probe" and role.probe is not None:
+        probe = {"method": role.probe.method, "path": role.probe.path,
+                 "interval_s": role.probe.interval_s, "timeout_s": role.probe.timeout_s,
+                 "per_hour": round(3600 / role.probe.interval_s)}
+    return {"name": g.name, "role": g.role, "rank": g.rank, "head": g.head_node,
+            "ranks": list(g.ranks), "start_order": g.start_order,
+            "ready": "engine probes" if g.rank == 0 else role.ready, "probe": probe}
+
+
+def _group_line(part: dict[str, object]) -> str:
+    ranks = part["ranks"]
+    assert isinstance(ranks, list)
+    of = f"of {len(ranks)}: {', '.join(ranks)}"
+    if part["role"] == "head":
+        return (f"group {part['name']}: this node is its head (rank 0 {of})\n  its engine "
+                "(below) is started by the group and probed as any engine of its kind")
+    probe = part["probe"]
+    if isinstance(probe, dict):
+        ready = (f"ready by {probe['method']} {probe['path']} every {probe['interval_s']:g}s "
+                 f"(about {probe['per_hour']} requests per hour once ready)")
+    elif part["ready"] == "listen":
+        ready = "ready when its socket listens (read from /proc, never connected to)"
+    else:
+        ready = "ready while its process runs"
+    return (f"group {part['name']}: this node is rank {part['rank']} ({of}), run for the "
+            f"head {part['head']}\n  no engine of its own here; its process is {ready}")
 
 
 def _peers(settings: Settings) -> tuple[PeerTarget, ...]:
@@ -66,12 +110,20 @@ def run(settings: Settings, *, as_json: bool) -> int:
     if peers := _peers(settings):
         print(f"peers    {', '.join(p.url for p in peers)}")
     print()
+    parts = [group_part(e) for e in settings.engines if e.group is not None]
+    for part in parts:
+        print(_group_line(part))
+    if parts:
+        print()
+    settings = _local(settings)
     if not settings.engines:
-        print("no engines configured")
+        print("no engines run here" if parts else "no engines configured")
         return 0
     rows = []
     for e in settings.engines:
         mode = "managed" if e.managed else ("adopt if found" if e.optional else "adopted")
+        if e.group is not None:
+            mode = f"head of group {e.group.name}"
         rows.append((e.name, e.kind, mode, e.url, e.model or "(as served)"))
     print(render(("ENGINE", "KIND", "MODE", "URL", "MODEL"), rows))
     print()

@@ -1,0 +1,72 @@
+"""``nvpair check`` on the nodes of a multi-node group: what each node runs (Groups.local),
+so a rank shows its part of the group, not an engine it would probe itself."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from nvpair.cli import check
+from nvpair.config import Settings, decode_config, resolve
+from nvpair.group.spec import RANK_ENV
+
+
+def settings(tmp_path: Path, node: str, kind: str = "sglang") -> Settings:
+    (tmp_path / "token").write_text("secret\n")
+    text = (f'node = "{node}"\n[cluster]\ntoken_file = "token"\n[[peers]]\n'
+            'url = "http://127.0.0.1:1"\n[[engines]]\nname = "big"\n'
+            f'kind = "{kind}"\nmodel = "m"\nmanaged = true\n[engines.group]\n'
+            'ranks = ["n0", "n1", "n2"]\ndist_port = 50000\n'
+            '[[engines]]\nname = "solo"\nkind = "vllm"\nport = 8001\n')
+    return resolve(decode_config(text.encode(), "n.toml"), "n.toml", tmp_path)
+
+
+def test_a_rank_shows_its_part_of_the_group_not_an_engine(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(RANK_ENV, raising=False)
+    assert check.run(settings(tmp_path, "n1"), as_json=False) == 0
+    out = capsys.readouterr().out
+    assert "group big: this node is rank 1 (of 3: n0, n1, n2), run for the head n0" in out
+    assert ("no engine of its own here; its process is ready by GET /ping every 5s "
+            "(about 720 requests per hour once ready)") in out
+    engines = [line.split()[0] for line in out.splitlines()
+               if line.startswith(("big ", "solo "))]
+    assert "big" not in engines and "solo" in engines  # never probed here as an engine
+    assert "big:" not in out.replace("group big:", "")  # no probe rate of its own
+    assert check.run(settings(tmp_path, "n1"), as_json=True) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [e["name"] for e in doc["engines"]] == ["solo"]
+    assert doc["groups"] == [{"name": "big", "role": "rank", "rank": 1, "head": "n0",
+                              "ranks": ["n0", "n1", "n2"], "start_order": "together",
+                              "ready": "probe", "probe": {
+                                  "method": "GET", "path": "/ping", "interval_s": 5.0,
+                                  "timeout_s": 2.0, "per_hour": 720}}]
+
+
+def test_the_head_shows_its_engine_as_the_groups(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(RANK_ENV, raising=False)
+    assert check.run(settings(tmp_path, "n0"), as_json=False) == 0
+    out = capsys.readouterr().out
+    assert "group big: this node is its head (rank 0 of 3: n0, n1, n2)" in out
+    row = next(line for line in out.splitlines() if line.startswith("big "))
+    assert "head of group big" in row
+    doc = check.report(settings(tmp_path, "n0"))
+    engines = doc["engines"]
+    assert isinstance(engines, list)
+    assert [(e["name"], e["managed"], e["group"]) for e in engines] == [
+        ("big", False, "big"), ("solo", False, None)]
+
+
+def test_an_rpc_rank_is_watched_by_its_socket(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(RANK_ENV, "2")
+    assert check.run(settings(tmp_path, "n0", kind="llamacpp"), as_json=False) == 0
+    out = capsys.readouterr().out
+    assert "this node is rank 2 (of 3: n0, n1, n2), run for the head n0" in out
+    assert "ready when its socket listens (read from /proc, never connected to)" in out
