@@ -399,10 +399,11 @@ async def test_the_wait_for_quiet_is_bounded_by_quiet_max_s(tmp_path: Path,
     traffic.started("e")  # busy for ever
     runner = _Runner()
     board = Board(tuple(initial_state(s) for s in settings.engines))
+    board.update("e", lambda e: msgspec.structs.replace(e, state="ready", pid=100))
     watch = MemoryWatch(settings.memory, board, settings.engines, traffic=traffic,
                         runners={"e": runner})
     w = watch.engines["e"]
-    w.trend = "leaking"
+    w.trend, w.leader = "leaking", 100
     started = trio.current_time()
     with trio.fail_after(5000):  # (before the bound: waited for ever)
         await watch._restart_when_quiet(w, _leaking())
@@ -441,3 +442,30 @@ def test_quiet_max_s_is_a_number_of_seconds(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as caught:
         one_engine(tmp_path, extra="quiet_max_s = -1")
     assert "quiet_max_s" in str(caught.value) and "\n" not in str(caught.value)
+
+
+async def test_a_memory_restart_waits_for_the_process_it_judged_not_a_new_one(
+        tmp_path: Path, autojump_clock: Any) -> None:
+    """The leaking process ends during the quiet wait (an on-demand engine unloaded when
+    idle, an eviction, a crash) and a new one starts: the action ends without draining the
+    new process (which is starting: never restarted for memory during startup)."""
+    settings = one_engine(tmp_path, extra="action = 'restart_when_quiet'\nquiet_s = 300")
+    runner = _Runner()
+    board = Board(tuple(initial_state(s) for s in settings.engines))
+    board.update("e", lambda e: msgspec.structs.replace(e, state="ready", pid=100))
+    watch = MemoryWatch(settings.memory, board, settings.engines, runners={"e": runner})
+    w = watch.engines["e"]
+    w.trend, w.leader = "leaking", 100
+
+    async def replaced() -> None:
+        await trio.sleep(100)  # idle unload: cold, no process
+        board.update("e", lambda e: msgspec.structs.replace(e, state="cold", pid=None))
+        await trio.sleep(50)  # a request starts it again: a new process, starting
+        board.update("e", lambda e: msgspec.structs.replace(e, state="starting", pid=200))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(replaced)
+        with trio.fail_after(1000):
+            await watch._restart_when_quiet(w, _leaking())
+    assert runner.asked == [] and w.memory_restarts == 0
+    assert trio.current_time() < 301

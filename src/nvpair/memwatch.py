@@ -459,8 +459,9 @@ class MemoryWatch:
                              f"(at most {most:g} s), then a restart")
                 waited = "critical" if r.trend is Trend.CRITICAL else await self._quiet(
                     name, quiet, w, most)
-                if waited == "recovered":
-                    log.info("%s: no longer leaking; not restarted", name)
+                if waited in ("recovered", "gone"):
+                    log.info("%s: %s; not restarted", name, "no longer leaking"
+                             if waited == "recovered" else "its leaking process is gone")
                     self._say(w, None)
                     return
                 if waited == "bound":
@@ -488,13 +489,18 @@ class MemoryWatch:
 
     async def _quiet(self, name: str, quiet_s: float, w: _Watched, most_s: float) -> str:
         """Until no routed request has been in flight for ``quiet_s``: ``quiet``; the engine
-        turned ``critical`` meanwhile (restart now) or is no longer leaking
-        (``recovered``: no restart); or ``most_s`` went by without a quiet moment:
-        ``bound``."""
+        turned ``critical`` meanwhile (restart now), is no longer leaking (``recovered``)
+        or its process is no longer the one judged, ready (``gone``: unloaded, evicted,
+        exited, a new one starting; neither is restarted); or ``most_s`` went by without a
+        quiet moment: ``bound``."""
         since: float | None = None
         deadline = trio.current_time() + most_s
+        leader = w.leader
         while True:
             now = trio.current_time()
+            e = self.board.current.engine(name)
+            if e is None or e.pid != leader or e.state not in JUDGED:
+                return "gone"  # (unloaded, evicted, exited, or a new process starting)
             if w.trend not in ("leaking", "critical"):
                 return "recovered"
             if w.trend == "critical":
