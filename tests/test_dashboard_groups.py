@@ -44,6 +44,12 @@ async def test_the_page_draws_a_real_group_and_follows_its_epochs(tmp_path: Path
                 await page.wait_for(f"{TITLE} === 'g ready epoch {epoch} · 1/1 ranks ready'")
                 assert await page.evaluate(GRID) == [["0", "rank 0 · n0 ready"],
                                                      ["1", "rank 1 · n1 ready"]]
+                # a ready group is quiet: its loop steps every second, and sends nothing
+                # while nothing changes (its ages are not in its events)
+                count = "view.events.filter(e => e.type === 'group').length"
+                quiet = await page.evaluate(count)
+                await trio.sleep(3)  # a window of steps with nothing to tell
+                assert await page.evaluate(count) == quiet
                 # rank 1's process killed: the group's events bring the next epoch
                 os.kill(doc["ranks"][1]["pid"], signal.SIGKILL)
                 killed_at = trio.current_time()
