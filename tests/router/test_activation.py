@@ -381,15 +381,63 @@ def test_the_footprint_is_the_memory_watch_reading_else_the_configured_one() -> 
     e = initial_state(spec, now=0.0)
     assert footprint(e, spec) == 5 * GB  # no reading: configured
     assert footprint(None, spec) == 5 * GB
-    read = msgspec.structs.replace(e, memory=SimpleNamespace(rss_anon_bytes=3 * GB,
-                                                             swap_bytes=GB))
-    assert footprint(read, spec) == 4 * GB  # anonymous memory and swap
+    read = msgspec.structs.replace(e, state="ready", memory=SimpleNamespace(
+        rss_anon_bytes=3 * GB, swap_bytes=GB))
+    assert footprint(read, spec) == 4 * GB  # up: anonymous memory and swap
+    assert footprint(read, spec, remembered=7 * GB) == 4 * GB  # (the reading now)
+    # starting (loading): its reading is part of it, never less than what is known
+    loading = msgspec.structs.replace(read, state="starting", memory=SimpleNamespace(
+        rss_anon_bytes=GB // 10, swap_bytes=0))
+    assert footprint(loading, spec) == 5 * GB
+    assert footprint(loading, spec, remembered=4 * GB) == 4 * GB
+    big = msgspec.structs.replace(loading, memory=SimpleNamespace(rss_anon_bytes=6 * GB,
+                                                                  swap_bytes=0))
+    assert footprint(big, spec) == 6 * GB
+    assert footprint(e, spec, remembered=4 * GB) == 4 * GB  # cold: what it measured up
     unread = msgspec.structs.replace(e, memory=SimpleNamespace(rss_anon_bytes=None,
                                                                swap_bytes=None))
     assert footprint(unread, spec) == 5 * GB
     measured = engine_spec("vllm", managed=True, model="m", command=["srv"],
                            activation="on_demand")
     assert footprint(initial_state(measured, now=0.0), measured) is None  # not known
+    assert footprint(msgspec.structs.replace(loading, memory=SimpleNamespace(
+        rss_anon_bytes=GB // 10, swap_bytes=0)), measured) is None  # (a partial reading)
+
+
+def test_a_cold_engine_is_planned_with_what_it_measured_when_it_was_up() -> None:
+    """An on-demand engine with memory_bytes = "measured" ran (the watch read 4 GB), then
+    went cold (no process: no reading): its next start is planned with 4 GB, not as the
+    whole budget; while it loads again, its partial reading does not free the room.
+    Before, a cold engine's footprint was unknown again (so one that ran beside another
+    evicted it to start), and a loading engine counted only what it had loaded."""
+    from types import SimpleNamespace
+
+    from tests.fakes import engine_spec
+
+    from nvpair.config import ActivationConfig
+    from nvpair.router.activation import Activator
+    from nvpair.snapshot import Board
+    from nvpair.state import initial_state
+    from nvpair.traffic import Traffic
+
+    specs = [engine_spec("vllm", name=n, managed=True, model=n, command=["srv"],
+                         activation="on_demand") for n in ("a", "b")]
+    board = Board(tuple(initial_state(s, now=0.0) for s in specs))
+    config = ActivationConfig(memory_budget_bytes=10 * GB)
+    activator = Activator(board, specs, {}, Traffic(), config)
+
+    def up(name: str, state: str, anon: int | None) -> None:
+        board.update(name, lambda e: msgspec.structs.replace(e, state=state, memory=None
+                     if anon is None else SimpleNamespace(rss_anon_bytes=anon, swap_bytes=0)))
+
+    up("a", "ready", 4 * GB)
+    activator.remember()
+    up("a", "cold", None)
+    assert activator.footprint("a") == 4 * GB
+    up("b", "ready", 5 * GB)
+    assert [c.footprint for c in activator._running("a")] == [5 * GB]
+    up("a", "starting", GB // 10)  # loading again
+    assert [c.footprint for c in activator._running("b")] == [4 * GB]
 
 
 def test_the_auto_budget_keeps_the_memory_watchs_reserve() -> None:

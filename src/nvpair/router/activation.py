@@ -54,6 +54,8 @@ IDLE_CHECK_S = 5.0
 ROOM_RECHECK_S = 1.0
 #: Retry-After of a request that waited too long or whose engine could not start
 RETRY_AFTER_S = 5
+#: states of an engine that is up: its memory reading is its whole footprint
+UP_STATES = LISTED_STATES | {"unhealthy"}
 
 
 class QueueFull(NvpairError):
@@ -124,15 +126,29 @@ class EngineQueue:
         self.publish()
 
 
-def footprint(e: EngineState | None, spec: EngineSpec) -> int | None:
-    """The engine's footprint in bytes: the memory watch's reading when there is one
-    (anonymous memory and swap), else the configured ``memory_bytes`` (None: unknown)."""
+def reading(e: EngineState | None) -> int | None:
+    """The memory watch's reading of the engine: anonymous memory plus swap (None: none)."""
     memory = getattr(e, "memory", None)
     rss = getattr(memory, "rss_anon_bytes", None)
-    if isinstance(rss, int):
-        swap = getattr(memory, "swap_bytes", None)
-        return rss + (swap if isinstance(swap, int) else 0)
-    return spec.memory_bytes
+    if not isinstance(rss, int):
+        return None
+    swap = getattr(memory, "swap_bytes", None)
+    return rss + (swap if isinstance(swap, int) else 0)
+
+
+def footprint(e: EngineState | None, spec: EngineSpec,
+              remembered: int | None = None) -> int | None:
+    """The engine's footprint in bytes. Up (ready, stale, unhealthy) with a reading: the
+    reading. Otherwise (cold: no process; starting: a loading process's reading is only
+    part of it) what it measured when it was last up (``remembered``), else the configured
+    ``memory_bytes``, or the reading now where that is larger (None: unknown)."""
+    now = reading(e)
+    if now is not None and e is not None and e.state in UP_STATES:
+        return now
+    known = remembered if remembered is not None else spec.memory_bytes
+    if known is None:
+        return None
+    return known if now is None else max(known, now)
 
 
 def auto_budget(using: int, reserve: int | str, info: Meminfo | None,
@@ -173,6 +189,9 @@ class Activator:
         self.queues: dict[str, EngineQueue] = {}
         #: when a routed request last used each engine (or it became ready for one)
         self.last_used: dict[str, float] = {}
+        #: each engine's footprint as last measured while it was up (``remember``): what it
+        #: is planned with once cold or while it starts again
+        self.measured: dict[str, int] = {}
         #: engines whose room is made (planned, taken at once), until they are up or failed:
         #: they count against the budget while still cold, so two starts never share room
         self._reserved: set[str] = set()
@@ -349,8 +368,23 @@ class Activator:
         runner.unload()
         return f"engine {name} failed to start: {e.error or e.state}{said}"
 
+    def remember(self) -> None:
+        """Keep each up engine's measured footprint (every idle pass and before a plan)."""
+        snap = self.board.current
+        for name in self.specs:
+            e = snap.engine(name)
+            now = reading(e)
+            if now is not None and e is not None and e.state in UP_STATES:
+                self.measured[name] = now
+
+    def footprint(self, name: str) -> int | None:
+        """Engine ``name``'s footprint for a plan (``footprint``, with what it measured)."""
+        return footprint(self.board.current.engine(name), self.specs[name],
+                         self.measured.get(name))
+
     def _running(self, name: str) -> list[Candidate]:
         """The other on-demand engines that hold memory now, as the planner sees them."""
+        self.remember()
         snap = self.board.current
         running = []
         for other, spec in self.specs.items():
@@ -360,7 +394,7 @@ class Activator:
                 continue
             queue = self.queues.get(other)
             awaited = queue is not None and (queue.activating or bool(queue.waiting))
-            running.append(Candidate(other, spec.priority, footprint(e, spec),
+            running.append(Candidate(other, spec.priority, self.footprint(other),
                                      self.last_used.get(other, 0.0), self._in_flight(other),
                                      evictable=e.admitting and not awaited))
         return running
@@ -373,7 +407,7 @@ class Activator:
         ``name`` (each for at most its queue_wait_s): they become victims once served."""
         while True:
             running = self._running(name)
-            need = footprint(self.board.current.engine(name), self.specs[name])
+            need = self.footprint(name)
             budget = self.budget(running)
             decided = plan(name, need, budget, running)
             if decided.reason is None:
@@ -443,8 +477,9 @@ class Activator:
             try:
                 while True:
                     await trio.sleep(every)
-                    if idle:
-                        with self._part.guard():
+                    with self._part.guard():
+                        self.remember()
+                        if idle:
                             self.unload_idle(trio.current_time())
             finally:
                 self._nursery = None
