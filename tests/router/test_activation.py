@@ -735,3 +735,53 @@ async def test_a_drain_during_a_cold_start_starts_it_again_for_the_waiting_reque
     ticket.leave()
     assert runner.starts == 2
     assert board.current.engine("e").state == "ready"  # type: ignore[union-attr]
+
+
+async def test_a_request_during_a_memory_restart_waits_and_is_served(
+        nursery, autojump_clock) -> None:
+    """A ready on-demand engine drains to a restart (restart_when_quiet's drain): a request
+    for it waits in its queue and is served by the restarted engine; the restart is no
+    failed start (the engine is not unloaded, the request gets no 503)."""
+    from tests.fakes import FakeEngine, engine_spec, vllm_routes
+    from tests.test_process import FakeSpawn
+
+    from nvpair.config import ActivationConfig
+    from nvpair.lifecycle import EngineRunner
+    from nvpair.router.activation import Activator
+    from nvpair.snapshot import Board
+    from nvpair.state import initial_state
+    from nvpair.traffic import Traffic
+
+    spec = engine_spec("vllm", managed=True, port=free_port(), model="m",
+                       command=["srv", "--port", "{port}"], activation="on_demand")
+    board = Board((initial_state(spec),))
+    fake = FakeEngine(vllm_routes())
+    traffic = Traffic()
+    runner = EngineRunner(spec, board, None, None, traffic, transport=fake.transport(),
+                          spawn=FakeSpawn())
+    activator = Activator(board, [spec], {"e": runner}, traffic, ActivationConfig())
+    await nursery.start(runner.run)
+    await nursery.start(activator.run)
+    with trio.fail_after(100):
+        ticket = await activator.admit("e")
+    ticket.headed()
+    ticket.leave()
+    first = board.current.engine("e")
+    assert first is not None and first.state == "ready"
+    fake.routes["/health"] = (503, "loading")  # the new process loads for a while
+    runner.drain(then="restart", reason="memory")
+    assert activator.candidate(["e"]) == "e"  # not admitting: requests wait for it
+
+    async def loaded() -> None:
+        await wait_state(board, "e", "starting", within=30)
+        await trio.sleep(5)
+        fake.routes["/health"] = (200, "")
+
+    nursery.start_soon(loaded)
+    with trio.fail_after(200):
+        ticket = await activator.admit("e")
+    ticket.headed()
+    ticket.leave()
+    after = board.current.engine("e")
+    assert after is not None and after.state == "ready" and after.admitting
+    assert runner.starts == 2 and after.restarts == first.restarts + 1
