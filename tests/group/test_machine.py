@@ -7,11 +7,14 @@ import pytest
 
 from nvpair.group.machine import (
     HISTORY_KEPT,
+    Decision,
     Head,
+    KeyView,
     Member,
     Policy,
     Proc,
     Report,
+    apply_key,
     backoff_s,
     coarse,
     first_epoch,
@@ -258,3 +261,25 @@ HEAD = Report(name="g", rank=0, epoch=5, state="forming", run=True, go=True)
 def test_reconcile(head, peer, silent, running, started, expected) -> None:
     d = reconcile(head, peer, silent, running, started, fence_after_s=30.0)
     assert (d.epoch, d.start, d.fenced) == expected
+
+
+START, RUN = Decision(5, start=True), Decision(5)
+
+
+@pytest.mark.parametrize(("d", "key", "running", "expected"), [
+    (START, KeyView(5, "n0"), None, (5, True, False)),  # the key agrees: as the advert says
+    (RUN, KeyView(5, "n0"), 5, (5, False, False)),
+    (START, None, None, (None, False, False)),  # not read yet: nothing starts
+    (RUN, None, 5, (5, False, False)),  # ... and nothing stops for it
+    (RUN, KeyView(None), 5, (None, False, True)),  # the key gone: fenced at once
+    (START, KeyView(None), None, (None, False, False)),
+    (RUN, KeyView(9, "n7"), 5, (None, False, False)),  # another head's key: run nothing
+    (START, KeyView(9, "n7"), None, (None, False, False)),
+    (START, KeyView(4, "n0"), None, (None, False, False)),  # advert and key disagree
+    (RUN, KeyView(6, "n0"), 5, (None, False, False)),
+    (Decision(None, reason="x"), KeyView(5, "n0"), 5, (None, False, False)),
+])
+def test_a_rank_is_held_to_the_epoch_key(d, key, running, expected) -> None:
+    out = apply_key(d, key, "n0", running)
+    assert (out.epoch, out.start, out.fenced) == expected
+    assert out.reason or out == d

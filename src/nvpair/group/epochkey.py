@@ -5,25 +5,38 @@ The head puts ``{"epoch": N, "node": NAME}`` under ``<root>groups/<group>`` (``<
 node prefix without its last part, ``nvpair/default/`` for ``nvpair/default/nodes/``) only
 if the key is absent or already held by its own lease; a key held by another lease is
 another head's, and this one starts nothing until that lease is gone. The key goes with
-the lease, so a head that dies releases it within the lease TTL. Ranks need no watch of
-their own: the head's advert lives under the same lease, and a rank whose head's advert
-is gone fences itself (``fence_after_s``).
+the lease, so a head that dies releases it within the lease TTL.
+
+Ranks watch the key (``EpochWatch``): a rank runs a process only for the epoch its head
+holds there (``machine.apply_key``), so two heads can never both run an epoch, and a rank
+fences itself as soon as the key is gone with its head's lease (not ``fence_after_s``
+later, as it would from the head's advert alone).
 """
 
 from __future__ import annotations
 
 import base64
+import logging
 import ssl
+from collections.abc import Callable
 from typing import Any
 
 import httpx2
 import msgspec
+import trio
 
+from nvpair.boundary import Part
+from nvpair.group.machine import KeyView
 from nvpair.peers.etcd import EtcdBackend
+from nvpair.peers.gateway import KV, Gateway, WatchResult
 from nvpair.tls import client_tls
+
+log = logging.getLogger("nvpair.group")
 
 #: one claim (two transactions at most) gets this long
 CLAIM_TIMEOUT_S = 3.0
+#: a rank's watch of the key ranges it again this often (a consistency check)
+REREAD_S = 60.0
 
 
 def _b64(data: str | bytes) -> str:
@@ -127,3 +140,61 @@ class EpochKey:
             who = _Held()
         return (f"{self.key} is held by {who.node} (epoch {who.epoch}, lease {held.lease}): "
                 "another head; this one starts nothing until that lease is gone")
+
+
+def view_of(kv: KV | None) -> KeyView:
+    """The key's value as a rank reads it; a value that is not a head's claim is held by
+    nobody this rank follows (node "?")."""
+    if kv is None:
+        return KeyView(None)
+    try:
+        held = msgspec.json.decode(kv.value_bytes, type=_Held)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+        return KeyView(-1, "?")
+    return KeyView(held.epoch, held.node)
+
+
+class EpochWatch:
+    """A rank's watch of its group's epoch key: ``view`` is the key as last read (None:
+    not read yet), and ``on_change`` is called when it changes. A failing watch keeps the
+    last view and tries again with backoff (the head's advert still fences this rank)."""
+
+    def __init__(self, backend: EtcdBackend, group: str, *,
+                 transport: httpx2.AsyncBaseTransport | None = None) -> None:
+        self.backend = backend
+        self.key = key_for(backend.settings.prefix, group)
+        self.view: KeyView | None = None
+        self.on_change: Callable[[], None] = lambda: None
+        self.part = Part(f"group {group}: epoch key watch", initial_s=0.5, max_s=5.0,
+                         logger=log)
+        self._transport = transport
+
+    async def run(self) -> None:
+        """Watch until cancelled (each failure retried with backoff)."""
+        await self.part.supervise(self._loop)
+
+    def _set(self, view: KeyView) -> None:
+        if view != self.view:
+            self.view = view
+            self.on_change()
+
+    async def _loop(self) -> None:
+        s = self.backend.settings
+        timeout = httpx2.Timeout(CLAIM_TIMEOUT_S, read=None)
+        async with httpx2.AsyncClient(base_url=s.url, timeout=timeout, trust_env=False,
+                                      verify=self.backend._tls,
+                                      transport=self._transport) as client:
+            gw = Gateway(client, username=s.username, password=s.password)
+            while True:
+                with trio.fail_after(CLAIM_TIMEOUT_S):
+                    revision, kvs = await gw.range(self.key)
+                self._set(view_of(next((kv for kv in kvs if kv.key_text == self.key), None)))
+                self.part.ok()
+                with trio.move_on_after(REREAD_S):
+                    await gw.watch(self.key, revision + 1, self._on_result)
+                    raise ConnectionError("the watch stream ended (etcd going away?)")
+
+    def _on_result(self, result: WatchResult) -> None:
+        for event in result.events:
+            if event.kv.key_text == self.key:  # (the watch is of a prefix: "g" and "g2")
+                self._set(KeyView(None) if event.type == "DELETE" else view_of(event.kv))

@@ -11,7 +11,7 @@ import trio
 
 from nvpair.asgi import Mount
 from nvpair.config import Settings
-from nvpair.group.epochkey import EpochKey
+from nvpair.group.epochkey import EpochKey, EpochWatch
 from nvpair.group.runner import GroupRunner, Heard, Reports, Status
 from nvpair.group.view import PREFIX, GroupsView, doc
 from nvpair.orphans import EngineProcs
@@ -67,6 +67,8 @@ class Groups:
         self.specs = [s for s in settings.engines if s.group is not None]
         self.reports = Reports()
         self.runners: dict[str, GroupRunner] = {}
+        #: with the etcd backend, on a rank: each group's epoch key watch
+        self.watches: list[EpochWatch] = []
 
     def local(self, settings: Settings) -> Settings:
         """The settings the rest of nvpair runs: a group's engine is adopted on its head
@@ -98,6 +100,11 @@ class Groups:
                 procs, self.settings.state_dir)
             if broker.etcd is not None and runner.group.rank == 0:
                 runner.claim = EpochKey(broker.etcd, spec.name, self.settings.node).claim
+            elif broker.etcd is not None:  # a rank runs only the epoch held under the key
+                watch = EpochWatch(broker.etcd, spec.name)
+                watch.on_change = runner.poke
+                runner.key_view = lambda watch=watch: watch.view
+                self.watches.append(watch)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:
@@ -107,6 +114,8 @@ class Groups:
         its process (its stop signal, grace period, SIGKILL, shielded). Raises: nothing but
         Cancelled (a runner's failure is its group's ``error``, retried with backoff)."""
         async with trio.open_nursery() as nursery:
+            for watch in self.watches:
+                nursery.start_soon(watch.run)
             for runner in self.runners.values():
                 await nursery.start(runner.run)
             task_status.started()

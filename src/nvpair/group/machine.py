@@ -386,3 +386,34 @@ def reconcile(head: Report | None, head_peer: str, head_silent_s: float | None,
     if head.go and started_epoch != head.epoch:
         return Decision(head.epoch, start=True)
     return Decision(None, reason=f"waiting to start epoch {head.epoch}")
+
+
+class KeyView(msgspec.Struct, frozen=True):
+    """The etcd epoch key as a rank last read it (``nvpair.group.epochkey.EpochWatch``):
+    ``epoch`` None when the key is absent (no head holds it: its lease is gone)."""
+
+    epoch: int | None = None
+    node: str | None = None
+
+
+def apply_key(d: Decision, key: KeyView | None, head_node: str,
+              running_epoch: int | None) -> Decision:
+    """With the etcd backend, a rank runs a process only for the epoch its head holds
+    under the group's key: ``d`` (from the head's advert) held to it. ``key`` None: not
+    read yet (nothing starts, nothing stops for it). A key that is gone fences a running
+    process at once (its head's lease ended); a key held by another node, or for another
+    epoch than the head's advert says, runs nothing until they agree."""
+    if key is None:
+        return Decision(running_epoch, reason="waiting for the epoch key") if d.start else d
+    if key.epoch is None:
+        if running_epoch is not None:
+            return Decision(None, fenced=True, reason=(
+                "the epoch key is gone (the head's etcd lease ended): fenced"))
+        return Decision(None, reason="waiting for the head to claim the epoch key")
+    if key.node != head_node:
+        return Decision(None, reason=(
+            f"the epoch key is held by {key.node}, not by the head ({head_node})"))
+    if d.epoch is not None and d.epoch != key.epoch:
+        return Decision(None, reason=(
+            f"the head's epoch {d.epoch} is not the key's ({key.epoch}): waiting"))
+    return d

@@ -31,7 +31,7 @@ from nvpair.changes import Changes
 from nvpair.command import build_command, engine_env
 from nvpair.config import EngineSpec, placeholder_values
 from nvpair.group import machine
-from nvpair.group.machine import GroupTag, Head, Member, Policy, Proc, Report
+from nvpair.group.machine import GroupTag, Head, KeyView, Member, Policy, Proc, Report
 from nvpair.group.spec import GroupSettings, role_manifest, role_values
 from nvpair.logs import EngineLog
 from nvpair.memproc import MemorySourceError, read_status
@@ -272,11 +272,18 @@ class GroupRunner:
         #: (``nvpair.group.epochkey``): None once claimed, else why not
         self.claim: Callable[[int], Awaitable[str | None]] | None = None
         self._claimed: int | None = None
+        #: with the etcd backend, on a rank: the epoch key as last read (its watch calls
+        #: ``poke`` on every change)
+        self.key_view: Callable[[], KeyView | None] | None = None
         self._claiming = False
         self.claim_error: str | None = None
         #: when this node's group process's memory was read, for which (pid, ready), what
         self._memory: tuple[float, tuple[int | None, bool], int | None] = (
             float("-inf"), (None, False), None)
+
+    def poke(self) -> None:
+        """Look at the group again now (something it reads changed)."""
+        self._wake.bump()
 
     def _failed(self, reason: str | None) -> None:
         self.error = reason
@@ -489,6 +496,8 @@ class GroupRunner:
             running = -1  # started for another boot of the head: never its epoch
         d = machine.reconcile(head, heard.peer, heard.silent_s, running, self.started_epoch,
                               self.group.fence_after_s)
+        if self.key_view is not None:  # the etcd backend: held to the group's epoch key
+            d = machine.apply_key(d, self.key_view(), self.group.head_node, running)
         if slot is not None and running is not None and d.epoch != running:
             if d.fenced:
                 log.warning("group %s: %s", self.spec.name, d.reason)
