@@ -785,3 +785,45 @@ async def test_a_request_during_a_memory_restart_waits_and_is_served(
     after = board.current.engine("e")
     assert after is not None and after.state == "ready" and after.admitting
     assert runner.starts == 2 and after.restarts == first.restarts + 1
+
+
+async def test_a_request_for_an_on_demand_engine_starting_otherwise_waits_for_it(
+        nursery, autojump_clock) -> None:
+    """An on-demand engine starting for another reason than a request (nvpair start, the
+    restart of a memory restart's drain) is waited for, as docs/on-demand.md says ("if it
+    is starting already, waited for"); before, a request then got 503."""
+    from tests.fakes import FakeEngine, engine_spec, vllm_routes
+    from tests.test_process import FakeSpawn
+
+    from nvpair.config import ActivationConfig
+    from nvpair.lifecycle import EngineRunner
+    from nvpair.router.activation import Activator
+    from nvpair.snapshot import Board
+    from nvpair.state import initial_state
+    from nvpair.traffic import Traffic
+
+    spec = engine_spec("vllm", managed=True, port=free_port(), model="m",
+                       command=["srv", "--port", "{port}"], activation="on_demand")
+    board = Board((initial_state(spec),))
+    fake = FakeEngine(vllm_routes())
+    fake.routes["/health"] = (503, "loading")
+    traffic = Traffic()
+    runner = EngineRunner(spec, board, None, None, traffic, transport=fake.transport(),
+                          spawn=FakeSpawn())
+    activator = Activator(board, [spec], {"e": runner}, traffic, ActivationConfig())
+    await nursery.start(runner.run)
+    await nursery.start(activator.run)
+    runner.request("start")  # the operator's
+    await wait_state(board, "e", "starting", within=30)
+    assert activator.candidate(["e"]) == "e"
+
+    async def loaded() -> None:
+        await trio.sleep(5)
+        fake.routes["/health"] = (200, "")
+
+    nursery.start_soon(loaded)
+    with trio.fail_after(100):
+        ticket = await activator.admit("e")
+    ticket.headed()
+    ticket.leave()
+    assert runner.starts == 1 and board.current.engine("e").state == "ready"  # type: ignore[union-attr]

@@ -203,8 +203,9 @@ class Activator:
 
     def candidate(self, owners: Iterable[str]) -> str | None:
         """The on-demand engine to wait for, for a model these engines serve, if any: one
-        that is cold, being started for requests already, or draining (an eviction, an
-        idle unload: the request waits, and starts it again once it is cold)."""
+        that is cold, starting (for requests, or for ``nvpair start`` or a restart), or
+        draining (an eviction, an idle unload: the request waits, and starts it again once
+        it is cold)."""
         snap = self.board.current
         for name in owners:
             if name not in self.specs:
@@ -213,7 +214,7 @@ class Activator:
             if e is None:
                 continue
             queue = self.queues.get(name)
-            if (e.state == "cold" or (queue is not None and queue.activating)
+            if (e.state in ("cold", "starting") or (queue is not None and queue.activating)
                     or (not e.admitting and e.state in LISTED_STATES)):
                 return name
         return None
@@ -393,7 +394,9 @@ class Activator:
                                               and other not in self._reserved):
                 continue
             queue = self.queues.get(other)
-            awaited = queue is not None and (queue.activating or bool(queue.waiting))
+            # (a released request not yet in flight counts: it is on its way to the engine)
+            awaited = queue is not None and (queue.activating or bool(queue.waiting)
+                                             or queue.releasing)
             running.append(Candidate(other, spec.priority, self.footprint(other),
                                      self.last_used.get(other, 0.0), self._in_flight(other),
                                      evictable=e.admitting and not awaited))
@@ -495,7 +498,8 @@ class Activator:
             e = snap.engine(name)
             queue = self.queues.get(name)
             if (e is None or e.state not in LISTED_STATES or not e.admitting
-                    or self._in_flight(name) or (queue is not None and queue.waiting)):
+                    or self._in_flight(name)
+                    or (queue is not None and (queue.waiting or queue.releasing))):
                 continue
             last = self.last_used.setdefault(name, now)  # (ready, never used: from now)
             idle = now - last
