@@ -69,8 +69,9 @@ async def test_an_adopted_engine_says_it_is_never_signalled() -> None:
     assert logs.status_code == 404 and control.log("e") is None  # no process, no log
 
 
-async def test_a_repeat_with_nothing_to_do_names_the_action() -> None:
-    """Start while it runs: accepted, nothing to do; the answer says the action."""
+async def test_a_repeat_with_nothing_to_do_names_the_action(autojump_clock) -> None:
+    """Start while it runs: accepted, nothing to do; the answer says the action (on the
+    autojump clock: the state's age is the same millisecond in the answer as here)."""
     _, control = _setup(managed=True, model="m", command=["srv"])
     status, doc = await control.command("e", "start")
     snap = control.board.current
