@@ -16,8 +16,12 @@ SOURCES = [p for p in ("src", "tests", "benchmarks", "scripts", "noxfile.py") if
 @nox.session
 def tests(session: nox.Session) -> None:
     """The test suite (simulators over real sockets; no GPU, no real engine needed)."""
-    session.install("-e", ".[test]")
-    session.run("pytest", "-m", "not integration", *session.posargs)
+    # Two workers (CI has 2 cores): most of a test's time is a real clock waiting on real
+    # processes, so two at once about halve the wall time. loadgroup keeps the tests marked
+    # xdist_group("timing") on one worker, one at a time (tests/conftest.py).
+    session.install("-e", ".[test]", "pytest-xdist")
+    session.run("pytest", "-m", "not integration", "-n", "2", "--dist", "loadgroup",
+                *session.posargs)
 
 
 @nox.session

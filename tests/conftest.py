@@ -8,6 +8,15 @@ from pathlib import Path
 import pytest
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # nox -s tests runs two workers (pytest-xdist, --dist loadgroup). The tests that load
+    # the CPU heavily (many nvpair processes, thousands of connections) or compare a read
+    # latency with one measured before share the group "timing": one worker runs them one
+    # after another, so no two of them run at once (each may still run beside others).
+    # Registered here too, so plain pytest without xdist accepts the marker.
+    config.addinivalue_line("markers", "xdist_group(name): run on one worker (pytest-xdist)")
+
+
 @pytest.fixture(autouse=True)
 def _earlier_tests_out_of_the_collectors_way() -> None:
     """Move what earlier tests left on the heap out of the cyclic collector's reach.

@@ -143,12 +143,18 @@ class Group:
 
 
 def epoch_of(pid: int) -> int | None:
-    """The NVPAIR_GROUP_EPOCH in a process's environment (None: gone or not a group's)."""
+    """The NVPAIR_GROUP_EPOCH in a process's environment (None: gone, not a group's, or
+    another test's: every test has its own XDG_STATE_HOME (tests/conftest.py), which its
+    nodes and their processes inherit, so tests running at once (pytest -n 2) see only
+    their own, a process left behind by its nvpair included)."""
     try:
-        env = Path(f"/proc/{pid}/environ").read_bytes()
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:
         return None
-    for item in env.split(b"\0"):
+    ours = "XDG_STATE_HOME=" + os.environ.get("XDG_STATE_HOME", "")
+    if ours.encode() not in env:
+        return None
+    for item in env:
         if item.startswith(b"NVPAIR_GROUP_EPOCH="):
             return int(item.split(b"=", 1)[1])
     return None
