@@ -386,11 +386,9 @@ function fillRow(row, e) {
   const identity = e.identity ? [e.identity.model, e.identity.version].filter(Boolean).join(' @ ') : '';
   const memory = e.memory;
   const memCell = el('td', { class: 'memory' });
-  if (memory && (typeof memory.rss_anon_bytes === 'number' || memory.trend)) {
+  if (memory && typeof memory.rss_anon_bytes === 'number') {  // (no process: no trend shown)
     memCell.title = [memory.why, memory.error].filter(Boolean).join('; ');
-    if (typeof memory.rss_anon_bytes === 'number') {
-      memCell.append(bytes(memory.rss_anon_bytes + (memory.swap_bytes || 0)));
-    } else memCell.append('–');
+    memCell.append(bytes(memory.rss_anon_bytes + (memory.swap_bytes || 0)));
     if (memory.trend) {
       memCell.append(' ', el('span', { class: `trend-${String(memory.trend).replace(/[^a-z]/g, '')}` }, String(memory.trend)));
     }
