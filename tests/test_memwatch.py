@@ -469,3 +469,31 @@ async def test_a_memory_restart_waits_for_the_process_it_judged_not_a_new_one(
             await watch._restart_when_quiet(w, _leaking())
     assert runner.asked == [] and w.memory_restarts == 0
     assert trio.current_time() < 301
+
+
+async def test_a_leaking_on_demand_engine_is_drained_to_cold_not_restarted(
+        tmp_path: Path, autojump_clock: Any) -> None:
+    """An on-demand engine leaking is drained to a stop (it rests cold; the next request
+    starts a new process), not restarted into an engine nobody may need; a drain refused
+    (Busy) leaves no stale 'waiting' action in its memory block."""
+    from nvpair.lifecycle import Busy
+
+    settings = one_engine(tmp_path, extra="action = 'restart_when_quiet'\nquiet_s = 10",
+                          engine="managed = true\ncommand = ['x']\nactivation = 'on_demand'")
+    runner = _Runner()
+    board = Board(tuple(initial_state(s) for s in settings.engines))
+    board.update("e", lambda e: msgspec.structs.replace(e, state="ready", pid=100))
+    watch = MemoryWatch(settings.memory, board, settings.engines, runners={"e": runner})
+    w = watch.engines["e"]
+    w.trend, w.leader = "leaking", 100
+    await watch._restart_when_quiet(w, _leaking())
+    assert runner.asked == [("stop", "memory")] and w.memory_restarts == 1
+    assert w.memory.action == "stopped (cold until a request starts it) for memory (1 so far)"
+
+    class Refusing(_Runner):
+        def drain(self, *, then: str = "stop", reason: str = "drain requested") -> object:
+            return Busy("engine e is stopping already")
+
+    watch.runners = {"e": Refusing()}
+    await watch._restart_when_quiet(w, _leaking())
+    assert w.memory.action is None and w.memory_restarts == 1

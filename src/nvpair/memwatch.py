@@ -470,20 +470,26 @@ class MemoryWatch:
                                 "finish within its stop grace)", name, quiet, most)
                 runner = self.runners[name]
                 drain = getattr(runner, "drain", None)
+                # an on-demand engine rests cold instead: its next request starts a new one
+                then = "stop" if w.spec.activation == "on_demand" else "restart"
                 if drain is not None:  # stop admitting, finish what is in flight, restart
-                    result = drain(then="restart", reason="memory")
+                    result = drain(then=then, reason="memory")
                 else:
                     result = runner.request("restart")
                 if isinstance(result, Busy):
                     log.info("%s: leaking, but not restarted now: %s", name, result.reason)
+                    self._say(w, None)
                     return
                 w.memory_restarts += 1
                 w.restarted_at = trio.current_time()
                 slope = r.slope_bytes_per_h / 1e9
-                log.warning("%s: restarting for memory (anonymous memory %+.2f GB/h, "
+                doing, done = (("stopping", "stopped (cold until a request starts it)")
+                               if then == "stop" and drain is not None
+                               else ("restarting", "restarted"))
+                log.warning("%s: %s for memory (anonymous memory %+.2f GB/h, "
                             "headroom runs out in about %.0f s); memory restart %d",
-                            name, slope, r.exhaustion_s or 0.0, w.memory_restarts)
-                self._say(w, f"restarted for memory ({w.memory_restarts} so far)")
+                            name, doing, slope, r.exhaustion_s or 0.0, w.memory_restarts)
+                self._say(w, f"{done} for memory ({w.memory_restarts} so far)")
         finally:
             w.acting = False
 
