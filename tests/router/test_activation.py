@@ -827,3 +827,43 @@ async def test_a_request_for_an_on_demand_engine_starting_otherwise_waits_for_it
     ticket.headed()
     ticket.leave()
     assert runner.starts == 1 and board.current.engine("e").state == "ready"  # type: ignore[union-attr]
+
+
+async def test_requests_that_come_for_an_engine_starting_otherwise_speed_its_probe_at_once(
+        nursery, autojump_clock) -> None:
+    """An on-demand engine started by the operator is probed at its manifest's 2 s; a
+    request that comes while its prober sleeps wakes the ready probe at once, so the
+    request waits at most 0.25 s past the engine's readiness, not the rest of the 2 s."""
+    from tests.fakes import FakeEngine, engine_spec, vllm_routes
+    from tests.test_process import FakeSpawn
+
+    from nvpair.config import ActivationConfig
+    from nvpair.lifecycle import EngineRunner
+    from nvpair.router.activation import Activator
+    from nvpair.snapshot import Board
+    from nvpair.state import initial_state
+    from nvpair.traffic import Traffic
+
+    spec = engine_spec("vllm", managed=True, port=free_port(), model="m",
+                       command=["srv", "--port", "{port}"], activation="on_demand")
+    board = Board((initial_state(spec),))
+    fake = FakeEngine(vllm_routes())
+    fake.routes["/health"] = (503, "loading")
+    traffic = Traffic()
+    runner = EngineRunner(spec, board, None, None, traffic, transport=fake.transport(),
+                          spawn=FakeSpawn())
+    activator = Activator(board, [spec], {"e": runner}, traffic, ActivationConfig())
+    await nursery.start(runner.run)
+    await nursery.start(activator.run)
+    runner.request("start")  # the operator's: nobody waits, so the manifest's 2 s
+    await wait_state(board, "e", "starting", within=30)
+    await trio.sleep(10.1)  # a few ticks at 2 s; the prober sleeps now
+    probes = fake.times["/health"]
+    assert len(probes) <= 10.1 / 2 + 2, probes
+    fake.routes["/health"] = (200, "")  # ready now; nvpair does not know yet
+    asked = trio.current_time()
+    with trio.fail_after(100):
+        ticket = await activator.admit("e")
+    ticket.headed()
+    ticket.leave()
+    assert trio.current_time() - asked <= 0.05, trio.current_time() - asked
