@@ -330,7 +330,7 @@ class Activator:
                 return None
             if settled == "drained":  # (the operator's drain while it started: no failure)
                 if not self.queue(name).waiting:
-                    return f"engine {name} was drained while it started"
+                    return f"engine {name} was drained before it was ready"
                 started = False
                 continue  # cold: started again for the requests that wait
             if settled == "stopped":
