@@ -3,6 +3,8 @@
 httpx 0.28.1 (httpcore 1.0.9) and httpx2 < 2.6 leak pool slots when a request is cancelled
 while another waits for the pool (httpcore #1093); every later request then fails with
 PoolTimeout. nvpair cancels probes by deadline all the time, so these tests guard the pin.
+The probes send through httpcore2's pool directly (``nvpair.probes.ProbeClient``): the
+tests drive that client, the way the prober does (``probes.request``).
 """
 
 from __future__ import annotations
@@ -13,20 +15,25 @@ import random
 import subprocess
 from pathlib import Path
 
-import httpx2
 import trio
 import trio.testing
 from tests.stub_http import serve_stub
 
+from nvpair import probes
 from nvpair.config import Config, EngineConfig, resolve
+from nvpair.errors import ProbeError
+from nvpair.manifest import ProbeSpec
 from nvpair.prober import Prober, open_client
 from nvpair.snapshot import Board
 from nvpair.state import initial_state
 
 
-def connections(client: httpx2.AsyncClient) -> list[object]:
-    pool = client._transport._pool  # type: ignore[attr-defined]
-    return list(pool.connections)
+def connections(client: probes.ProbeClient) -> list[object]:
+    return list(client.pool.connections)  # type: ignore[attr-defined]
+
+
+async def get(client: probes.ProbeClient, path: str) -> probes.Answer:
+    return await probes.request(client, ProbeSpec(path=path), path, api_key=None)
 
 
 def fd_count() -> int:
@@ -43,28 +50,26 @@ async def test_cancelled_waiter_leaves_no_stuck_pool_slot(nursery) -> None:
     """(a) Holder on /hang, waiter queued behind it; cancel both `gap` checkpoints apart."""
     port = await nursery.start(serve_stub)
     with trio.fail_after(30):
-        async with httpx2.AsyncClient(base_url=f"http://127.0.0.1:{port}",
-                                      limits=httpx2.Limits(max_connections=1),
-                                      timeout=httpx2.Timeout(5.0, pool=1.0)) as client:
+        async with probes.ProbeClient(f"http://127.0.0.1:{port}", timeout_s=5.0,
+                                      max_connections=1) as client:
             for gap in range(6):
                 for _ in range(10):
                     async with trio.open_nursery() as n:
                         holder, waiter = trio.CancelScope(), trio.CancelScope()
 
-                        async def get(scope: trio.CancelScope, path: str) -> None:
+                        async def send(scope: trio.CancelScope, path: str) -> None:
                             with scope:
-                                await client.get(path)
+                                await get(client, path)
 
-                        n.start_soon(get, holder, "/hang")
+                        n.start_soon(send, holder, "/hang")
                         await trio.testing.wait_all_tasks_blocked()
-                        n.start_soon(get, waiter, "/fast")
+                        n.start_soon(send, waiter, "/fast")
                         await trio.testing.wait_all_tasks_blocked()
                         holder.cancel()
                         for _ in range(gap):
                             await trio.lowlevel.checkpoint()
                         waiter.cancel()
-            r = await client.get("/fast")
-            assert r.status_code == 200
+            assert (await get(client, "/fast")).status == 200
             assert not any("CONNECTING" in repr(c) for c in connections(client))
 
 
@@ -74,22 +79,20 @@ async def test_cancellation_stress_leaves_no_orphans_and_no_fds(stub_port: int) 
     rng = random.Random(7)
     baseline = fd_count()
     with trio.fail_after(60):
-        async with httpx2.AsyncClient(base_url=f"http://127.0.0.1:{port}",
-                                      limits=httpx2.Limits(max_connections=4),
-                                      timeout=httpx2.Timeout(5.0, pool=1.0)) as client:
+        async with probes.ProbeClient(f"http://127.0.0.1:{port}", timeout_s=5.0) as client:
             paths = ["/fast"] * 40 + ["/slow"] * 20 + ["/hang"] * 30 + ["/close"] * 10
 
             async def worker() -> None:
                 for _ in range(75):
                     with trio.move_on_after(0.05):
-                        with contextlib.suppress(httpx2.HTTPError):
-                            await client.get(rng.choice(paths))
+                        with contextlib.suppress(ProbeError):
+                            await get(client, rng.choice(paths))
 
             async with trio.open_nursery() as n:
                 for _ in range(8):
                     n.start_soon(worker)
             for _ in range(10):
-                assert (await client.get("/fast")).status_code == 200
+                assert (await get(client, "/fast")).status == 200
             assert not any("CONNECTING" in repr(c) for c in connections(client))
             assert sockets(port, "close-wait") <= 1
         assert sockets(port, "close-wait") == 0

@@ -9,8 +9,10 @@ import httpx2
 import msgspec
 import pytest
 import trio
+import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tests.raw_http import Request, read_request
 
 from nvpair import probes
 from nvpair.decoding import DECODER_DEPTH, decode_json
@@ -191,11 +193,126 @@ async def test_a_generating_request_is_not_retried() -> None:
         raise httpx2.RemoteProtocolError("Server disconnected", request=request)
 
     cheap = ProbeSpec(path="/ping", fallback_path="/health", fallback_cost="generating")
-    async with httpx2.AsyncClient(base_url="http://e", transport=httpx2.MockTransport(handler)
-                                  ) as client:
+    async with probes.ProbeClient("http://e", timeout_s=5,
+                                  transport=httpx2.MockTransport(handler)) as client:
         with trio.fail_after(5):
             for path in ("/ping", "/health"):
                 with pytest.raises(ProbeError):
                     await probes.request(client, cheap, path, api_key=None)
     # the cheap path is retried once (a keep-alive race); the generating one never
     assert sent == ["/ping", "/ping", "/health"]
+
+
+# -- one probe request on a real socket ------------------------------------------------------
+
+class Engine:
+    """A raw HTTP/1.1 engine on 127.0.0.1 that records what it is asked, by connection.
+    ``drop_second``: close a kept-alive connection on its second request without answering
+    (a keep-alive timeout that fired as the request came); ``big``: answer this many bytes."""
+
+    def __init__(self, *, drop_second: bool = False, big: int = 0) -> None:
+        self.drop_second, self.big = drop_second, big
+        self.seen: list[tuple[int, Request]] = []  # (connection number, request)
+        self.connections = 0
+        self.closed = 0
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        self.connections += 1
+        number, served, buffer = self.connections, 0, b""
+        try:
+            while True:
+                request, buffer = await read_request(stream, buffer)
+                if request is None:
+                    return
+                self.seen.append((number, request))
+                served += 1
+                if self.drop_second and served == 2:
+                    return
+                body = b"x" * self.big if self.big and request.path == "/big" else b"{}"
+                await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n"
+                                      % len(body))
+                for at in range(0, len(body), 65536):
+                    await stream.send_all(body[at:at + 65536])
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return
+        finally:
+            self.closed += 1
+            await stream.aclose()
+
+    async def serve(self, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
+                    ) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        port = listeners[0].socket.getsockname()[1]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.serve_listeners, self.handle, listeners)
+            task_status.started(f"http://127.0.0.1:{port}")
+
+
+async def test_a_probe_sends_its_headers_and_reuses_its_connection(nursery) -> None:
+    engine = Engine()
+    url = await nursery.start(engine.serve)
+    keyed = ProbeSpec(path="/health", needs_api_key=True)
+    with trio.fail_after(10):
+        async with probes.ProbeClient(url, timeout_s=5) as client:
+            answer = await probes.request(client, keyed, "/health", api_key="s3cret")
+            assert (answer.status, answer.body) == (200, b"{}")
+            await probes.request(client, ProbeSpec(path="/v"), "/v", api_key="s3cret")
+            await probes.request(client, ProbeSpec(path="/g", method="POST"), "/g", api_key=None)
+    (first, keyed_req), (second, plain), (third, post) = engine.seen
+    assert first == second == third == 1  # one kept-alive connection
+    assert keyed_req.headers["authorization"] == "Bearer s3cret"
+    assert "authorization" not in plain.headers  # only where the manifest asks for it
+    assert keyed_req.headers["host"] == url.removeprefix("http://")
+    assert keyed_req.headers["user-agent"] == "nvpair-probe"
+    assert (post.method, post.headers["content-length"]) == ("POST", "0")
+
+
+async def test_a_kept_alive_connection_closed_by_the_engine_is_retried_once(nursery) -> None:
+    """The engine closes a pooled connection as the request comes: a cheap probe is sent
+    again on a new connection; a generating one is not (it may have reached the engine)."""
+    engine = Engine(drop_second=True)
+    url = await nursery.start(engine.serve)
+    cheap, generating = ProbeSpec(path="/h"), ProbeSpec(path="/g", cost="generating")
+    with trio.fail_after(10):
+        async with probes.ProbeClient(url, timeout_s=5) as client:
+            await probes.request(client, cheap, "/h", api_key=None)
+            answer = await probes.request(client, cheap, "/h", api_key=None)
+            assert answer.status == 200
+            assert [n for n, _ in engine.seen] == [1, 1, 2]  # dropped, then sent again
+            with pytest.raises(ProbeError) as caught:
+                await probes.request(client, generating, "/g", api_key=None)
+    assert caught.value.kind == "error"
+    assert str(caught.value).startswith("GET /g: protocol error: ")
+    assert [n for n, _ in engine.seen] == [1, 1, 2, 2]  # the generating request: once
+
+
+async def test_an_answer_over_the_cap_closes_its_connection_and_the_next_probe_works(
+        nursery) -> None:
+    engine = Engine(big=2 * probes.MAX_BODY)  # (the cap is hit long before its end)
+    url = await nursery.start(engine.serve)
+    spec = ProbeSpec(path="/big")
+    with trio.fail_after(10):
+        async with probes.ProbeClient(url, timeout_s=5) as client:
+            with pytest.raises(ProbeError, match="GET /big answered more than 4 MiB"):
+                await probes.request(client, spec, "/big", api_key=None)
+            answer = await probes.request(client, ProbeSpec(path="/ok"), "/ok", api_key=None)
+            assert answer.body == b"{}"
+            assert [n for n, _ in engine.seen] == [1, 2]  # the cut connection is not reused
+            assert not any("ACTIVE" in repr(c) for c in client.pool.connections)  # type: ignore[attr-defined]
+        await trio.testing.wait_all_tasks_blocked()
+    assert engine.closed == 2  # nothing left open once the client is closed
+
+
+async def test_refused_and_closed_client_errors() -> None:
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    await listeners[0].aclose()  # nothing listens there now
+    spec = ProbeSpec(path="/h")
+    with trio.fail_after(10):
+        async with probes.ProbeClient(f"http://127.0.0.1:{port}", timeout_s=5) as client:
+            with pytest.raises(ProbeError) as caught:
+                await probes.request(client, spec, "/h", api_key=None)
+            assert caught.value.kind == "refused"
+            assert str(caught.value).startswith("cannot connect: ")
+        with pytest.raises(ProbeError, match="probe client is closed"):
+            await probes.request(client, spec, "/h", api_key=None)

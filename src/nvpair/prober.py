@@ -18,8 +18,8 @@ recovers the engine by the usual rules.
 from __future__ import annotations
 
 import random
-from collections.abc import Awaitable, Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
 from functools import partial
 from typing import Protocol
 
@@ -31,7 +31,7 @@ from nvpair import probes
 from nvpair.boundary import Backoff, Part
 from nvpair.config import EngineSpec
 from nvpair.errors import ProbeError
-from nvpair.manifest import GENERATING_MIN_INTERVAL_S, PROBE_NAMES, ProbeSpec
+from nvpair.manifest import GENERATING_MIN_INTERVAL_S, ProbeSpec
 from nvpair.snapshot import Board, EngineState
 from nvpair.state import (
     Finder,
@@ -43,7 +43,6 @@ from nvpair.state import (
     part_failed,
     rescheduled,
 )
-from nvpair.tls import client_tls
 from nvpair.traffic import Traffic
 
 __all__ = ["Enrolment", "ProbeMemory", "Prober", "open_client", "overdue_after", "run_probes"]
@@ -59,34 +58,27 @@ PASSIVE_MAX_IN_A_ROW = 3
 
 def open_client(
     spec: EngineSpec, transport: httpx2.AsyncBaseTransport | None = None
-) -> httpx2.AsyncClient:
+) -> probes.ProbeClient:
     """The engine's one probe client: keep-alive, small explicit pool limits.
 
     At most three probes of one engine are in flight at once (liveness, identity, models),
-    so the pool never queues, and Trio's deadlines fire before httpx2's own timeouts.
+    so the pool never queues, and Trio's deadlines fire before the pool's own timeouts.
     """
     longest = max(p.timeout_s for p in (spec.probes.ready, spec.probes.health,
                                         spec.probes.identity, spec.probes.models) if p)
-    return httpx2.AsyncClient(
-        base_url=spec.url,
-        timeout=httpx2.Timeout(longest + 1.0),
-        limits=httpx2.Limits(max_connections=4, max_keepalive_connections=2,
-                             keepalive_expiry=4.0),
-        headers={"User-Agent": "nvpair-probe"},
-        trust_env=False,
-        transport=transport,
-        verify=client_tls(),
-    )
+    return probes.ProbeClient(spec.url, timeout_s=longest + 1.0, transport=transport)
 
 
 class ProbeMemory:
     """What one engine's probes remember across probe and engine restarts: when it last got
     a generating request, and how it went (at most one per GENERATING_MIN_INTERVAL_S);
-    per probe, the paths that answered 404 when last asked."""
+    per probe, the paths that answered 404 when last asked (a probe without any: absent)."""
+
+    __slots__ = ("generated", "missing")
 
     def __init__(self) -> None:
         self.generated: tuple[float, Outcome] | None = None
-        self.missing: dict[str, set[str]] = {n: set() for n in PROBE_NAMES}
+        self.missing: dict[str, set[str]] = {}
 
 
 class Prober:
@@ -100,7 +92,7 @@ class Prober:
     def _generated(self, value: tuple[float, Outcome] | None) -> None:
         self.memory.generated = value
 
-    def __init__(self, spec: EngineSpec, board: Board, client: httpx2.AsyncClient,
+    def __init__(self, spec: EngineSpec, board: Board, client: probes.ProbeClient,
                  traffic: Traffic | None = None, memory: ProbeMemory | None = None) -> None:
         #: what outlives this prober (kept by the engine's runner across restarts)
         self.memory = memory or ProbeMemory()
@@ -110,7 +102,8 @@ class Prober:
         self.board = board
         self.client = client
         self._paths = {n: p.path for n, p in self._specs().items()}
-        self._locks: dict[str, trio.Lock] = {n: trio.Lock() for n in PROBE_NAMES}
+        #: per probe in flight, its lock (``_lock``)
+        self._locks: dict[str, trio.Lock] = {}
         #: per probe, the paths that answered 404 when last asked
         self._missing: dict[str, set[str]] = self.memory.missing
         self._rng = _RNG
@@ -148,13 +141,14 @@ class Prober:
         upgraded one lacks the fallback), else at the next tick (one request a tick for
         a server that has neither)."""
         spec = self._specs()[name]
-        async with self._locks[name]:
+        async with self._lock(name):
             path = self._paths[name]
             outcome, answer = await self._request(spec, path)
             if outcome.http_status != 404 or not spec.fallback_path:
-                self._missing[name].discard(path)
+                if (known := self._missing.get(name)) is not None:
+                    known.discard(path)
                 return outcome, answer
-            missing = self._missing[name]
+            missing = self._missing.setdefault(name, set())
             other = spec.fallback_path if path != spec.fallback_path else spec.path
             if path not in missing:  # it worked (or was never asked): news of the other is old
                 missing.discard(other)
@@ -172,6 +166,21 @@ class Prober:
             if outcome.http_status == 404:
                 missing.add(other)
             return outcome, answer
+
+    @asynccontextmanager
+    async def _lock(self, name: str) -> AsyncIterator[None]:
+        """Probe ``name`` one request at a time (the liveness and identity loops may both
+        ask identity). The lock is made when needed and dropped when free: four locks an
+        engine, kept idle, were about 0.5 KB of every engine's memory."""
+        lock = self._locks.get(name)
+        if lock is None:
+            lock = self._locks[name] = trio.Lock()
+        try:
+            async with lock:
+                yield
+        finally:  # (released to a waiter, it is still locked: kept for it)
+            if not lock.locked() and self._locks.get(name) is lock:
+                del self._locks[name]
 
     def _use(self, name: str, path: str) -> None:
         self._paths[name] = path
