@@ -9,12 +9,10 @@ import pytest
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # nox -s tests runs two workers (pytest-xdist, --dist loadgroup). The tests that load
-    # the CPU heavily (many nvpair processes, thousands of connections) or compare a read
-    # latency with one measured before share the group "timing": one worker runs them one
-    # after another, so no two of them run at once (each may still run beside others).
-    # Registered here too, so plain pytest without xdist accepts the marker.
-    config.addinivalue_line("markers", "xdist_group(name): run on one worker (pytest-xdist)")
+    # nox -s tests runs two workers (pytest-xdist), then the tests marked alone on their own:
+    # those that compare a read latency with one measured before, or load the CPU so much
+    # (eight nvpair nodes) that a test beside them would be timed on a busy box.
+    config.addinivalue_line("markers", "alone: run after the parallel tests, one at a time")
 
 
 @pytest.fixture(autouse=True)

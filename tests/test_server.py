@@ -228,7 +228,6 @@ def raise_own_fd_limit(at_least: int) -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (at_least, hard))
 
 
-@pytest.mark.xdist_group("timing")  # see tests/conftest.py
 async def test_3000_idle_connections_do_not_stop_a_new_client(nursery, app) -> None:
     raise_own_fd_limit(3000 + 1024 + 512)
     connections = Connections(cap=1024)

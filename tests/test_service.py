@@ -278,7 +278,6 @@ async def test_connections_closed_by_clients_leave_no_close_wait(nursery, tmp_pa
             await trio.sleep(0.02)
 
 
-@pytest.mark.xdist_group("timing")  # see tests/conftest.py
 async def test_3000_idle_connections_leave_healthz_answering(nursery, tmp_path) -> None:
     import resource
 

@@ -177,7 +177,7 @@ async def test_snapshot_first_with_headers_then_one_event_per_content_change(
             assert ev.doc()["restarts"] == 1
 
 
-@pytest.mark.xdist_group("timing")  # see tests/conftest.py
+@pytest.mark.alone  # see tests/conftest.py
 async def test_change_reaches_the_wire_within_100_ms_p99(nursery, tmp_path) -> None:
     with trio.fail_after(30):
         async with node(nursery, tmp_path) as (running, _), \
@@ -380,7 +380,7 @@ def rss_kb() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
-@pytest.mark.xdist_group("timing")  # see tests/conftest.py
+@pytest.mark.alone  # see tests/conftest.py
 async def test_50_streams_and_a_client_that_never_reads(nursery, tmp_path) -> None:
     """51 streams while content changes 100 times a second, one of them never read (a tiny
     receive buffer): it is dropped at the (shortened) drop timeout; memory, /v1/models and

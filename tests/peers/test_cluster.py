@@ -115,7 +115,7 @@ def check_one_connection(socks: list[Sock], nodes: list[Node], ports: dict[int, 
             assert len(live) <= 1 and len(waiting) <= 1, (node.name, name, mine)
 
 
-@pytest.mark.xdist_group("timing")  # see tests/conftest.py
+@pytest.mark.alone  # see tests/conftest.py
 async def test_push_cluster_lifecycle(tmp_path: Path) -> None:
     try:
         await _lifecycle(tmp_path)

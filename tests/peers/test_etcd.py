@@ -89,7 +89,6 @@ async def record_states(c: Cluster, observers: list[Node], seen: dict[str, set[s
             nursery.start_soon(watch, node)
 
 
-@pytest.mark.xdist_group("timing")  # see tests/conftest.py
 async def test_etcd_node_lifecycle(tmp_path: Path) -> None:
     REPORT.clear()
     try:
@@ -174,7 +173,6 @@ async def _node_lifecycle(c: Cluster, tmp: Path, etcd: EtcdServer, engines: list
     REPORT["thawed_back_s"] = round(trio.current_time() - thawed, 2)
 
 
-@pytest.mark.xdist_group("timing")  # see tests/conftest.py
 async def test_etcd_stall_and_restart(tmp_path: Path) -> None:
     REPORT.clear()
     try:

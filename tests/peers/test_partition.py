@@ -43,7 +43,11 @@ async def sh(*cmd: str) -> None:
 async def namespace() -> AsyncIterator[tuple[str, str, str]]:
     """A network namespace linked to the root one: (name, root-side IP, namespace IP)."""
     tag = f"{os.getpid() % 10000}{random.randrange(100)}"
-    name, subnet = f"nvp{tag}", f"10.231.{random.randrange(256)}"
+    # a subnet no other namespace here holds (tests run two at a time: pytest -n 2)
+    held = (await trio.run_process(["ip", "-4", "-o", "addr", "show"],
+                                   capture_stdout=True)).stdout.decode()
+    name, subnet = f"nvp{tag}", random.choice(
+        [f"10.231.{i}" for i in range(256) if f" 10.231.{i}." not in held])
     root_ip, ns_ip = f"{subnet}.1", f"{subnet}.2"
     await sh("ip", "netns", "add", name)
     try:
