@@ -2,6 +2,8 @@
 
 import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from tests.fakes import engine_spec
 
 from nvpair.manifest import ProbeSpec
@@ -20,6 +22,7 @@ from nvpair.state import (
     overdue_after,
     part_failed,
     rescheduled,
+    steady_models,
 )
 
 HEALTH = ProbeSpec(path="/health", failure_threshold=3, success_threshold=2)
@@ -270,3 +273,37 @@ def test_a_failing_loop_makes_the_engine_unhealthy_unless_stopped() -> None:
                                            3.0)
     stopped = msgspec.structs.replace(ready(), state="stopped")
     assert part_failed(stopped, "x", 3.0) == stopped
+
+
+def test_a_model_keeps_the_created_of_its_first_sighting_while_it_stays_listed() -> None:
+    """vLLM and llama-server put the current time in every answer's ``created``: such a
+    re-listing is no change (the same tuple, so the listing version does not move);
+    a model that comes or goes is one, and the models still listed keep their first time."""
+    first = after_models(ready(VLLM), VLLM, LISTED, 1.0,
+                         listing=Listing((Model("want", created=100, owned_by="vllm"),)))
+    again = after_models(first, VLLM, LISTED, 31.0,
+                         listing=Listing((Model("want", created=130, owned_by="vllm"),)))
+    assert again.models is first.models and again.models[0].created == 100
+    grown = after_models(again, VLLM, LISTED, 61.0, listing=Listing((
+        Model("new", created=160, owned_by="vllm"), Model("want", created=160, owned_by="vllm"))))
+    assert grown.models == (Model("new", 160, "vllm"), Model("want", 100, "vllm"))
+    moved = after_models(grown, VLLM, LISTED, 91.0,
+                         listing=Listing((Model("want", created=190, owned_by="other"),)))
+    assert moved.models == (Model("want", 190, "other"),)  # another owner: another model
+
+
+@given(st.lists(st.tuples(st.sampled_from("abc"), st.integers(0, 3), st.sampled_from("xy")),
+                max_size=6),
+       st.lists(st.tuples(st.sampled_from("abc"), st.integers(0, 3), st.sampled_from("xy")),
+                max_size=6))
+def test_steady_models_lists_what_the_engine_listed(old: list, new: list) -> None:
+    before = tuple(Model(i, c, o) for i, c, o in old)
+    after = tuple(Model(i, c, o) for i, c, o in new)
+    kept = steady_models(before, after)
+    assert [(m.id, m.owned_by) for m in kept] == [(m.id, m.owned_by) for m in after]
+    if len(before) == len(after) and all(
+            (a.id, a.owned_by) == (b.id, b.owned_by) for a, b in zip(before, after, strict=True)):
+        assert kept is before
+    for m, n in zip(kept, after, strict=True):
+        earlier = {x.created for x in before if (x.id, x.owned_by) == (n.id, n.owned_by)}
+        assert m.created in earlier if earlier else m is n

@@ -272,8 +272,8 @@ def after_models(
     if listing is None:
         return msgspec.structs.replace(engine, models_stale=bool(engine.models))
     engine = msgspec.structs.replace(
-        engine, models=listing.models, models_at=now, models_stale=False,
-        models_left_out=listing.left_out, models_left_out_why=listing.why)
+        engine, models=steady_models(engine.models, listing.models), models_at=now,
+        models_stale=False, models_left_out=listing.left_out, models_left_out_why=listing.why)
     ident = spec.probes.identity
     mismatch = None
     if (spec.model and not (ident and ident.model_pointers)
@@ -281,6 +281,21 @@ def after_models(
         served = ", ".join(m.id for m in listing.models) or "no model"
         mismatch = f"{where(spec)} serves {served}, expected {spec.model}"
     return with_mismatch(engine, "models", mismatch, now)
+
+
+def steady_models(old: tuple[Model, ...], new: tuple[Model, ...]) -> tuple[Model, ...]:
+    """``new``, with each model still listed as it was first seen: vLLM and llama-server
+    answer every model list with ``created`` set to the current time, which would make
+    every listing a change (a new ``/v1/models`` body, an event, an advert) though nothing
+    changed. A model keeps the ``created`` of its first sighting while it stays listed;
+    when nothing else changed, the old tuple itself is kept."""
+    if not old:
+        return new
+    if len(old) == len(new) and all(
+            a.id == b.id and a.owned_by == b.owned_by for a, b in zip(old, new, strict=True)):
+        return old
+    seen = {(m.id, m.owned_by): m for m in old}
+    return tuple(seen.get((m.id, m.owned_by), m) for m in new)
 
 
 def models_missed(engine: EngineState, spec: ProbeSpec, deadline_s: float, now: float
