@@ -42,8 +42,8 @@ def scrape_config(tmp: Path, target: str) -> Path:
     token = tmp / "scrape-token"
     token.write_text(TOKEN + "\n")
     doc = {  # JSON is YAML: no YAML writer needed
-        "global": {"scrape_interval": "1s", "scrape_timeout": "1s",
-                   "evaluation_interval": "1s"},
+        "global": {"scrape_interval": "500ms", "scrape_timeout": "500ms",
+                   "evaluation_interval": "500ms"},
         "scrape_configs": [{
             "job_name": "nvpair",
             "metrics_path": "/metrics",
@@ -115,7 +115,7 @@ async def test_prometheus_scrapes_engine_up_and_rising_probe_counts(nursery, tmp
                         first = count if first is None else first
                         if up == {"e-vllm": "1", "e-llamacpp": "1"} and count > first:
                             break
-                    await trio.sleep(0.2)  # Prometheus' own pace: one scrape a second
+                    await trio.sleep(0.05)  # Prometheus' own pace: two scrapes a second
                 targets = (await client.get("/api/v1/targets")).json()["data"]["activeTargets"]
                 sockets = inet_sockets(started[0].pid)
         finally:
