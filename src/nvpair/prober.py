@@ -54,6 +54,10 @@ _RNG = random.Random()
 JITTER = 0.05  # fraction of the interval added at random to each tick
 #: health ticks skipped in a row at most while real requests prove the engine healthy.
 PASSIVE_MAX_IN_A_ROW = 3
+#: the ready probe's interval at most while routed requests wait for the engine to start
+#: (``EngineState.queued``, the activation queue's count on the board): a cold request
+#: then waits at most this long after the engine is ready, not the manifest's interval
+AWAITED_READY_INTERVAL_S = 0.25
 
 
 def open_client(
@@ -299,6 +303,9 @@ class Prober:
             # The next tick follows the interval of the probe that runs next.
             following = liveness_probe(after.state)
             interval = self.interval(following)
+            if following == "ready" and after.queued and not self._generates(
+                    self._specs()["ready"], self._paths["ready"]):
+                interval = min(interval, AWAITED_READY_INTERVAL_S)  # (cheap probes only)
             if following == "ready" and self._awaits_identity(after, probe, outcome):
                 # It answers ready; only who answers is unknown: no need to ask it more
                 # often than a ready engine's health.
@@ -308,7 +315,23 @@ class Prober:
             if self._generated is not None and self._generates(self._specs()[following],
                                                                self._paths[following]):
                 wake = max(wake, self._generated[0] + GENERATING_MIN_INTERVAL_S)
-            await trio.sleep_until(wake)
+            if (following == "ready" and not after.queued and interval > AWAITED_READY_INTERVAL_S
+                    and self.spec.activation == "on_demand"):
+                await self._sleep_until_awaited(wake)  # (a start not made for a request)
+            else:
+                await trio.sleep_until(wake)
+
+    async def _sleep_until_awaited(self, wake: float) -> None:
+        """Until ``wake``, or the moment requests start waiting for this starting on-demand
+        engine (its ``queued`` on the board): then its ready probe ticks at once."""
+        with trio.move_on_at(wake):
+            version = self.board.current.version
+            while True:
+                snap = await self.board.wait_changed(version)
+                version = snap.version
+                e = snap.engine(self.spec.name)
+                if e is not None and e.queued:
+                    return
 
     def _awaits_identity(self, engine: EngineState, probe: str, outcome: Outcome) -> bool:
         ready = self.spec.probes.ready

@@ -118,7 +118,8 @@ async def run(settings: Settings, *,
     groups.attach(board, peers, procs)
     activator = None  # engines on demand (docs/on-demand.md)
     if any(spec.activation == "on_demand" for spec in settings.engines):
-        activator = Activator(board, settings.engines, runners, traffic, settings.activation)
+        activator = Activator(board, settings.engines, runners, traffic, settings.activation,
+                              settings.memory)
     router = Router(board, settings.engines, settings.router, traffic, node=settings.node,
                     peers=None if peers is None else peers.table, cluster_token=cluster_token,
                     activator=activator)
@@ -135,7 +136,8 @@ async def run(settings: Settings, *,
         mounts.extend(peers.mounts)
     mounts.extend(groups.mounts)
     events = Journal(board, node=settings.node, max_streams=settings.max_streams,
-                     peers=None if peers is None else PeerFeed(peers.table))
+                     peers=None if peers is None else PeerFeed(peers.table),
+                     groups=groups if groups.runners else None)
     api = Api(board, node=settings.node, token=settings.token, events=events,
               controller=Control(runners, board, settings.node), mounts=mounts,
               cluster=None if peers is None else peers.table, cluster_token=cluster_token,
