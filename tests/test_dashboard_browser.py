@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import httpx2
+import pytest
 import trio
 from tests.cdp import Page, needs_chromium, open_browser
 from tests.managed import fast_manifest, free_port, sim_command, wait_state
@@ -171,6 +172,7 @@ async def test_dashboard_live_safe_and_its_buttons(nursery, tmp_path) -> None:
         running.stop()
 
 
+@pytest.mark.alone  # (a bound of the retry + 1 s: not beside another worker)
 async def test_dashboard_reconnects_after_nvpair_restarts(nursery, tmp_path) -> None:
     sim = await nursery.start(serve_sim, SimOptions(kind="vllm", model="m"))
     port = free_port()
