@@ -19,7 +19,7 @@ def tests(session: nox.Session) -> None:
     # Two workers (CI has 2 cores): most of a test's time is a real clock waiting on real
     # processes, so two at once about halve the wall time. Then the tests marked alone, one
     # at a time with nothing beside them (tests/conftest.py); none selected is no failure.
-    session.install("-e", ".[test]", "pytest-xdist")
+    session.install("-e", ".[test]")
     session.run("pytest", "-m", "not integration and not alone", "-n", "2", *session.posargs)
     session.run("pytest", "-m", "not integration and alone", *session.posargs,
                 success_codes=[0, 5])
