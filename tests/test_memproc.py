@@ -43,6 +43,7 @@ def test_every_parser_takes_any_text_as_values_or_one_line(text: str) -> None:
     assert memproc.parse_proc_cgroup(text) is None or memproc.parse_proc_cgroup(
         text).startswith("/")  # type: ignore[union-attr]
     assert all(isinstance(i, int) for i in memproc.parse_net_tcp(text, 80))
+    assert all(p in (80, 443) for p in memproc.parse_listeners(text, {80, 443}).values())
     memproc.parse_gpu_model(text)
 
 
@@ -132,6 +133,12 @@ def test_net_tcp_gives_the_listeners_of_a_port(rows: list[tuple[int, str, int]],
                  f"00:00000000 00000000  1000        0 {inode} 1 0000000000000000 100 0 0 10 0\n")
     want = {inode for p, state, inode in rows if p == port and state == "0A"}
     assert memproc.parse_net_tcp(text, port) == want
+    ports = {port, *(p for p, _, _ in rows[:2])}  # several ports: one pass, each its own
+    both = memproc.parse_listeners(text, ports)
+    for q in ports:
+        assert {i for i, p in both.items() if p == q} <= {
+            inode for p, state, inode in rows if p == q and state == "0A"}
+    assert set(both) == {inode for p, state, inode in rows if p in ports and state == "0A"}
 
 
 def test_the_cgroup_v2_line() -> None:
@@ -194,6 +201,20 @@ def test_listening_pids_finds_this_process_by_its_socket() -> None:
         with socket.socket() as free:
             free.bind(("127.0.0.1", 0))  # bound, not listening
             assert memproc.listening_pids(free.getsockname()[1]) == []
+
+
+def test_listening_pids_of_several_ports_at_once() -> None:
+    """One walk for every adopted engine of a tick: each port gets its own listeners, a
+    port nothing listens on is left out."""
+    with socket.socket() as a, socket.socket(socket.AF_INET6) as b, socket.socket() as idle:
+        for s, host in ((a, "127.0.0.1"), (b, "::1"), (idle, "127.0.0.1")):
+            s.bind((host, 0))
+        a.listen()
+        b.listen()
+        pa, pb, pi = (s.getsockname()[1] for s in (a, b, idle))
+        found = memproc.listening_pids_of({pa, pb, pi})
+        assert found == {pa: [os.getpid()], pb: [os.getpid()]}
+        assert memproc.listening_pids_of(set()) == {}
 
 
 def test_pid_file(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ walks the page tables under the target's mmap lock (15-22 ms on a 4 GiB process)
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from pathlib import Path
 
 import msgspec
@@ -227,17 +228,24 @@ def parse_stat(text: str, where: str = "/proc/PID/stat") -> ProcEntry:
 
 def parse_net_tcp(text: str, port: int) -> set[int]:
     """``/proc/net/tcp`` or ``tcp6``: the socket inodes listening (state 0A) on ``port``."""
-    inodes = set()
+    return set(parse_listeners(text, {port}))
+
+
+def parse_listeners(text: str, ports: Collection[int]) -> dict[int, int]:
+    """``/proc/net/tcp`` or ``tcp6``: inode -> port of the sockets listening (state 0A) on
+    any of ``ports`` (one pass over the table, however many ports are asked for)."""
+    inodes = {}
     for line in text.splitlines()[1:]:
         words = line.split()
         if len(words) < 10 or words[3] != "0A":
             continue
         _, colon, port_hex = words[1].rpartition(":")
         try:
-            if colon and int(port_hex, 16) == port and words[9].isdigit():
-                inodes.add(int(words[9]))
+            port = int(port_hex, 16) if colon else -1
         except ValueError:
             continue
+        if port in ports and words[9].isdigit():
+            inodes[int(words[9])] = port
     return inodes
 
 
@@ -372,16 +380,24 @@ def listening_pids(port: int, proc: Path = PROC) -> list[int]:
     """The processes that hold a socket listening on TCP ``port`` (IPv4 or IPv6), found
     from the socket's inode (``/proc/net/tcp{,6}``) in every process's ``fd`` directory.
     Processes nvpair may not look into are passed over."""
-    inodes: set[int] = set()
+    return listening_pids_of({port}, proc).get(port, [])
+
+
+def listening_pids_of(ports: Collection[int], proc: Path = PROC) -> dict[int, list[int]]:
+    """``listening_pids`` of several ports at once: port -> the processes listening on it
+    (ports nothing listens on are left out). One read of the socket tables and one walk of
+    the ``fd`` directories for all of them: at 1,000 adopted engines, a walk per engine
+    read every socket of every process 1,000 times over."""
+    inodes: dict[int, int] = {}
     for name in ("tcp", "tcp6"):
         try:
-            inodes |= parse_net_tcp(_read(proc / "net" / name, "sockets", NET_MAX), port)
+            inodes |= parse_listeners(_read(proc / "net" / name, "sockets", NET_MAX), ports)
         except MemorySourceError:
             continue
     if not inodes:
-        return []
-    wanted = {f"socket:[{i}]" for i in inodes}
-    found = []
+        return {}
+    wanted = {f"socket:[{i}]": port for i, port in inodes.items()}
+    found: dict[int, list[int]] = {}
     for name in os.listdir(proc):
         if not name.isdigit():
             continue
@@ -390,14 +406,17 @@ def listening_pids(port: int, proc: Path = PROC) -> list[int]:
             fds = os.listdir(fd_dir)
         except OSError:
             continue
+        mine: set[int] = set()
         for fd in fds:
             try:
-                if os.readlink(fd_dir / fd) in wanted:
-                    found.append(int(name))
-                    break
+                port = wanted.get(os.readlink(fd_dir / fd))
             except OSError:
                 continue
-    return sorted(found)
+            if port is not None:
+                mine.add(port)
+        for port in mine:
+            found.setdefault(port, []).append(int(name))
+    return {port: sorted(pids) for port, pids in found.items()}
 
 
 def read_pid_file(path: Path) -> int:

@@ -144,10 +144,17 @@ def collect(plans: list[Plan], rescan: bool, proc: Path, own_cgroup: str | None
             entries = memproc.scan(proc)
         except MemorySourceError:
             entries = None
+    looks = {p.port for p in plans if p.mode == "socket" and p.lookup}
+    listeners: dict[int, list[int]] | None = None
+    if looks:
+        try:
+            listeners = memproc.listening_pids_of(looks, proc)
+        except OSError:  # (each engine then looks for itself, and fails as its own)
+            listeners = None
     reads = []
     for plan in plans:
         try:
-            reads.append(_read_engine(plan, entries, proc))
+            reads.append(_read_engine(plan, entries, proc, listeners))
         except Exception as exc:  # a bug or a kernel surprise: this engine's state only
             reads.append(Read(plan.name, plan.leader, plan.pids, [], plan.cgroup, None,
                               failure=exc))
@@ -161,7 +168,10 @@ def collect(plans: list[Plan], rescan: bool, proc: Path, own_cgroup: str | None
     return reads, node
 
 
-def _read_engine(plan: Plan, entries: list[memproc.ProcEntry] | None, proc: Path) -> Read:
+def _read_engine(plan: Plan, entries: list[memproc.ProcEntry] | None, proc: Path,
+                 listeners: dict[int, list[int]] | None = None) -> Read:
+    """One engine's reads. ``listeners``: port -> listening pids, looked up once for
+    every engine of this tick that needs a look (``memproc.listening_pids_of``)."""
     leader, pids, cgroup = plan.leader, plan.pids, plan.cgroup
     if plan.mode == "pid_file":
         assert plan.path is not None
@@ -169,7 +179,8 @@ def _read_engine(plan: Plan, entries: list[memproc.ProcEntry] | None, proc: Path
         if new != leader:
             leader, pids = new, (new,)
     elif plan.mode == "socket" and plan.lookup:
-        found = memproc.listening_pids(plan.port, proc)
+        found = (listeners.get(plan.port, []) if listeners is not None
+                 else memproc.listening_pids(plan.port, proc))
         if found:
             parents = {e.pid: e.ppid for e in (entries or memproc.scan(proc))}
             # the listener at the top (uvicorn's workers share their parent's socket)
