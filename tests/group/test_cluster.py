@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,25 @@ async def test_ready_after_the_last_rank_and_a_killed_rank_restarts_the_group(
                            and role in line.split())
                 assert row[:7] == ["g", role, str(rank), "n0", "ready", str(doc["epoch"]),
                                    "2/2"], lines
+            # nvpair status --watch on a rank: its first drawing has the groups table too
+            watch = await trio.lowlevel.open_process(
+                [sys.executable, "-m", "nvpair", "status", "--watch", "--url",
+                 group.nodes[1].url], stdout=subprocess.PIPE,
+                env={**os.environ, "NO_COLOR": "1"})
+            try:
+                assert watch.stdout is not None
+                drawn = b""
+                with trio.fail_after(10):
+                    while b"\n\n" not in drawn:
+                        drawn += await watch.stdout.receive_some(4096) or b"\n\n"
+                lines = drawn.decode().splitlines()
+                assert "no engines answer yet" not in lines, lines
+                assert any(line.split()[:5] == ["g", "rank", "1", "n0", "ready"]
+                           for line in lines if line.strip()), lines
+            finally:
+                watch.kill()
+                with trio.move_on_after(5, shield=True):
+                    await watch.wait()
             out = await trio.run_process(
                 [sys.executable, "-m", "nvpair", "groups", "--url", group.nodes[1].url, "g",
                  "restart"], capture_stdout=True, capture_stderr=True)

@@ -143,11 +143,12 @@ def run_events(args: argparse.Namespace) -> int:
 
 def watch_status(args: argparse.Namespace) -> int:
     """The status table, redrawn on each event that changes what it shows."""
-    path = "/v1/events?types=engine" + (f"&engine={args.name}" if args.name else "")
+    # (the node's multi-node groups too, as nvpair status shows them, unless one engine)
+    path = "/v1/events?types=engine" + (f"&engine={args.name}" if args.name else ",group")
     tty = sys.stdout.isatty()
 
     def show(event: Sse) -> None:
-        if event.event not in ("snapshot", "engine", "bye"):
+        if event.event not in ("snapshot", "engine", "group", "bye"):
             return
         if event.event == "bye":
             print("[nvpair is shutting down; waiting for it to come back]", file=sys.stderr)
@@ -158,7 +159,10 @@ def watch_status(args: argparse.Namespace) -> int:
             sys.stdout.write("\x1b[H\x1b[2J")
         if engines:
             print_status(engines)
-        else:
+        from nvpair.cli.groups import print_groups
+
+        groups_shown = not args.name and print_groups(args, blank_line=bool(engines))
+        if not engines and not groups_shown:
             print("no engines answer yet")
         if not tty:
             print()
