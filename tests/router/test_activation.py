@@ -404,6 +404,38 @@ def test_the_footprint_is_the_memory_watch_reading_else_the_configured_one() -> 
         rss_anon_bytes=GB // 10, swap_bytes=0)), measured) is None  # (a partial reading)
 
 
+async def test_an_engine_a_request_was_just_let_through_to_is_no_victim() -> None:
+    """A request let out of an engine's queue is on its way, not yet in flight (its answer's
+    head has not come): until it has, the engine is no victim of an eviction and is not
+    unloaded as idle. Before, that moment counted as "nothing in flight": the engine was
+    drained and stopped under the request, which got a 502 (seen 2 runs in 18 of the
+    eviction test above)."""
+    from tests.fakes import engine_spec
+
+    from nvpair.config import ActivationConfig
+    from nvpair.router.activation import Activator, Ticket
+    from nvpair.snapshot import Board
+    from nvpair.state import initial_state
+    from nvpair.traffic import Traffic
+
+    specs = [engine_spec("vllm", name=n, managed=True, model=n, command=["srv"],
+                         activation="on_demand", idle_unload_s=1) for n in ("a", "b")]
+    board = Board(tuple(initial_state(s, now=0.0) for s in specs))
+    activator = Activator(board, specs, {}, Traffic(),
+                          ActivationConfig(memory_budget_bytes=10 * GB))
+    board.update("b", lambda e: msgspec.structs.replace(e, state="ready"))
+    queue = activator.queue("b")
+    ticket = Ticket(queue)
+    queue.waiting.append(ticket)
+    queue.release_next()  # let through: not waiting any more, not in flight yet
+    assert ticket.ready.is_set() and not queue.waiting
+    assert [c.evictable for c in activator._running("a")] == [False]
+    activator.last_used["b"] = -100.0
+    assert activator.unload_idle(trio.current_time()) == []
+    ticket.headed()  # its answer began: the router counts it in flight from here
+    assert [c.evictable for c in activator._running("a")] == [True]
+
+
 def test_a_cold_engine_is_planned_with_what_it_measured_when_it_was_up() -> None:
     """An on-demand engine with memory_bytes = "measured" ran (the watch read 4 GB), then
     went cold (no process: no reading): its next start is planned with 4 GB, not as the
