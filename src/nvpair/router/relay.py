@@ -313,12 +313,8 @@ class Router:
                 except Unavailable as exc:
                     await send_error(send, 503, str(exc), "engine_not_ready",
                                      [(b"retry-after", b"5")])
-                if ticket is not None:
-                    now = trio.current_time()
-                    choice = choose(self.board.current, model, self.traffic, self.known,
-                                    now, self.rng)
-                    names = [n for n in choice.engines if n == name] or [name]
-                    await self._forward(scope, body, [self._engine(names[0])], send,
+                if ticket is not None:  # (its turn: to the engine it waited for)
+                    await self._forward(scope, body, [self._engine(name)], send,
                                         on_head=ticket.headed)
             finally:
                 if ticket is not None:
