@@ -351,24 +351,38 @@ async def test_heartbeat_when_nothing_changes(nursery, tmp_path) -> None:
 
 
 async def test_long_poll_answers_on_a_change_or_at_wait_s(nursery, tmp_path) -> None:
-    with trio.fail_after(20):
+    """A long poll with nothing new answers at wait_s with the same seq; a change wakes it at
+    once. The engine's own probes may change its content in between on a loaded machine (a
+    probe that misses marks it stale): an early answer must then carry a newer seq, and the
+    quiet case is tried again from there."""
+    with trio.fail_after(30):
         async with node(nursery, tmp_path) as (running, _), \
                 httpx2.AsyncClient(base_url=running.url) as client:
-            doc = (await client.get("/v1/engines")).json()
-            seq = doc["seq"]
-            start = trio.current_time()
-            r = await client.get(f"/v1/engines?after={seq}&wait_s=1")
-            assert r.json()["seq"] == seq and trio.current_time() - start >= 0.9
+            seq = (await client.get("/v1/engines")).json()["seq"]
+            for _ in range(5):
+                start = trio.current_time()
+                r = await client.get(f"/v1/engines?after={seq}&wait_s=1")
+                if r.json()["seq"] == seq:
+                    assert trio.current_time() - start >= 0.9
+                    break
+                assert r.json()["seq"] > seq  # woken early: only by a newer version
+                seq = r.json()["seq"]
+            else:
+                pytest.fail("every quiet long poll was woken by a change")
             async with trio.open_nursery() as n:
                 async def later() -> None:
                     await trio.sleep(0.2)
                     bump(running)
                 n.start_soon(later)
                 start = trio.current_time()
-                r = await client.get(f"/v1/engines?after={seq}&wait_s=10")
+                while True:
+                    r = await client.get(f"/v1/engines?after={seq}&wait_s=10")
+                    assert r.json()["seq"] > seq
+                    seq = r.json()["seq"]
+                    if r.json()["engines"][0]["restarts"] == 1:
+                        break
             took = trio.current_time() - start
-            assert r.json()["seq"] == seq + 1 and took < 2, took
-            assert r.json()["engines"][0]["restarts"] == 1
+            assert took < 2, took
             assert (await client.get("/v1/engines?after=x")).status_code == 400
 
 
