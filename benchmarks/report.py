@@ -91,8 +91,9 @@ SIDE_BY_SIDE = ("/v1/models nvpair p50 / p99 / max ms", "floor p50 / p99 / max m
                 "loop lag max ms start / load / idle / floor under load")
 _SIDE_NOTE = ("Under load: 8 back-to-back clients going round nvpair and the floor (hypercorn "
               "answering the bytes nvpair answered, nothing behind it) in the same window, "
-              "/healthz every 50 ms on each; loop lag: the longest gap between ticks of a "
-              "5 ms timer in nvpair (start: until everything was listed) and in the floor "
+              "/healthz every 50 ms on each from another process; loop lag: the longest "
+              "gap between ticks of a 5 ms timer in nvpair (start: until everything was "
+              "listed) and in the floor "
               "(the machine's share: the floor does nothing but answer).")
 
 

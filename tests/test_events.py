@@ -122,3 +122,22 @@ def test_filters() -> None:
     stream.offer(Event(2, "peer", "peer:x", b"{}"))
     stream.offer(Event(3, "engine", "engine:a", b"{}", "a"))
     assert [e.seq for e in stream.take()] == [3]
+
+
+async def test_a_removed_engine_and_content_kept_across_counter_changes(autojump_clock) -> None:
+    board = Board(tuple(engine(f"e{i}", checked_at=trio.current_time()) for i in range(3)))
+    journal = Journal(board, node="n")
+    stream, _ = journal.subscribe(types=frozenset({"engine"}))
+    seq = journal.seq
+    for _ in range(5):  # counters only: nothing to say
+        board.update("e1", lambda e: msgspec.structs.replace(e, checked_at=trio.current_time()))
+        journal.refresh(trio.current_time())
+    assert journal.seq == seq and not stream.pending
+    board.update("e1", lambda e: msgspec.structs.replace(e, restarts=1))
+    board.publish(tuple(e for e in board.current.engines if e.name != "e2"))
+    journal.refresh(trio.current_time())
+    events = {e.key: msgspec.json.decode(e.data) for e in stream.take()}
+    assert events == {"engine:e1": events["engine:e1"],
+                      "engine:e2": {"name": "e2", "removed": True}}
+    # (and a "models" event: the engines changed, so the listing moved)
+    assert events["engine:e1"]["restarts"] == 1 and journal.seq == seq + 3

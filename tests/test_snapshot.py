@@ -73,3 +73,23 @@ async def test_wait_listed_sleeps_through_probes_and_wakes_when_overdue(
         await trio.sleep(35)
         board.update("a", lambda e: msgspec.structs.replace(e, checked_at=trio.current_time()))
     assert 55.0 < woke[0] < 55.1 and woke[1] == 60.0
+
+
+async def test_touched_names_what_changed_and_everything_when_the_engines_change(
+        autojump_clock: trio.testing.MockClock) -> None:
+    board = Board(tuple(engine(f"e{i}", state="ready", checked_at=0.0, overdue_after_s=30.0)
+                        for i in range(100)))
+    touched = board.touched()
+    assert touched.take() == (True, set())  # a new consumer has seen nothing
+    board.update("e7", lambda e: msgspec.structs.replace(e, restarts=1))
+    board.update("e9", lambda e: msgspec.structs.replace(e, checked_at=1.0))
+    board.update("e7", lambda e: msgspec.structs.replace(e, restarts=2))
+    assert touched.take() == (False, {"e7", "e9"})
+    assert touched.take() == (False, set())
+    await trio.sleep(30.5)  # everyone but e9 overdue: noticed when the listing is read
+    board.listed(trio.current_time())
+    assert touched.take() == (False, {f"e{i}" for i in range(100)} - {"e9"})
+    board.publish(board.current.engines[1:])  # e0 removed
+    assert touched.take()[0] is True
+    assert board.current.engine("e0") is None and board.current.engine("e1") is not None
+    assert board.current.engine("e50") is board.current.engines[49]

@@ -180,12 +180,39 @@ class Snapshot(msgspec.Struct, frozen=True, gc=False):
     listing: int = 0
     #: the node's memory as the memory watch last read it (``node.memory``)
     memory: NodeMemory | None = None
+    #: each engine's position by name, shared by every snapshot of one layout (the board
+    #: makes it when the engines themselves change); None: ``engine`` searches
+    index: dict[str, int] | None = None
 
     def engine(self, name: str) -> EngineState | None:
+        """The engine named ``name`` (None: no such engine); O(1) on the board's."""
+        if self.index is not None:
+            i = self.index.get(name)
+            return None if i is None else self.engines[i]
         for e in self.engines:
             if e.name == name:
                 return e
         return None
+
+
+class Touched:
+    """The engines whose state changed since its consumer last took them, by name: for a
+    consumer that handles changes one engine at a time (the event journal) instead of
+    walking every engine at every change. ``Board.touched()`` makes one; the board adds
+    to it at each publish (sync, O(engines changed)). ``everything`` is set when the
+    engines themselves changed (added, removed, reordered): the consumer walks them all."""
+
+    __slots__ = ("everything", "names")
+
+    def __init__(self) -> None:
+        self.everything = True  # (a new consumer has seen nothing yet)
+        self.names: set[str] = set()
+
+    def take(self) -> tuple[bool, set[str]]:
+        """(everything, the names touched) since the last take; both are reset."""
+        out = (self.everything, self.names)
+        self.everything, self.names = False, set()
+        return out
 
 
 class Board:
@@ -195,8 +222,9 @@ class Board:
         self._changes = Changes(1)
         #: the listing version (see the module docstring)
         self.listing = Changes(1)
-        self._current = Snapshot(version=1, engines=engines, listing=1)
         self._index = {e.name: i for i, e in enumerate(engines)}
+        self._current = Snapshot(version=1, engines=engines, listing=1, index=self._index)
+        self._touched: list[Touched] = []
         now = _now()
         #: per engine (by position): its listed key, and the listing version it last moved
         self.keys = [listed_key(e, now) for e in engines]
@@ -218,6 +246,8 @@ class Board:
                        if a is not b]
             return self._publish(snapshot_engines, changed)
         self._index = {e.name: i for i, e in enumerate(snapshot_engines)}
+        for touched in self._touched:
+            touched.everything = True
         now = _now()
         self.keys = [listed_key(e, now) for e in snapshot_engines]
         version = self.listing.bump()
@@ -241,8 +271,11 @@ class Board:
             version = self.listing.bump()
             for i in moved:
                 self.serials[i] = version
+        for touched in self._touched:
+            touched.names.update(engines[i].name for i in changed)
         self._current = Snapshot(version=self._changes.version + 1, engines=engines,
-                                 listing=self.listing.version, memory=self._current.memory)
+                                 listing=self.listing.version, memory=self._current.memory,
+                                 index=self._index)
         self._changes.bump()
         return self._current
 
@@ -260,6 +293,13 @@ class Board:
                 changed.append(i)
         self._current = msgspec.structs.replace(self._current, memory=node)
         return self._publish(tuple(new), changed)
+
+    def touched(self) -> Touched:
+        """A new record of the engines changed from now on (see ``Touched``); it lives as
+        long as the board (a consumer makes one for its lifetime)."""
+        touched = Touched()
+        self._touched.append(touched)
+        return touched
 
     def update(self, name: str, change: Callable[[EngineState], EngineState]) -> EngineState:
         """Replace one engine's state with ``change(old)``; sync, so nothing interleaves."""
@@ -296,6 +336,8 @@ class Board:
                 due = min(due, _overdue_at(e, key[1]))
         self._due = due
         if moved:
+            for touched in self._touched:  # (shown stale now: their content changed)
+                touched.names.update(engines[i].name for i in moved)
             version = self.listing.bump()
             for i in moved:
                 self.serials[i] = version
