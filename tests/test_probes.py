@@ -251,15 +251,19 @@ class Engine:
 async def test_a_probe_sends_its_headers_and_reuses_its_connection(nursery) -> None:
     engine = Engine()
     url = await nursery.start(engine.serve)
-    keyed = ProbeSpec(path="/health", needs_api_key=True)
+    # (probes that come back within KEEPALIVE_S keep their connection)
+    keyed = ProbeSpec(path="/health", needs_api_key=True, interval_s=2)
     with trio.fail_after(10):
         async with probes.ProbeClient(url, timeout_s=5) as client:
             answer = await probes.request(client, keyed, "/health", api_key="s3cret")
             assert (answer.status, answer.body) == (200, b"{}")
-            await probes.request(client, ProbeSpec(path="/v"), "/v", api_key="s3cret")
-            await probes.request(client, ProbeSpec(path="/g", method="POST"), "/g", api_key=None)
+            await probes.request(client, ProbeSpec(path="/v", interval_s=2), "/v",
+                                 api_key="s3cret")
+            await probes.request(client, ProbeSpec(path="/g", method="POST", interval_s=2),
+                                 "/g", api_key=None)
     (first, keyed_req), (second, plain), (third, post) = engine.seen
     assert first == second == third == 1  # one kept-alive connection
+    assert "connection" not in keyed_req.headers
     assert keyed_req.headers["authorization"] == "Bearer s3cret"
     assert "authorization" not in plain.headers  # only where the manifest asks for it
     assert keyed_req.headers["host"] == url.removeprefix("http://")
@@ -272,7 +276,8 @@ async def test_a_kept_alive_connection_closed_by_the_engine_is_retried_once(nurs
     again on a new connection; a generating one is not (it may have reached the engine)."""
     engine = Engine(drop_second=True)
     url = await nursery.start(engine.serve)
-    cheap, generating = ProbeSpec(path="/h"), ProbeSpec(path="/g", cost="generating")
+    cheap = ProbeSpec(path="/h", interval_s=2)
+    generating = ProbeSpec(path="/g", cost="generating", interval_s=2)
     with trio.fail_after(10):
         async with probes.ProbeClient(url, timeout_s=5) as client:
             await probes.request(client, cheap, "/h", api_key=None)
@@ -284,6 +289,22 @@ async def test_a_kept_alive_connection_closed_by_the_engine_is_retried_once(nurs
     assert caught.value.kind == "error"
     assert str(caught.value).startswith("GET /g: protocol error: ")
     assert [n for n, _ in engine.seen] == [1, 1, 2, 2]  # the generating request: once
+
+
+async def test_a_probe_that_comes_back_after_the_keepalive_asks_to_close(nursery) -> None:
+    """A connection idle until the next probe, 5 s on, would be closed by uvicorn or
+    llama-server anyway: the probe asks the engine to close it after answering, and the
+    pool keeps nothing."""
+    engine = Engine()
+    url = await nursery.start(engine.serve)
+    spec = ProbeSpec(path="/health", interval_s=probes.KEEPALIVE_S + 1)
+    with trio.fail_after(10):
+        async with probes.ProbeClient(url, timeout_s=5) as client:
+            await probes.request(client, spec, "/health", api_key=None)
+            await probes.request(client, spec, "/health", api_key=None)
+            assert not client.pool.connections  # type: ignore[attr-defined]
+    (first, req), (second, _) = engine.seen
+    assert (first, second) == (1, 2) and req.headers["connection"] == "close"
 
 
 async def test_an_answer_over_the_cap_closes_its_connection_and_the_next_probe_works(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -15,6 +14,7 @@ from nvpair import looplag, orphans
 from nvpair.api import Api
 from nvpair.asgi import Mount
 from nvpair.boundary import Part
+from nvpair.collector import Collector
 from nvpair.config import Settings, url_host
 from nvpair.control import Control
 from nvpair.dashboard import Dashboard, HistoryView
@@ -196,7 +196,13 @@ async def main(settings: Settings, *, announce: Callable[[str], None] = print,
 
     ``watch(board)`` runs beside it (the CLI prints engine state changes with it).
     """
-    watching = trio.CancelScope()
+    watching, collecting = trio.CancelScope(), trio.CancelScope()
+
+    async def collect(task_status: trio.TaskStatus[None]) -> None:
+        """The collector policy until shutdown. Started value: None (after the first
+        freeze). Cancellation: ``collecting`` ends it at shutdown. Raises nothing."""
+        with collecting:
+            await Collector().run(task_status=task_status)
 
     async def watch_board(board: Board) -> None:
         assert watch is not None
@@ -206,9 +212,9 @@ async def main(settings: Settings, *, announce: Callable[[str], None] = print,
     orphans.become_subreaper()  # what engines double-fork comes back to us, not to init
     async with trio.open_nursery() as nursery:
         running: Running = await nursery.start(run, settings)
-        # What starting made (config, manifests, clients, tasks) lives as long as nvpair:
-        # out of the cyclic collector's reach, so full collections walk only what changes.
-        gc.freeze()
+        # What is alive is frozen out of the cyclic collector's walk, now and every 10 s,
+        # so its automatic runs stay short at any size (nvpair.collector)
+        await nursery.start(collect)
         announce(running.url)
         if watch is not None:
             nursery.start_soon(watch_board, running.board)
@@ -219,6 +225,7 @@ async def main(settings: Settings, *, announce: Callable[[str], None] = print,
                 log.info("got %s, shutting down", signal.Signals(signum).name)
                 running.stop()
                 watching.cancel(reason="shutting down")
+                collecting.cancel(reason="shutting down")
                 reaping.cancel(reason="shutting down")
                 break
     await orphans.end_strays(running.procs)

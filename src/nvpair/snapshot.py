@@ -258,10 +258,12 @@ class Board:
                         default=float("inf"))
         return self._publish(snapshot_engines, [])
 
-    def _publish(self, engines: tuple[EngineState, ...], changed: list[int]) -> Snapshot:
+    def _publish(self, engines: tuple[EngineState, ...], changed: list[int], *,
+                 unlisted: bool = False) -> Snapshot:
+        """``unlisted``: the changes touch no listed field and no probe time (memory)."""
         now = _now()
         moved = []
-        for i in changed:
+        for i in [] if unlisted else changed:
             key = listed_key(engines[i], now)
             if key != self.keys[i] or not _same_types(key, self.keys[i]):
                 self.keys[i] = key
@@ -292,7 +294,7 @@ class Board:
                 new[i] = msgspec.structs.replace(old[i], memory=memory)
                 changed.append(i)
         self._current = msgspec.structs.replace(self._current, memory=node)
-        return self._publish(tuple(new), changed)
+        return self._publish(tuple(new), changed, unlisted=True)
 
     def touched(self) -> Touched:
         """A new record of the engines changed from now on (see ``Touched``); it lives as
