@@ -375,7 +375,7 @@ async def test_a_large_model_list_is_sent_in_pieces_with_the_same_bytes(autojump
     board = board_with(engine("a", "ready", ("m1",)), engine("big", "ready", big),
                        engine("c", "stale", ("m1", "m2")))
     api = Api(board, node="n1")
-    chunks = api.models_chunks(False)
+    chunks = await api.models_chunks(False)
     assert len(chunks) == 3 and len(chunks[1]) > 256 * 1024  # the big part is not copied
     want = encoder.encode(views.models_doc(board.current, trio.current_time(), "n1"))
     async with client(api) as c:

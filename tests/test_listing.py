@@ -94,3 +94,39 @@ async def test_one_engine_changed_re_encodes_that_engine_only() -> None:
     board.update("b", lambda e: msgspec.structs.replace(e, models_stale=True))
     built.data(board, now)
     assert [p for p in built._parts if built._parts[p] is not before[p]] == [1]
+
+
+async def test_stepwise_parts_are_the_same_bytes_and_yield_after_each_big_join(
+        autojump_clock) -> None:
+    """When the ages move, every big engine's part is joined again: one checkpoint after
+    each (a step of the loop per engine, not one for all); the bytes are parts' bytes,
+    and a second call joins nothing."""
+    board = Board(tuple(engine(n) for n in NAMES))
+    many = tuple(Model(f"org/model-{i:05d}-" + "x" * 40) for i in range(6000))  # > 256 KiB
+    for n in NAMES:
+        board.update(n, lambda e, n=n: msgspec.structs.replace(
+            e, state="ready", models=tuple(msgspec.structs.replace(m, id=f"{n}/{m.id}")
+                                           for m in (many if n in "ab" else many[:3])),
+            checked_at=trio.current_time()))
+    built, plain = ModelsBody("n"), ModelsBody("n")
+    now = trio.current_time()
+    me = trio.lowlevel.current_task()
+
+    class Steps(trio.abc.Instrument):
+        count = 0
+
+        def before_task_step(self, task: trio.lowlevel.Task) -> None:
+            if task is me:
+                self.count += 1
+
+    steps = Steps()
+    trio.lowlevel.add_instrument(steps)
+    try:
+        got = await built.parts_stepwise(board, now)
+        first = steps.count
+        again = await built.parts_stepwise(board, now)
+    finally:
+        trio.lowlevel.remove_instrument(steps)
+    assert got == plain.parts(board, now) and again == got
+    assert first == 2  # after "a" and after "b" (the small ones end no step)
+    assert steps.count == first  # nothing joined the second time: no checkpoint

@@ -39,6 +39,37 @@ async def test_a_blocking_step_shows_as_the_longest_gap(tmp_path: Path) -> None:
     assert stalled["gc_gen"] == 2 and stalled["gc_ms"] > 0
 
 
+def touch(path: Path) -> None:
+    path.touch()
+
+
+def remove(path: Path) -> None:
+    path.unlink()
+
+
+async def test_paused_it_neither_ticks_nor_times_steps(tmp_path: Path,
+                                                      autojump_clock) -> None:
+    """While PATH.pause exists: no lines (a benchmark of idle CPU pauses it);
+    when the file goes, it measures again."""
+    path = tmp_path / "lag.jsonl"
+    pause = Path(str(path) + looplag.PAUSE_SUFFIX)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(looplag.probe, str(path), 0.005, 1.0)
+        await trio.sleep(2.5)
+        running = len(path.read_text().splitlines())
+        assert running >= 2
+        touch(pause)
+        await trio.sleep(1.5)  # the report under way ends; then nothing
+        paused = len(path.read_text().splitlines())
+        assert paused <= running + 1
+        await trio.sleep(5)
+        assert len(path.read_text().splitlines()) == paused
+        remove(pause)
+        await trio.sleep(2.5)
+        assert len(path.read_text().splitlines()) >= paused + 2
+        nursery.cancel_scope.cancel()
+
+
 async def test_without_the_variable_nothing_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(looplag.ENV, raising=False)
     with trio.fail_after(1):

@@ -216,3 +216,38 @@ async def test_the_same_answer_again_is_not_parsed_again(
     await wait_state(board, "e", "ready", where=lambda e: [m.id for m in e.models] == ["m2"],
                      within=60)
     assert len(parsed) == 2
+
+
+async def test_a_large_unchanged_list_is_fetched_less_often_and_a_change_resets_it(
+        nursery, autojump_clock) -> None:
+    """A list of 10,000 models that comes back the same is fetched again later the larger
+    it is (at most UNCHANGED_BYTES_PER_S a second, at most UNCHANGED_MAX_STRETCH
+    intervals); a small one stays at the manifest's interval; a changed one is listed
+    again at the interval."""
+    from nvpair import sweep as sweep_module
+    big = {"object": "list", "data": [{"id": f"org/model-{i:05d}-" + "x" * 300,
+                                       "object": "model", "created": 1, "owned_by": "me"}
+                                      for i in range(10_000)]}
+    size = len(msgspec.json.encode(big))
+    interval = 30.0  # (vllm's models interval)
+    stretched = min(max(interval, size / sweep_module.UNCHANGED_BYTES_PER_S),
+                    interval * sweep_module.UNCHANGED_MAX_STRETCH)
+    assert stretched > 2 * interval  # (the list is big enough to matter)
+    fake, small = FakeEngine(vllm_routes("m1")), FakeEngine(vllm_routes("s1"))
+    fake.routes["/v1/models"] = (200, big)
+    board, sweep = await start_all(nursery, {"e": fake, "s": small})
+    await wait_state(board, "e", "ready", where=lambda e: len(e.models) == 10_000)
+    first = trio.current_time()
+    await trio.sleep(interval + 1)  # listed again at the interval: unchanged now
+    assert fake.counts["/v1/models"] == 2
+    assert sweep.interval("e", interval) == stretched and sweep.interval("s", interval) == interval
+    await trio.sleep(stretched - 2)  # not yet
+    assert fake.counts["/v1/models"] == 2
+    await trio.sleep(2 + 1)
+    assert fake.counts["/v1/models"] == 3
+    small_count = small.counts["/v1/models"]
+    assert small_count >= int((trio.current_time() - first) / interval)  # every interval
+    big["data"] = big["data"][:-1]  # a change: the interval again
+    await trio.sleep(stretched + 1)
+    assert fake.counts["/v1/models"] == 4 and len(board.current.engine("e").models) == 9_999
+    assert sweep.interval("e", interval) == interval

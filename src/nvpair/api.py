@@ -118,11 +118,7 @@ class Api:
         self._cache[key] = (version, bucket, body)
         return body
 
-    def models_body(self, cluster: bool) -> bytes:
-        """``/v1/models`` (with the peers' models when ``cluster``), in one piece."""
-        return b"".join(self.models_chunks(cluster))
-
-    def models_chunks(self, cluster: bool) -> tuple[bytes, ...]:
+    async def models_chunks(self, cluster: bool) -> tuple[bytes, ...]:
         """``/v1/models`` as the pieces it is sent in, cached per listing version and age
         bucket: probe counters do not re-encode it, and a changed engine re-encodes only its
         own items. An engine's part of 256 KiB or more stays a piece of its own, so a list
@@ -137,7 +133,8 @@ class Api:
             return hit[2]
         # ages as at the start of the bucket (so at most AGE_RESOLUTION_S old, as before):
         # an engine neither changed nor probed since the last answer is not joined again
-        parts = self._models.parts(self.board, now, ages_at=bucket * AGE_RESOLUTION_S)
+        parts = await self._models.parts_stepwise(self.board, now,
+                                                  ages_at=bucket * AGE_RESOLUTION_S)
         if cluster and self.cluster is not None and (peers := self.cluster.models(now)):
             parts.append(encoder.encode(peers)[1:-1])
         chunks: list[bytes] = []
@@ -216,7 +213,7 @@ class Api:
                 return
             query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
             cluster = path == "/v1/cluster/models" or "cluster" in query.get("scope", ())
-            await send_chunks(send, 200, self.models_chunks(cluster))
+            await send_chunks(send, 200, await self.models_chunks(cluster))
             return
         if len(parts) >= 4 and parts[:3] == ["", "v1", "models"] and path != "/v1/models/":
             await self.model_route(scope, send, path.removeprefix("/v1/models/"))

@@ -10,10 +10,12 @@ collections found no garbage at all: the walk was all cost.
 
 So, as large Python services do:
 
-* every ``every_s`` (10 s) the young generations are collected (what was just made, a
+* every ``every_s`` (2 s) the young generations are collected (what was just made, a
   few milliseconds) and then everything alive is *frozen* (``gc.freeze``): moved out of
   the collector's sight. A frozen object is still freed the usual way when nothing refers
-  to it; the collector's automatic runs then walk only what was made since.
+  to it; the collector's automatic runs then walk only what was made since: at 1,024
+  engines, with 10 s between freezes full collections still came (17-21 ms); with 2 s,
+  none in 30 s, and the longest collection was a young one of 8 ms.
 * what freezing gives up: a cycle of frozen objects that later becomes garbage is not
   found. That is bounded here: every ``check_s`` (an hour) nvpair compares its resident
   memory with what it was after the last full collection, and when it grew by
@@ -52,7 +54,7 @@ def resident_bytes() -> int | None:
 class Policy:
     """When to freeze, and when a full collection is worth its pause."""
 
-    every_s: float = 10.0
+    every_s: float = 2.0
     check_s: float = 3600.0
     growth: float = 1.25
 
@@ -103,15 +105,14 @@ class Collector:
                  self.last_full_s * 1000, freed)
         return True
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-                  ) -> None:
-        """Freeze now and every ``every_s``, check every ``check_s``; forever.
-
-        Started value: None, after the first freeze. Cancellation: at any sleep, nothing
-        left half done (each step is sync). Raises nothing of its own."""
+    def begin(self) -> None:
+        """The first freeze, and the memory it settles at (sync)."""
         self.freeze()
         self.check()
-        task_status.started()
+
+    async def keep(self) -> None:
+        """After ``begin``: freeze every ``every_s``, check every ``check_s``; forever.
+        Cancellation: at any sleep, nothing left half done (each step is sync)."""
         check_at = trio.current_time() + self.policy.check_s
         while True:
             await trio.sleep(self.policy.every_s)
@@ -119,3 +120,11 @@ class Collector:
             if trio.current_time() >= check_at:
                 check_at = trio.current_time() + self.policy.check_s
                 self.check()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """``begin``, then ``keep``. Started value: None, after the first freeze.
+        Cancellation: as ``keep``. Raises nothing of its own."""
+        self.begin()
+        task_status.started()
+        await self.keep()

@@ -7,8 +7,9 @@ time>, "max_ms": <longest gap in that second>, "ticks": <wake-ups>, "step_ms": <
 step>, "step_task": <the task that took it>, "gc_ms": <longest garbage collection>, "gc_gen":
 <its generation>}``. A gap is what any task waiting on the loop
 waited at worst, the timer's own 5 ms included, so an idle loop shows about 5 ms and a step
-that held the loop for 40 ms shows about 45; the step names who held it. Without the
-variable nothing runs. The benchmarks
+that held the loop for 40 ms shows about 45; the step names who held it. While a file
+``PATH.pause`` exists the probe pauses (checked once a second). Without the variable
+nothing runs. The benchmarks
 (docs/benchmarks.md) read the file to report the longest stall beside the latencies.
 """
 
@@ -27,6 +28,10 @@ log = logging.getLogger("nvpair.looplag")
 ENV = "NVPAIR_LOOP_LAG_FILE"
 TICK_S = 0.005
 REPORT_S = 1.0
+#: while ``PATH`` + this exists the probe does not tick (nor time task steps): its own 200
+#: wake-ups a second cost about 2 % of a core, which a benchmark of idle CPU must not count
+PAUSE_SUFFIX = ".pause"
+PAUSED_CHECK_S = 0.25
 
 
 class _Steps(trio.abc.Instrument):
@@ -83,6 +88,11 @@ def _append(fd: int, line: dict[str, float | int | str]) -> None:
     os.write(fd, (json.dumps(line) + "\n").encode())
 
 
+def _paused(pause: str) -> bool:
+    """Whether the pause file exists (one stat of a local file: microseconds)."""
+    return os.path.exists(pause)
+
+
 async def probe(path: str, tick_s: float = TICK_S, report_s: float = REPORT_S) -> None:
     """Measure until cancelled, appending a line to ``path`` every ``report_s`` seconds.
 
@@ -91,25 +101,36 @@ async def probe(path: str, tick_s: float = TICK_S, report_s: float = REPORT_S) -
     """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     steps, collections = _Steps(), _Collections()
-    trio.lowlevel.add_instrument(steps)
-    gc.callbacks.append(collections)
+    pause = path + PAUSE_SUFFIX
     worst, ticks = 0.0, 0
-    last = trio.current_time()
-    report_at = last + report_s
     try:
         while True:
-            await trio.sleep(tick_s)
-            now = trio.current_time()
-            worst, ticks = max(worst, now - last), ticks + 1
-            last = now
-            if now >= report_at:
-                _append(fd, {"t": round(time.time(), 3), "max_ms": round(worst * 1000, 3),
-                             "ticks": ticks, **steps.take(), **collections.take()})
-                worst, ticks = 0.0, 0
-                report_at = now + report_s
+            while True:  # (a pause is checked once a report: see PAUSE_SUFFIX)
+                if not _paused(pause):
+                    break
+                await trio.sleep(PAUSED_CHECK_S)
+            trio.lowlevel.add_instrument(steps)
+            gc.callbacks.append(collections)
+            last = trio.current_time()
+            report_at = last + report_s
+            try:
+                while True:
+                    await trio.sleep(tick_s)
+                    now = trio.current_time()
+                    worst, ticks = max(worst, now - last), ticks + 1
+                    last = now
+                    if now >= report_at:
+                        _append(fd, {"t": round(time.time(), 3),
+                                     "max_ms": round(worst * 1000, 3), "ticks": ticks,
+                                     **steps.take(), **collections.take()})
+                        worst, ticks = 0.0, 0
+                        report_at = now + report_s
+                        if _paused(pause):
+                            break
+            finally:
+                trio.lowlevel.remove_instrument(steps)
+                gc.callbacks.remove(collections)
     finally:
-        trio.lowlevel.remove_instrument(steps)
-        gc.callbacks.remove(collections)
         if ticks:
             _append(fd, {"t": round(time.time(), 3), "max_ms": round(worst * 1000, 3),
                          "ticks": ticks, **steps.take(), **collections.take()})

@@ -198,11 +198,11 @@ async def main(settings: Settings, *, announce: Callable[[str], None] = print,
     """
     watching, collecting = trio.CancelScope(), trio.CancelScope()
 
-    async def collect(task_status: trio.TaskStatus[None]) -> None:
-        """The collector policy until shutdown. Started value: None (after the first
-        freeze). Cancellation: ``collecting`` ends it at shutdown. Raises nothing."""
-        with collecting:
-            await Collector().run(task_status=task_status)
+    collector = Collector()
+
+    async def keep_collecting() -> None:
+        with collecting:  # (ended at shutdown)
+            await collector.keep()
 
     async def watch_board(board: Board) -> None:
         assert watch is not None
@@ -212,9 +212,10 @@ async def main(settings: Settings, *, announce: Callable[[str], None] = print,
     orphans.become_subreaper()  # what engines double-fork comes back to us, not to init
     async with trio.open_nursery() as nursery:
         running: Running = await nursery.start(run, settings)
-        # What is alive is frozen out of the cyclic collector's walk, now and every 10 s,
+        # What is alive is frozen out of the cyclic collector's walk, now and every 2 s,
         # so its automatic runs stay short at any size (nvpair.collector)
-        await nursery.start(collect)
+        collector.begin()
+        nursery.start_soon(keep_collecting)
         announce(running.url)
         if watch is not None:
             nursery.start_soon(watch_board, running.board)
