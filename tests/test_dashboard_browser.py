@@ -189,6 +189,9 @@ async def test_dashboard_reconnects_after_nvpair_restarts(nursery, tmp_path) -> 
                                     " && document.querySelectorAll('#engines tbody tr')"
                                     ".length === 1")
                 boot = await page.evaluate("view.lastId.split('.')[0]")
+                # the retry the page waits with: the first stream's (each stream draws its
+                # own, 1-3 s; the next nvpair's new stream would tell another)
+                retry_s = await page.evaluate("view.retryMs") / 1000
                 running.stop()  # nvpair says bye; the page shows it is reconnecting
                 await page.wait_for("document.querySelector('#link').textContent"
                                     ".startsWith('nvpair stopped') || document.querySelector("
@@ -200,7 +203,6 @@ async def test_dashboard_reconnects_after_nvpair_restarts(nursery, tmp_path) -> 
                 assert again.url == running.url
                 await page.wait_for("document.querySelector('#link').textContent === "
                                     "'live'", within=5)
-                retry_s = await page.evaluate("view.retryMs") / 1000  # the stream's retry:
                 assert trio.current_time() - back_at <= retry_s + 1.0
                 assert await page.evaluate("view.lastId.split('.')[0]") != boot
                 assert await rows(page) == ["one"]  # no duplicate rows
