@@ -3,6 +3,7 @@ engines, an etcd stand-in, scripted engines) that must answer byte by byte as to
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
 import trio
@@ -36,3 +37,14 @@ async def read_request(stream: trio.SocketStream, buffer: bytes = b""
             return None, buffer
         buffer += data
     return Request(method, path, headers, buffer[:length]), buffer[length:]
+
+
+async def serve_streams(handler: Callable[[trio.SocketStream], Awaitable[object]], *,
+                        task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
+                        ) -> None:
+    """``handler`` for every connection to a free port of 127.0.0.1, until cancelled.
+    Started value: the port."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.serve_listeners, handler, listeners)
+        task_status.started(listeners[0].socket.getsockname()[1])

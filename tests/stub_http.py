@@ -8,7 +8,7 @@ from __future__ import annotations
 from functools import partial
 
 import trio
-from tests.raw_http import read_request
+from tests.raw_http import read_request, serve_streams
 
 
 async def _handle(stream: trio.SocketStream, body: bytes | None = None) -> None:
@@ -41,11 +41,7 @@ async def _handle(stream: trio.SocketStream, body: bytes | None = None) -> None:
 async def serve_stub(*, body: bytes | None = None,
                      task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve until cancelled. Started value: the port."""
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    port = listeners[0].socket.getsockname()[1]
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(trio.serve_listeners, partial(_handle, body=body), listeners)
-        task_status.started(port)
+    await serve_streams(partial(_handle, body=body), task_status=task_status)
 
 
 async def _main() -> None:

@@ -141,3 +141,35 @@ async def test_a_removed_engine_and_content_kept_across_counter_changes(autojump
                       "engine:e2": {"name": "e2", "removed": True}}
     # (and a "models" event: the engines changed, so the listing moved)
     assert events["engine:e1"]["restarts"] == 1 and journal.seq == seq + 3
+
+
+def test_content_key_moves_with_every_field_the_content_shows() -> None:
+    """content_key lists what engine_content is built from by hand: a field added to the
+    content and not to the key would change no event. Each EngineState field is changed
+    in turn; wherever the content changes, the key must too."""
+    from nvpair.events import content_key, engine_content
+    from nvpair.memstate import EngineMemory
+    from nvpair.snapshot import Identity
+    base = engine("a", checked_at=0.0)
+    other: dict[str, object] = {
+        str: "x-changed", int: 7, float: 99.0, bool: True, type(None): "x"}
+    changes: dict[str, object] = {
+        "state": "unhealthy", "models": (Model("n"),), "aliases": ("fast",),
+        "identity": Identity(model="m"), "memory": EngineMemory(),
+        "probes": (("health", None),), "group": None}
+    checked = 0
+    for field in EngineState.__struct_fields__:
+        if field == "name":  # (the journal keeps the key per name)
+            continue
+        value = getattr(base, field)
+        new = changes.get(field, other.get(type(value)))
+        if new is None or new == value:
+            continue
+        try:
+            changed = msgspec.structs.replace(base, **{field: new})
+        except (TypeError, msgspec.ValidationError):
+            continue
+        checked += 1
+        if engine_content(changed, 1.0) != engine_content(base, 1.0):
+            assert content_key(changed, 1.0) != content_key(base, 1.0), field
+    assert checked > 20

@@ -12,7 +12,7 @@ import trio
 import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tests.raw_http import Request, read_request
+from tests.raw_http import Request, read_request, serve_streams
 
 from nvpair import probes
 from nvpair.decoding import DECODER_DEPTH, decode_json
@@ -241,10 +241,8 @@ class Engine:
 
     async def serve(self, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
                     ) -> None:
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        port = listeners[0].socket.getsockname()[1]
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(trio.serve_listeners, self.handle, listeners)
+            port = await nursery.start(serve_streams, self.handle)
             task_status.started(f"http://127.0.0.1:{port}")
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import weakref
+from collections.abc import Iterator
 from typing import Annotated
 
 import msgspec
@@ -273,10 +274,7 @@ class ModelsBody:
         ``ages_at`` (default ``now``). An engine's part with the same items and the same
         age is the one joined last time (with ages at a fixed moment, only engines whose
         items changed or that were probed since are joined again)."""
-        cat, engines = catalog(board, now), board.current.engines
-        self._relayout(cat)
-        at = now if ages_at is None else ages_at
-        return [self._part(cat, engines, pos, at)[0] for pos in cat.order if cat.owned[pos]]
+        return [part for part, _ in self._walk(board, now, ages_at)]
 
     async def parts_stepwise(self, board: Board, now: float, ages_at: float | None = None
                              ) -> list[bytes]:
@@ -284,21 +282,23 @@ class ModelsBody:
         is large: when the ages move, ten engines of 10,000 models are 20 MB to join, in
         steps of one engine's instead of one step of the loop. What it returns is of the
         board as it was when called. Cancellation: at a checkpoint, nothing half made."""
-        cat, engines = catalog(board, now), board.current.engines
-        self._relayout(cat)
-        at = now if ages_at is None else ages_at
         out = []
-        for pos in cat.order:
-            if cat.owned[pos]:
-                part, joined = self._part(cat, engines, pos, at)
-                out.append(part)
-                if joined and len(part) >= STEP_BYTES:
-                    await trio.lowlevel.checkpoint()
+        for part, joined in self._walk(board, now, ages_at):
+            out.append(part)
+            if joined and len(part) >= STEP_BYTES:
+                await trio.lowlevel.checkpoint()
         return out
 
-    def _relayout(self, cat: Catalog) -> None:
+    def _walk(self, board: Board, now: float, ages_at: float | None
+              ) -> Iterator[tuple[bytes, bool]]:
+        """Each listed engine's part, in order, and whether it was joined now."""
+        cat, engines = catalog(board, now), board.current.engines
         if cat.layout != self._layout:
             self._parts, self._layout, self._joined = {}, cat.layout, {}
+        at = now if ages_at is None else ages_at
+        for pos in cat.order:
+            if cat.owned[pos]:
+                yield self._part(cat, engines, pos, at)
 
     def _part(self, cat: Catalog, engines: tuple[EngineState, ...], pos: int, at: float
               ) -> tuple[bytes, bool]:

@@ -198,11 +198,11 @@ async def main(settings: Settings, *, announce: Callable[[str], None] = print,
     """
     watching, collecting = trio.CancelScope(), trio.CancelScope()
 
-    collector = Collector()
+    collector, collector_part = Collector(), Part("garbage collector")
 
     async def keep_collecting() -> None:
-        with collecting:  # (ended at shutdown)
-            await collector.keep()
+        with collecting:  # (ended at shutdown; a bug in it is logged and it runs again)
+            await collector_part.supervise(collector.keep)
 
     async def watch_board(board: Board) -> None:
         assert watch is not None
@@ -214,7 +214,8 @@ async def main(settings: Settings, *, announce: Callable[[str], None] = print,
         running: Running = await nursery.start(run, settings)
         # What is alive is frozen out of the cyclic collector's walk, now and every 2 s,
         # so its automatic runs stay short at any size (nvpair.collector)
-        collector.begin()
+        with collector_part.guard():
+            collector.begin()
         nursery.start_soon(keep_collecting)
         announce(running.url)
         if watch is not None:

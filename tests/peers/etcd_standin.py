@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 
 import httpx2
 import trio
-from tests.raw_http import read_request
+from tests.raw_http import read_request, serve_streams
 
 GARBAGE = ("html", "truncated", "types", "missing", "base64", "nested", "message")
 LEASE = "7587"
@@ -119,10 +119,8 @@ class FakeEtcd:
     async def serve(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
                     ) -> None:
         """Serve on 127.0.0.1 until cancelled. Started value: the URL."""
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        port = listeners[0].socket.getsockname()[1]
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(trio.serve_listeners, self._handle, listeners)
+            port = await nursery.start(serve_streams, self._handle)
             task_status.started(f"http://127.0.0.1:{port}")
 
     async def _handle(self, stream: trio.SocketStream) -> None:

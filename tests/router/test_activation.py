@@ -8,17 +8,24 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx2
 import msgspec
 import pytest
 import trio
+from tests.fakes import FakeEngine, engine_spec, vllm_routes
 from tests.managed import FAST_PROBES, fast_manifest, free_port, reading, sim_command, wait_state
 from tests.router.script_engine import JSON
+from tests.test_process import FakeSpawn
 
 from nvpair import service
-from nvpair.config import Settings, load_settings
+from nvpair.config import ActivationConfig, Settings, load_settings
+from nvpair.lifecycle import EngineRunner
+from nvpair.router.activation import Activator
+from nvpair.snapshot import Board
+from nvpair.state import initial_state
+from nvpair.traffic import Traffic
 
 GB = 10**9
 
@@ -47,6 +54,33 @@ def payload(model: str, tokens: int = 4, stream: bool = False) -> bytes:
 async def queued(board: Any, name: str, count: int) -> None:
     await wait_state(board, name, "cold", "starting", "ready", "stopped", "down",
                      where=lambda e: e.queued == count)
+
+
+class OnDemand(NamedTuple):
+    board: Board
+    fake: FakeEngine
+    runner: EngineRunner
+    activator: Activator
+
+
+async def one_on_demand(nursery: trio.Nursery, *, loading: bool = False,
+                        **spec_kw: Any) -> OnDemand:
+    """One managed on-demand vLLM engine "e" (a fake process through the spawn seam, a
+    mock engine over httpx2.MockTransport, /health 503 while ``loading``), its real
+    runner and the activator, both started."""
+    spec = engine_spec("vllm", managed=True, port=free_port(), model="m",
+                       command=["srv", "--port", "{port}"], activation="on_demand", **spec_kw)
+    board = Board((initial_state(spec),))
+    fake = FakeEngine(vllm_routes())
+    if loading:
+        fake.routes["/health"] = (503, "loading")
+    traffic = Traffic()
+    runner = EngineRunner(spec, board, None, None, traffic, transport=fake.transport(),
+                          spawn=FakeSpawn())
+    activator = Activator(board, [spec], {"e": runner}, traffic, ActivationConfig())
+    await nursery.start(runner.run)
+    await nursery.start(activator.run)
+    return OnDemand(board, fake, runner, activator)
 
 
 async def test_eight_requests_for_a_cold_model_start_it_once_and_go_in_order(
@@ -333,27 +367,7 @@ async def test_idle_unload_in_virtual_time_and_probes_never_reset_the_timer(
     """A real runner (a fake process through the spawn seam, a mock engine over
     httpx2.MockTransport) under the autojump clock: used once, the engine is drained to
     cold idle_unload_s later, though its health probe answered all along."""
-    from tests.fakes import FakeEngine, engine_spec, vllm_routes
-    from tests.test_process import FakeSpawn
-
-    from nvpair.config import ActivationConfig
-    from nvpair.lifecycle import EngineRunner
-    from nvpair.router.activation import Activator
-    from nvpair.snapshot import Board
-    from nvpair.state import initial_state
-    from nvpair.traffic import Traffic
-
-    spec = engine_spec("vllm", managed=True, port=free_port(), model="m",
-                       command=["srv", "--port", "{port}"], activation="on_demand",
-                       idle_unload_s=600)
-    board = Board((initial_state(spec),))
-    fake = FakeEngine(vllm_routes())
-    traffic = Traffic()
-    runner = EngineRunner(spec, board, None, None, traffic, transport=fake.transport(),
-                          spawn=FakeSpawn())
-    activator = Activator(board, [spec], {"e": runner}, traffic, ActivationConfig())
-    await nursery.start(runner.run)
-    await nursery.start(activator.run)
+    board, fake, runner, activator = await one_on_demand(nursery, idle_unload_s=600)
     assert board.current.engine("e").state == "cold"  # type: ignore[union-attr]
     ticket = await activator.admit("e")
     ticket.leave()
@@ -672,29 +686,10 @@ async def test_the_status_shows_how_many_wait_and_the_oldest_wait(
         nursery, autojump_clock) -> None:
     """GET /v1/engines/{name} carries ``queued`` and ``queued_oldest_s`` (the longest wait
     now, computed when read); the event stream carries ``queued`` only (no ages)."""
-    from tests.fakes import FakeEngine, engine_spec, vllm_routes
-    from tests.test_process import FakeSpawn
-
-    from nvpair.config import ActivationConfig
     from nvpair.events import engine_content
-    from nvpair.lifecycle import EngineRunner
-    from nvpair.router.activation import Activator
-    from nvpair.snapshot import Board
-    from nvpair.state import initial_state
-    from nvpair.traffic import Traffic
     from nvpair.views import engine_status
 
-    spec = engine_spec("vllm", managed=True, port=free_port(), model="m",
-                       command=["srv", "--port", "{port}"], activation="on_demand")
-    board = Board((initial_state(spec),))
-    fake = FakeEngine(vllm_routes())
-    fake.routes["/health"] = (503, "loading")
-    traffic = Traffic()
-    runner = EngineRunner(spec, board, None, None, traffic, transport=fake.transport(),
-                          spawn=FakeSpawn())
-    activator = Activator(board, [spec], {"e": runner}, traffic, ActivationConfig())
-    await nursery.start(runner.run)
-    await nursery.start(activator.run)
+    board, fake, _, activator = await one_on_demand(nursery, loading=True)
 
     def status() -> dict[str, Any]:
         snap = board.current
@@ -729,27 +724,7 @@ async def test_a_drain_during_a_cold_start_starts_it_again_for_the_waiting_reque
     """The operator drains an on-demand engine while it starts for a request: it stops
     (nothing in flight) and rests cold, and the request that waits starts it again and is
     served; before, it got 503 'failed to start: cold'."""
-    from tests.fakes import FakeEngine, engine_spec, vllm_routes
-    from tests.test_process import FakeSpawn
-
-    from nvpair.config import ActivationConfig
-    from nvpair.lifecycle import EngineRunner
-    from nvpair.router.activation import Activator
-    from nvpair.snapshot import Board
-    from nvpair.state import initial_state
-    from nvpair.traffic import Traffic
-
-    spec = engine_spec("vllm", managed=True, port=free_port(), model="m",
-                       command=["srv", "--port", "{port}"], activation="on_demand")
-    board = Board((initial_state(spec),))
-    fake = FakeEngine(vllm_routes())
-    fake.routes["/health"] = (503, "loading")
-    traffic = Traffic()
-    runner = EngineRunner(spec, board, None, None, traffic, transport=fake.transport(),
-                          spawn=FakeSpawn())
-    activator = Activator(board, [spec], {"e": runner}, traffic, ActivationConfig())
-    await nursery.start(runner.run)
-    await nursery.start(activator.run)
+    board, fake, runner, activator = await one_on_demand(nursery, loading=True)
 
     async def operator() -> None:
         await wait_state(board, "e", "starting", within=30)
@@ -774,26 +749,7 @@ async def test_a_request_during_a_memory_restart_waits_and_is_served(
     """A ready on-demand engine drains to a restart (restart_when_quiet's drain): a request
     for it waits in its queue and is served by the restarted engine; the restart is no
     failed start (the engine is not unloaded, the request gets no 503)."""
-    from tests.fakes import FakeEngine, engine_spec, vllm_routes
-    from tests.test_process import FakeSpawn
-
-    from nvpair.config import ActivationConfig
-    from nvpair.lifecycle import EngineRunner
-    from nvpair.router.activation import Activator
-    from nvpair.snapshot import Board
-    from nvpair.state import initial_state
-    from nvpair.traffic import Traffic
-
-    spec = engine_spec("vllm", managed=True, port=free_port(), model="m",
-                       command=["srv", "--port", "{port}"], activation="on_demand")
-    board = Board((initial_state(spec),))
-    fake = FakeEngine(vllm_routes())
-    traffic = Traffic()
-    runner = EngineRunner(spec, board, None, None, traffic, transport=fake.transport(),
-                          spawn=FakeSpawn())
-    activator = Activator(board, [spec], {"e": runner}, traffic, ActivationConfig())
-    await nursery.start(runner.run)
-    await nursery.start(activator.run)
+    board, fake, runner, activator = await one_on_demand(nursery)
     with trio.fail_after(100):
         ticket = await activator.admit("e")
     ticket.headed()
@@ -824,27 +780,7 @@ async def test_a_request_for_an_on_demand_engine_starting_otherwise_waits_for_it
     """An on-demand engine starting for another reason than a request (nvpair start, the
     restart of a memory restart's drain) is waited for, as docs/on-demand.md says ("if it
     is starting already, waited for"); before, a request then got 503."""
-    from tests.fakes import FakeEngine, engine_spec, vllm_routes
-    from tests.test_process import FakeSpawn
-
-    from nvpair.config import ActivationConfig
-    from nvpair.lifecycle import EngineRunner
-    from nvpair.router.activation import Activator
-    from nvpair.snapshot import Board
-    from nvpair.state import initial_state
-    from nvpair.traffic import Traffic
-
-    spec = engine_spec("vllm", managed=True, port=free_port(), model="m",
-                       command=["srv", "--port", "{port}"], activation="on_demand")
-    board = Board((initial_state(spec),))
-    fake = FakeEngine(vllm_routes())
-    fake.routes["/health"] = (503, "loading")
-    traffic = Traffic()
-    runner = EngineRunner(spec, board, None, None, traffic, transport=fake.transport(),
-                          spawn=FakeSpawn())
-    activator = Activator(board, [spec], {"e": runner}, traffic, ActivationConfig())
-    await nursery.start(runner.run)
-    await nursery.start(activator.run)
+    board, fake, runner, activator = await one_on_demand(nursery, loading=True)
     runner.request("start")  # the operator's
     await wait_state(board, "e", "starting", within=30)
     assert activator.candidate(["e"]) == "e"
@@ -866,27 +802,7 @@ async def test_requests_that_come_for_an_engine_starting_otherwise_speed_its_pro
     """An on-demand engine started by the operator is probed at its manifest's 2 s; a
     request that comes while its prober sleeps wakes the ready probe at once, so the
     request waits at most 0.25 s past the engine's readiness, not the rest of the 2 s."""
-    from tests.fakes import FakeEngine, engine_spec, vllm_routes
-    from tests.test_process import FakeSpawn
-
-    from nvpair.config import ActivationConfig
-    from nvpair.lifecycle import EngineRunner
-    from nvpair.router.activation import Activator
-    from nvpair.snapshot import Board
-    from nvpair.state import initial_state
-    from nvpair.traffic import Traffic
-
-    spec = engine_spec("vllm", managed=True, port=free_port(), model="m",
-                       command=["srv", "--port", "{port}"], activation="on_demand")
-    board = Board((initial_state(spec),))
-    fake = FakeEngine(vllm_routes())
-    fake.routes["/health"] = (503, "loading")
-    traffic = Traffic()
-    runner = EngineRunner(spec, board, None, None, traffic, transport=fake.transport(),
-                          spawn=FakeSpawn())
-    activator = Activator(board, [spec], {"e": runner}, traffic, ActivationConfig())
-    await nursery.start(runner.run)
-    await nursery.start(activator.run)
+    board, fake, runner, activator = await one_on_demand(nursery, loading=True)
     runner.request("start")  # the operator's: nobody waits, so the manifest's 2 s
     await wait_state(board, "e", "starting", within=30)
     await trio.sleep(10.1)  # a few ticks at 2 s; the prober sleeps now
