@@ -41,7 +41,8 @@ async def _handle(stream: trio.SocketStream, body: bytes | None = None) -> None:
 async def serve_stub(*, body: bytes | None = None,
                      task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve until cancelled. Started value: the port."""
-    await serve_streams(partial(_handle, body=body), task_status=task_status)
+    async with trio.open_nursery() as nursery:
+        task_status.started(await nursery.start(serve_streams, partial(_handle, body=body)))
 
 
 async def _main() -> None:
