@@ -78,7 +78,10 @@ CASES: dict[str, Check] = {
 }
 
 
-@pytest.mark.parametrize("kind", sorted(CASES))
+# big_headers holds a read-latency bound while nvpair parses 100 KB heads: measured alone
+# (it read 108 and 128 ms against 100 beside another worker; see tests/conftest.py)
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.alone)
+                                  if k == "big_headers" else k for k in sorted(CASES)])
 async def test_a_hostile_engine_changes_only_its_own_state(
         kind: str, nursery: trio.Nursery, tmp_path: Path) -> None:
     sim_garbage._huge(False), sim_garbage._many(False)  # built before anything is timed

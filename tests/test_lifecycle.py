@@ -360,8 +360,9 @@ async def test_a_failing_output_pump_leaves_the_engine_running(nursery, tmp_path
                               extra="startup_budget_s = 60")
     with trio.fail_after(30):
         running = await nursery.start(service.run, settings)
+        # (the pump's notice can be published before the process's pid is)
         noticed = await wait_state(running.board, "e", "starting",
-                                   where=lambda e: bool(e.notice))
+                                   where=lambda e: bool(e.notice) and e.pid is not None)
         assert "engine output is not logged: internal error in nvpair (RuntimeError: pump bug" \
             in (noticed.notice or "")
         async with httpx2.AsyncClient(base_url=running.url) as client:
