@@ -163,6 +163,20 @@ def tables(results: dict[str, Any]) -> list[Table]:
               str(many["fds"]))],
             f"Times are from nvpair's process start. {_SIDE_NOTE} /v1/models body: "
             f"{many['load']['body_bytes']:,} B."))
+    cost = sc.get("probe_cost")
+    if cost and "cpu_us_per_probe" in cost:
+        us = cost["cpu_us_per_probe"]
+        out.append(Table(
+            "3c. CPU per probe, each way a probe goes",
+            ("way", "CPU µs per probe (best run)", "runs"),
+            [(way, _f(us[way], 0), " / ".join(_f(x, 0) for x in cost["runs_us"][way]))
+             for way in us],
+            f"GET /health of a vLLM simulator, {cost['probes_per_run']:,} probes a run, "
+            f"{cost['rounds']} interleaved rounds. pooled_kept: httpcore2's pool reusing a "
+            "kept-alive connection (probes within 4 s); pooled_closed: the pool asking the "
+            "engine to close after each answer (probes further apart, before nvpair.oneshot); "
+            "one_shot: a connection of its own (those probes now). one_shot / pooled_closed: "
+            f"{_f(cost['one_shot_over_pooled_closed'], 2)}."))
     tp = sc.get("throughput")
     if tp and "servers" in tp:
         rows = []

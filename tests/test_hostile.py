@@ -14,7 +14,7 @@ import trio
 from tests.managed import wait_state
 from tests.test_service import FAST_READ_S, config, engine, timed_get
 
-from nvpair import service
+from nvpair import probes, service
 from nvpair.config import load_settings
 from nvpair.sim import SimOptions, serve_sim
 from nvpair.sim import garbage as sim_garbage
@@ -82,8 +82,15 @@ CASES: dict[str, Check] = {
 # (it read 108 and 128 ms against 100 beside another worker; see tests/conftest.py)
 @pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.alone)
                                   if k == "big_headers" else k for k in sorted(CASES)])
+# both ways a probe reaches an engine: kept-alive connections of the pool (a probe every
+# 0.5 s is within probes.KEEPALIVE_S), and a connection of its own (nvpair.oneshot, which
+# every probe further apart than KEEPALIVE_S takes: here, with it lowered to 0.25 s)
+@pytest.mark.parametrize("connection", ["pooled", "own"])
 async def test_a_hostile_engine_changes_only_its_own_state(
-        kind: str, nursery: trio.Nursery, tmp_path: Path) -> None:
+        kind: str, connection: str, nursery: trio.Nursery, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    if connection == "own":
+        monkeypatch.setattr(probes, "KEEPALIVE_S", 0.25)
     sim_garbage._huge(False), sim_garbage._many(False)  # built before anything is timed
     good = await nursery.start(serve_sim, SimOptions(kind="vllm", model="good"))
     bad = await nursery.start(serve_sim, SimOptions(kind="openai", model="bad"))

@@ -1,4 +1,4 @@
-"""Regression tests for the HTTP client under cancellation (../shared/reference/http-client.md).
+"""Regression tests for the HTTP client under cancellation (docs/router.md, "Choosing an engine").
 
 httpx 0.28.1 (httpcore 1.0.9) and httpx2 < 2.6 leak pool slots when a request is cancelled
 while another waits for the pool (httpcore #1093); every later request then fails with

@@ -35,7 +35,7 @@ RANKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("leaves", ("nvpair.errors", "nvpair.decoding", "nvpair.ages", "nvpair.urls",
                 "nvpair.tls", "nvpair.streams", "nvpair.boundary", "nvpair.logs",
                 "nvpair.looplag", "nvpair.changes", "nvpair.histogram", "nvpair.evict",
-                "nvpair.memtrend", "nvpair.memproc", "nvpair.collector")),
+                "nvpair.memtrend", "nvpair.memproc", "nvpair.collector", "nvpair.oneshot")),
     ("config", ("nvpair.manifest", "nvpair.command", "nvpair.cluster", "nvpair.config",
                 "nvpair.schema", "nvpair.deploy", "nvpair.group.spec")),
     ("snapshot", ("nvpair.snapshot", "nvpair.state", "nvpair.traffic", "nvpair.listing",

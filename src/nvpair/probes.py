@@ -18,6 +18,7 @@ import trio
 from nvpair.decoding import decode_json, excerpt
 from nvpair.errors import ProbeError
 from nvpair.manifest import ModelsFormat, ProbeSpec
+from nvpair.oneshot import ExchangeError, Target, exchange
 from nvpair.snapshot import Identity, Model
 from nvpair.streams import close_early
 from nvpair.tls import client_tls
@@ -56,7 +57,10 @@ class Pool(Protocol):
 
 
 class ProbeClient:
-    """One engine's keep-alive connections for its probes, on a bare httpcore2 pool.
+    """How one engine's probes reach it: a probe that comes back within KEEPALIVE_S goes
+    through keep-alive connections on a bare httpcore2 pool; any other probe of a plain
+    ``http://`` engine goes on a connection of its own (``nvpair.oneshot``, ``target``),
+    a third of the CPU of a pooled request that is closed after it.
 
     httpx2's ``AsyncClient`` merges URLs, builds header maps and wraps every body in more
     generators on each request: a probe cost about 355 µs of CPU on it against 248 µs on
@@ -68,7 +72,8 @@ class ProbeClient:
     ``httpx2.MockTransport``); its errors become httpcore2's of the same name.
     """
 
-    __slots__ = ("_extensions", "_headers", "_host", "_port", "_scheme", "closed", "pool")
+    __slots__ = ("_extensions", "_headers", "_host", "_port", "_scheme", "closed", "pool",
+                 "target", "timeout_s")
 
     def __init__(self, url: str, *, timeout_s: float, max_connections: int = 4,
                  transport: httpx2.AsyncBaseTransport | None = None) -> None:
@@ -84,8 +89,13 @@ class ProbeClient:
         self._scheme = parts.scheme.encode()
         self._host = parts.hostname.encode("idna")
         self._port = parts.port or (443 if parts.scheme == "https" else 80)
+        #: where one-shot probes connect (None: every probe goes through the pool, as
+        #: for https or a test's transport)
+        self.target = (Target(parts.hostname, self._port)
+                       if transport is None and parts.scheme == "http" else None)
         self._headers = ((b"host", parts.netloc.rpartition("@")[2].encode("idna")),
                          (b"accept", b"*/*"), (b"user-agent", b"nvpair-probe"))
+        self.timeout_s = timeout_s
         self._extensions = {"timeout": dict.fromkeys(("connect", "read", "write", "pool"),
                                                      timeout_s)}
 
@@ -94,18 +104,23 @@ class ProbeClient:
         """Send one request without a body; returns once the answer's head is in (close
         the answer with ``aclose``). ``keep_alive=False``: the connection is closed after
         this answer (``Connection: close``)."""
-        headers = list(self._headers)
+        headers = self.headers(method, auth)
         if not keep_alive:
             headers.append((b"connection", b"close"))
-        if auth is not None:
-            headers.append((b"authorization", auth.encode()))
-        if method == "POST":
-            headers.append((b"content-length", b"0"))
         request = httpcore2.Request(
             method.encode(), httpcore2.URL(scheme=self._scheme, host=self._host,
                                            port=self._port, target=path.encode()),
             headers=headers, extensions=self._extensions)
         return await self.pool.handle_async_request(request)
+
+    def headers(self, method: str, auth: str | None) -> list[tuple[bytes, bytes]]:
+        """The request's header fields (``Host`` first)."""
+        headers = list(self._headers)
+        if auth is not None:
+            headers.append((b"authorization", auth.encode()))
+        if method == "POST":
+            headers.append((b"content-length", b"0"))
+        return headers
 
     async def aclose(self) -> None:
         self.closed = True
@@ -136,6 +151,44 @@ async def request(client: ProbeClient, spec: ProbeSpec, path: str, *, api_key: s
     if client.closed:
         raise ProbeError("error", "the engine's probe client is closed (engine stopping)")
     started = trio.current_time()
+    if spec.interval_s > KEEPALIVE_S and client.target is not None:
+        status, body = await _one_shot(client, client.target, spec.method, path, auth)
+    else:
+        status, body = await _pooled(client, spec, path, auth)
+    latency_ms = (trio.current_time() - started) * 1000
+    if status not in spec.expect_status:
+        raise ProbeError(
+            "status",
+            f"{spec.method} {path} answered {status}{_excerpt(body)}",
+            http_status=status,
+        )
+    return Answer(status=status, body=body, latency_ms=latency_ms)
+
+
+async def _one_shot(client: ProbeClient, target: Target, method: str, path: str,
+                    auth: str | None) -> tuple[int, bytes]:
+    """The request on a connection of its own (closed after the answer); its failures as
+    the pool's would be named."""
+    what = f"{method} {path}"
+    try:
+        with trio.fail_after(client.timeout_s):  # (a backstop: probers set their own)
+            return await exchange(target, method, path, client.headers(method, auth),
+                                  max_body=MAX_BODY)
+    except trio.TooSlowError:
+        raise ProbeError("timeout", "no answer within the client's timeout") from None
+    except ExchangeError as exc:
+        if exc.failure == "connect":
+            raise ProbeError("refused", f"cannot connect: {exc}") from None
+        if exc.failure == "too_big":
+            raise ProbeError("error", f"{what} answered more than {MAX_BODY // 2**20} MiB"
+                             ) from None
+        name = {"write": "WriteError: ", "read": "ReadError: "}.get(exc.failure, "")
+        raise ProbeError("error", f"{what}: {name or 'protocol error: '}{exc}") from None
+
+
+async def _pooled(client: ProbeClient, spec: ProbeSpec, path: str, auth: str | None
+                  ) -> tuple[int, bytes]:
+    """The request through the pool's keep-alive connections."""
     # A generating request may have reached the engine even when the answer broke: it is
     # never sent twice.
     attempts = (1,) if generates(spec, path) else (1, 2)
@@ -162,15 +215,8 @@ async def request(client: ProbeClient, spec: ProbeSpec, path: str, *, api_key: s
         except _FAILED as exc:
             raise ProbeError("error", f"{spec.method} {path}: {type(exc).__name__}: "
                                       f"{_reason(exc)}") from None
-        break
-    latency_ms = (trio.current_time() - started) * 1000
-    if response.status not in spec.expect_status:
-        raise ProbeError(
-            "status",
-            f"{spec.method} {path} answered {response.status}{_excerpt(body)}",
-            http_status=response.status,
-        )
-    return Answer(status=response.status, body=body, latency_ms=latency_ms)
+        return response.status, body
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 async def _read_capped(response: httpcore2.Response, what: str) -> bytes:
