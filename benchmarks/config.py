@@ -19,6 +19,10 @@ class BenchConfig(msgspec.Struct, frozen=True):
     scale_load_clients: int = 8
     scale_load_s: float = 10.0
     scale_idle_s: float = 20.0
+    #: RSS is read this long after nvpair's start (or at once when later): it grows for
+    #: the first minute (the allocator's arenas fill), so a reading at another age is not
+    #: comparable
+    scale_rss_age_s: float = 75.0
     sims_per_process: int = 256
     #: scenario "models": Ollama-like engines and the models each serves (same windows)
     models_engines: int = 10
@@ -52,6 +56,7 @@ QUICK = BenchConfig(
     models_per_engine=2_000,
     scale_load_s=2.0,
     scale_idle_s=3.0,
+    scale_rss_age_s=0.0,
     throughput_s=2.0,
     throughput_warmup_s=0.0,
     throughput_reps=1,

@@ -61,7 +61,8 @@ def run(cfg: BenchConfig, workdir: Path) -> dict[str, Any]:
         listed_at = time.time()
         out: dict[str, Any] = {"engines": n, "models_per_engine": per, "models": len(models),
                                "first_listing": listing}
-        out.update(measure(cfg, procs, manager, url, "e000", lag, "models", workdir))
+        out.update(measure(cfg, procs, manager, url, "e000", lag, "models", workdir,
+                           spawned))
         listing["loop_lag"] = loop_lag(lag, started_at, listed_at)
         out["states_at_end"] = states(url)
         return out

@@ -12,7 +12,8 @@ bytes nvpair answered at that moment, alternating ``/v1/models`` and an engine's
 while a sequential ``GET /healthz`` every 50 ms from another process reads each server's
 own latency; then
 nothing reads: 10 s of loop lag, then ``scale_idle_s`` of nvpair's CPU while it only probes
-(the loop-lag probe paused, its own wake-ups not counted), and the RSS is read.
+(the loop-lag probe paused, its own wake-ups not counted), and the RSS is read at a fixed age
+(``scale_rss_age_s`` after nvpair's start; it grows for the first minute).
 nvpair runs its loop-lag probe (``NVPAIR_LOOP_LAG_FILE``): the longest gap between ticks of
 a 5 ms timer, for the start, the load and the idle windows.
 """
@@ -128,9 +129,9 @@ def loop_lag(path: Path, since: float, until: float) -> dict[str, Any]:
 
 
 def measure(cfg: BenchConfig, procs: Procs, manager: Proc, url: str, status_engine: str,
-            lag: Path, tag: str, workdir: Path) -> dict[str, Any]:
+            lag: Path, tag: str, workdir: Path, spawned: float) -> dict[str, Any]:
     """nvpair and the floor under the same load, then nvpair idle: the second half of a
-    scale run (see the module's docstring)."""
+    scale run (see the module's docstring). ``spawned``: nvpair's start (monotonic)."""
     floor_lag = workdir / f"looplag-floor-{tag}.jsonl"
     floor, floor_url = start_floor(procs, url, workdir,
                                    ("/v1/models", f"/v1/engines/{status_engine}"),
@@ -174,6 +175,8 @@ def measure(cfg: BenchConfig, procs: Procs, manager: Proc, url: str, status_engi
     time.sleep(cfg.scale_idle_s)
     idle_cpu = idle.read()
     pause.unlink()
+    time.sleep(max(0.0, spawned + cfg.scale_rss_age_s - time.monotonic()))
+    rss_age_s = time.monotonic() - spawned
     mem = memory_kb(manager.pid)
     nv, fl = targets["nvpair"], targets["floor"]
     ratio = {q: (round(nv["models"][q] / fl["models"][q], 3)
@@ -192,6 +195,7 @@ def measure(cfg: BenchConfig, procs: Procs, manager: Proc, url: str, status_engi
         "idle_cpu_pct": idle_cpu["cpu_pct"],
         "idle_window_s": idle_cpu["wall_s"],
         "rss_mb": round(mem["VmRSS"] / 1024, 2),
+        "rss_age_s": round(rss_age_s, 1),
         "peak_rss_mb": round(mem["VmHWM"] / 1024, 2),
         "fds": fd_count(manager.pid),
     }
@@ -229,7 +233,8 @@ def run_one(cfg: BenchConfig, workdir: Path, k: int) -> dict[str, Any]:
             "sim_processes": math.ceil(k / cfg.sims_per_process),
             "first_listing": listing,
         }
-        out.update(measure(cfg, procs, manager, url, "e000", lag, f"k{k}", workdir))
+        out.update(measure(cfg, procs, manager, url, "e000", lag, f"k{k}", workdir,
+                           spawned))
         listing["loop_lag"] = loop_lag(lag, started_at, listed_at)  # its lines came later
         out["states_at_end"] = states(url)
         return out
