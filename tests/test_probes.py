@@ -305,6 +305,26 @@ async def test_a_probe_that_comes_back_after_the_keepalive_asks_to_close(nursery
     assert (first, second) == (1, 2) and req.headers["connection"] == "close"
 
 
+async def test_a_probe_on_a_connection_of_its_own_closes_the_pools_idle_ones(nursery) -> None:
+    """The ``ready`` probes of a loading engine (every 2 s) keep a connection; once it is
+    ready, its probes come 5 s apart and go on connections of their own. The kept one is
+    closed then: left in the pool it would never be reaped (no pooled request comes) and
+    sit in CLOSE-WAIT once the engine closed its side."""
+    engine = Engine()
+    url = await nursery.start(engine.serve)
+    with trio.fail_after(10):
+        async with probes.ProbeClient(url, timeout_s=5) as client:
+            await probes.request(client, ProbeSpec(path="/ready", interval_s=2), "/ready",
+                                 api_key=None)
+            assert len(client.pool.connections) == 1  # type: ignore[attr-defined]
+            await probes.request(client, ProbeSpec(path="/health", interval_s=5), "/health",
+                                 api_key=None)
+            assert not client.pool.connections  # type: ignore[attr-defined]
+            await trio.testing.wait_all_tasks_blocked()
+            assert engine.closed == 2  # the kept connection and the one-shot one
+    assert [n for n, _ in engine.seen] == [1, 2]
+
+
 async def test_an_answer_over_the_cap_closes_its_connection_and_the_next_probe_works(
         nursery) -> None:
     engine = Engine(big=2 * probes.MAX_BODY)  # (the cap is hit long before its end)

@@ -31,7 +31,6 @@ from __future__ import annotations
 import bisect
 import enum
 import math
-from collections import deque
 from dataclasses import dataclass, fields, replace
 
 GIB = 1024**3
@@ -253,7 +252,9 @@ class _Series:
         self.settings = settings
         self.min_slope_per_bucket = settings.min_slope_bytes_per_h * bucket_s / 3600
         #: (bucket index, floor), indices rising, all within the window (at most ``buckets``)
-        self.floors: deque[tuple[int, int]] = deque()
+        #: (a list, not a deque: an empty deque holds a 600-byte block, two series an
+        #: engine; a window is at most a few dozen floors, so popping the first is cheap)
+        self.floors: list[tuple[int, int]] = []
         self.pairs: list[float] | None = [] if pairs else None
         #: floors needed before the window says anything but flat
         self.needed = max(2 * parts, math.ceil(settings.min_coverage * self.buckets))
@@ -295,7 +296,7 @@ class _Series:
         self.lowest = lowest
         floors, pairs = self.floors, self.pairs
         while floors and floors[0][0] < lowest:
-            i0, y0 = floors.popleft()
+            i0, y0 = floors.pop(0)
             self.version += 1
             if pairs is not None:  # the same expression as at insertion: the same float
                 for i, y in floors:

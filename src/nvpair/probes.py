@@ -122,6 +122,20 @@ class ProbeClient:
             headers.append((b"content-length", b"0"))
         return headers
 
+    async def drop_idle(self) -> None:
+        """Close the pool's connections when none is in use. A probe that goes on a
+        connection of its own calls it: the connections of the probes before it (``ready``
+        every 2 s while the engine loaded) would otherwise stay open for good, since no
+        pooled request comes to reap them, and sit in CLOSE-WAIT once the engine closes
+        its side."""
+        pool = self.pool
+        if not isinstance(pool, httpcore2.AsyncConnectionPool):
+            return
+        connections = pool.connections
+        if connections and all(c.is_idle() for c in connections):
+            with trio.CancelScope(shield=True):  # (closing sockets: nothing to wait for)
+                await pool.aclose()  # (the pool stays usable: it only drops connections)
+
     async def aclose(self) -> None:
         self.closed = True
         await self.pool.aclose()
@@ -170,6 +184,7 @@ async def _one_shot(client: ProbeClient, target: Target, method: str, path: str,
     """The request on a connection of its own (closed after the answer); its failures as
     the pool's would be named."""
     what = f"{method} {path}"
+    await client.drop_idle()
     try:
         with trio.fail_after(client.timeout_s):  # (a backstop: probers set their own)
             return await exchange(target, method, path, client.headers(method, auth),
