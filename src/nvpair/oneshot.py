@@ -19,6 +19,8 @@ from typing import Literal
 import h11
 import trio
 
+from nvpair.errors import NvpairError
+
 #: the largest answer head taken (status line and headers), as httpcore2 allows.
 MAX_HEAD = 100 * 1024
 RECEIVE_BYTES = 64 * 1024
@@ -26,7 +28,7 @@ RECEIVE_BYTES = 64 * 1024
 Failure = Literal["connect", "write", "read", "protocol", "too_big"]
 
 
-class ExchangeError(Exception):
+class ExchangeError(NvpairError):
     """No usable answer. ``failure``: ``connect`` (no connection), ``write`` (the request
     could not be sent), ``read`` (the connection broke while the answer came), ``protocol``
     (the bytes are not an HTTP/1.1 answer, or the head is over MAX_HEAD), ``too_big`` (the
