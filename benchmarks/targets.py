@@ -50,7 +50,8 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
         rows += _scale(scale)
     many = sc.get("models")
     if many and "load" in many:
-        rows += _models(many)
+        lone = (scale or {}).get("by_k", [{}])[0]
+        rows += _models(many, lone.get("idle_cpu_pct") if lone.get("k") == 1 else None)
     tp = sc.get("throughput")
     if tp and "ratios" in tp:
         rows += _throughput(tp)
@@ -219,7 +220,8 @@ def _at_scale(scale: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def _models(r: dict[str, Any]) -> list[dict[str, Any]]:
+def _models(r: dict[str, Any], base_cpu_pct: float | None = None) -> list[dict[str, Any]]:
+    """``base_cpu_pct``: nvpair's idle CPU with one engine in the same run (scale, K=1)."""
     where = f"{r['engines']} x {r['models_per_engine']:,} models"
     fl = r["first_listing"]
     done = fl["all_listed_s"]
@@ -232,6 +234,12 @@ def _models(r: dict[str, Any]) -> list[dict[str, Any]]:
     rows.append(row(f"idle CPU per engine, {where}", f"<= {IDLE_CPU_PER_ENGINE_PCT}% of a "
                     "core per engine", f"{per:.4f}% ({r['idle_cpu_pct']:.2f}% for "
                     f"{r['engines']})", per <= IDLE_CPU_PER_ENGINE_PCT))
+    if base_cpu_pct is not None:  # (with ten engines nvpair's own base is most of it)
+        above = (r["idle_cpu_pct"] - base_cpu_pct) / r["engines"]
+        rows.append(row(f"idle CPU per engine above nvpair's base, {where}",
+                        "(information) idle CPU less nvpair's with one engine, per engine",
+                        f"{above:.4f}% ({r['idle_cpu_pct']:.2f}% less {base_cpu_pct:.2f}% "
+                        f"at K=1, for {r['engines']})", None, kind="info"))
     rows.append(row(f"RSS, {where}", "(no target per model) nvpair's RSS with these models",
                     f"{r['rss_mb']} MB (peak {r['peak_rss_mb']} MB)", None, kind="info"))
     return rows

@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx2
 import pytest
 import trio
+import trio.testing
 from tests.managed import free_port, group_members, wait_state
 
 from nvpair import service
@@ -399,3 +400,24 @@ async def test_engine_that_wants_an_api_key_says_so(nursery, tmp_path) -> None:
         running = await nursery.start(service.run, load_settings(str(fixed)))
         e = await wait_state(running.board, "g", "ready", where=lambda e: bool(e.models))
     assert e.notice is None and [m.id for m in e.models] == ["g"]
+
+
+async def test_engines_start_a_few_at_a_time_and_all_of_them(autojump_clock) -> None:
+    """service.start_engines: every runner runs, STARTED_AT_ONCE at a time and
+    STARTED_EVERY_S apart (1,024 engines' first probes in one burst held the loop)."""
+    class Runner:  # (a stand-in with the one method start_engines calls)
+        started_at: float | None = None
+
+        async def run(self) -> None:
+            self.started_at = trio.current_time()
+            await trio.sleep_forever()
+
+    runners = [Runner() for _ in range(3 * service.STARTED_AT_ONCE + 1)]
+    async with trio.open_nursery() as nursery:
+        began = trio.current_time()
+        await service.start_engines(nursery, runners)  # type: ignore[arg-type]
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    waves = [round((r.started_at - began) / service.STARTED_EVERY_S)  # type: ignore[operator]
+             for r in runners]
+    assert waves == [i // service.STARTED_AT_ONCE for i in range(len(runners))]
