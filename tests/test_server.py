@@ -82,16 +82,33 @@ async def start(nursery: trio.Nursery, app: App, limits: Limits,
     return int(binds[0].rsplit(":", 1)[1])
 
 
+def own_socket_inodes() -> set[str]:
+    """The inodes of this process's sockets (the servers under test run in it)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # (closed meanwhile)
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    return inodes
+
+
 def server_sockets(port: int) -> dict[str, int]:
-    """The server side's TCP sockets on ``port`` by state (from /proc/net/tcp), but LISTEN."""
+    """The server side's TCP sockets on ``port`` by state (from /proc/net/tcp), but LISTEN:
+    this process's only. (Another worker's sockets can have the same local port number:
+    counted, they made 52 of 50 and 1,047 of 1,024 on a loaded machine.)"""
     names = {"01": "ESTAB", "08": "CLOSE-WAIT", "09": "LAST-ACK", "06": "TIME-WAIT"}
     counts: dict[str, int] = {}
+    own = own_socket_inodes()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table) as f:
             next(f)
             for line in f:
                 fields = line.split()
-                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] != "0A":
+                if (int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] != "0A"
+                        and fields[9] in own):
                     state = names.get(fields[3], fields[3])
                     counts[state] = counts.get(state, 0) + 1
     return counts
