@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
 import msgspec
 
 
@@ -65,3 +71,16 @@ QUICK = BenchConfig(
     soak_probe_s=0.05,
     soak_churn=1_000,
 )
+
+
+def run_alone(prog: str, run: Callable[[BenchConfig, Path], dict[str, Any]],
+              argv: Sequence[str] | None = None) -> int:
+    """``python -m benchmarks.<scenario> [--quick]``: one scenario run by itself, in a
+    scratch folder, its results printed as JSON."""
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        result = run(QUICK if args.quick else FULL, Path(tmp))
+    print(msgspec.json.format(msgspec.json.encode(result), indent=1).decode())
+    return 0

@@ -15,7 +15,6 @@ window without streams gives nvpair's CPU and the read latency as they are witho
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ import httpx2
 import msgspec
 import trio
 
-from benchmarks.config import FULL, QUICK, BenchConfig
+from benchmarks.config import BenchConfig, run_alone
 from benchmarks.procs import PY, CpuMeter, Procs, engine_toml, free_port, start_sim, wait_http
 
 STREAMS = 64
@@ -161,15 +160,7 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["serve"]:
         trio.run(serve, argv[1])
         return 0
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.events")
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args(argv)
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        result = run(QUICK if args.quick else FULL, Path(tmp))
-    print(msgspec.json.format(msgspec.json.encode(result), indent=1).decode())
-    return 0
+    return run_alone("python -m benchmarks.events", run, argv)
 
 
 if __name__ == "__main__":

@@ -12,11 +12,9 @@ rescan (a ``/proc`` scan). The target (docs/memory.md): at most 0.5 ms per engin
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +22,7 @@ from typing import Any
 import msgspec
 import trio
 
-from benchmarks.config import FULL, QUICK, BenchConfig
+from benchmarks.config import BenchConfig, run_alone
 
 K = 256
 TARGET_US = 500.0
@@ -107,13 +105,7 @@ def run(cfg: BenchConfig, workdir: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.memwatch")
-    p.add_argument("--quick", action="store_true")
-    args = p.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        result = run(QUICK if args.quick else FULL, Path(tmp))
-    print(msgspec.json.encode(result).decode())
-    return 0
+    return run_alone("python -m benchmarks.memwatch", run, argv)
 
 
 if __name__ == "__main__":

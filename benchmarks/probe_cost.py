@@ -17,17 +17,14 @@ another in the same run, twice, interleaved (this machine is shared; ratios are 
 
 from __future__ import annotations
 
-import argparse
 import resource
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import trio
 
-from benchmarks.config import FULL, QUICK, BenchConfig
+from benchmarks.config import BenchConfig, run_alone
 from benchmarks.procs import Procs, start_sim
 
 WAYS = ("pooled_kept", "pooled_closed", "one_shot")
@@ -76,13 +73,7 @@ def run(cfg: BenchConfig, workdir: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.probe_cost")
-    p.add_argument("--quick", action="store_true")
-    args = p.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        result = run(QUICK if args.quick else FULL, Path(tmp))
-    print(msgspec.json.encode(result).decode())
-    return 0
+    return run_alone("python -m benchmarks.probe_cost", run, argv)
 
 
 if __name__ == "__main__":

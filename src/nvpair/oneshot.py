@@ -68,7 +68,7 @@ class Target:
                 raise
             return trio.SocketStream(sock)
         except OSError as exc:  # (refused, unreachable, no such name: all are OSError)
-            raise ExchangeError("connect", _reason(exc)) from None
+            raise ExchangeError("connect", reason(exc)) from None
 
 
 async def exchange(target: Target, method: str, path: str,
@@ -93,11 +93,11 @@ async def exchange_on(stream: trio.abc.Stream, method: str, path: str,
                                         headers=[*headers, (b"connection", b"close")]))
         conn.send(h11.EndOfMessage())  # (no body: nothing more to send)
     except h11.LocalProtocolError as exc:  # (a header value of ours that is not legal)
-        raise ExchangeError("protocol", f"cannot send the request: {_reason(exc)}") from None
+        raise ExchangeError("protocol", f"cannot send the request: {reason(exc)}") from None
     try:
         await stream.send_all(request or b"")
     except (trio.BrokenResourceError, OSError) as exc:
-        raise ExchangeError("write", _reason(exc)) from None
+        raise ExchangeError("write", reason(exc)) from None
     status: int | None = None
     chunks: list[bytes] = []
     size = 0
@@ -107,17 +107,17 @@ async def exchange_on(stream: trio.abc.Stream, method: str, path: str,
             event = conn.next_event()
         except h11.RemoteProtocolError as exc:
             if not closed:
-                raise ExchangeError("protocol", _reason(exc)) from None
+                raise ExchangeError("protocol", reason(exc)) from None
             if not received:
                 raise ExchangeError("protocol", "the engine closed the connection without "
                                                 "answering") from None
             raise ExchangeError("protocol", "the engine closed the connection before its "
-                                            f"answer was complete ({_reason(exc)})") from None
+                                            f"answer was complete ({reason(exc)})") from None
         if event is h11.NEED_DATA:
             try:
                 data = await stream.receive_some(RECEIVE_BYTES)
             except (trio.BrokenResourceError, OSError) as exc:
-                raise ExchangeError("read", _reason(exc)) from None
+                raise ExchangeError("read", reason(exc)) from None
             received, closed = received or bool(data), not data
             conn.receive_data(bytes(data))  # (b"": the engine closed its side)
         elif isinstance(event, h11.Response):
@@ -135,6 +135,7 @@ async def exchange_on(stream: trio.abc.Stream, method: str, path: str,
             raise ExchangeError("protocol", f"unexpected {type(event).__name__}")
 
 
-def _reason(exc: BaseException) -> str:
+def reason(exc: BaseException) -> str:
+    """An exception's message as one short line (its type's name when it has none)."""
     text = str(exc) or type(exc).__name__
     return text.splitlines()[0][:200] if text.strip() else type(exc).__name__

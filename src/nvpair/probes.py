@@ -18,7 +18,7 @@ import trio
 from nvpair.decoding import decode_json, excerpt
 from nvpair.errors import ProbeError
 from nvpair.manifest import ModelsFormat, ProbeSpec
-from nvpair.oneshot import ExchangeError, Target, exchange
+from nvpair.oneshot import ExchangeError, Target, exchange, reason
 from nvpair.snapshot import Identity, Model
 from nvpair.streams import close_early
 from nvpair.tls import client_tls
@@ -217,19 +217,19 @@ async def _pooled(client: ProbeClient, spec: ProbeSpec, path: str, auth: str | N
                 with trio.CancelScope(shield=True):
                     await response.aclose()
         except httpcore2.ConnectError as exc:
-            raise ProbeError("refused", f"cannot connect: {_reason(exc)}") from None
+            raise ProbeError("refused", f"cannot connect: {reason(exc)}") from None
         except httpcore2.RemoteProtocolError as exc:
             # A pooled keep-alive connection the engine closed just as we reused it: the
             # request never reached the engine, so one immediate retry is safe for a probe.
             if attempt < len(attempts):
                 continue
-            raise ProbeError("error", f"{spec.method} {path}: protocol error: {_reason(exc)}"
+            raise ProbeError("error", f"{spec.method} {path}: protocol error: {reason(exc)}"
                              ) from None
         except httpcore2.TimeoutException:
             raise ProbeError("timeout", "no answer within the client's timeout") from None
         except _FAILED as exc:
             raise ProbeError("error", f"{spec.method} {path}: {type(exc).__name__}: "
-                                      f"{_reason(exc)}") from None
+                                      f"{reason(exc)}") from None
         return response.status, body
     raise AssertionError("unreachable: the last attempt returns or raises")
 
@@ -314,11 +314,6 @@ def generates(spec: ProbeSpec, path: str) -> bool:
     if path == spec.path:
         return spec.cost == "generating"
     return path == spec.fallback_path and spec.fallback_cost == "generating"
-
-
-def _reason(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return text.splitlines()[0][:200]
 
 
 def _excerpt(body: bytes) -> str:
