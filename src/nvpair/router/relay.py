@@ -133,11 +133,10 @@ class Router:
         self.specs = {e.name: e for e in engines}
         self.config = config
         self.traffic = traffic
-        self.known = Known()
-        for spec in self.specs.values():
-            names = {*spec.aliases, *([spec.model] if spec.model else [])}
-            if names:
-                self.known.names[spec.name] = set(names)
+        self.known = Known({s.name: s.model for s in engines if s.model})
+        for spec in self.specs.values():  # (a restarting engine's aliases: a 503, not a 404)
+            if spec.aliases:
+                self.known.names.setdefault(spec.name, set()).update(spec.aliases)
         self.rng = random.Random()
         self._targets: dict[str, Target] = {}
         self._stack: AsyncExitStack | None = None

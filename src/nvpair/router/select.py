@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 
 import msgspec
 
@@ -29,15 +30,22 @@ class Known:
 
     Kept once per listing version (``Snapshot.listing``), engine by engine: a request
     looks its model up, it never scans the engines' models.
+
+    ``configured``: each engine's model as its configuration names it. A ready engine
+    whose model list has not been read yet (``models_at`` None: the list comes a moment
+    after the engine turns ready, or the engine's list keeps failing) serves that model:
+    a client that saw the engine ready is not refused for the moment between the two.
     """
 
-    def __init__(self) -> None:
-        self.names: dict[str, set[str]] = {}
+    def __init__(self, configured: Mapping[str, str] | None = None) -> None:
+        self.configured = dict(configured or {})
+        self.names: dict[str, set[str]] = {n: {m} for n, m in self.configured.items()}
         self.serving: dict[str, dict[str, None]] = {}
         self._listing = -1
         self._layout: tuple[str, ...] = ()
-        #: by engine position: (models, aliases, listed) as last indexed, and what it serves
-        self._seen: list[tuple[object, object, bool]] = []
+        #: by engine position: (models, aliases, listed, list not read yet) as last
+        #: indexed, and what it serves
+        self._seen: list[tuple[object, object, bool, bool]] = []
         self._served: list[set[str]] = []
 
     def learn(self, snap: Snapshot) -> None:
@@ -50,20 +58,24 @@ class Known:
         if layout != self._layout:
             self._layout = layout
             self.serving = {}
-            self._seen = [((), (), False)] * len(layout)
+            self._seen = [((), (), False, False)] * len(layout)
             self._served = [set() for _ in layout]
         for pos, e in enumerate(snap.engines):
             listed = e.state in LISTED_STATES and e.admitting  # (a draining engine: not)
+            unread = e.models_at is None
             seen = self._seen[pos]
-            if seen[0] is e.models and seen[1] is e.aliases and seen[2] == listed:
+            if (seen[0] is e.models and seen[1] is e.aliases and seen[2] == listed
+                    and seen[3] == unread):
                 continue
-            self._seen[pos] = (e.models, e.aliases, listed)
+            self._seen[pos] = (e.models, e.aliases, listed, unread)
             if e.models:
                 ever = self.names.setdefault(e.name, set())
                 if len(ever) < 10_000:
                     ever.update(m.id for m in e.models)
                     ever.update(e.aliases)
             served = {m.id for m in e.models} | set(e.aliases) if listed else set()
+            if listed and unread and e.name in self.configured:
+                served.add(self.configured[e.name])
             for model in self._served[pos] - served:
                 engines = self.serving[model]
                 del engines[e.name]
@@ -101,9 +113,13 @@ def choose(snap: Snapshot, model: str, traffic: Traffic, known: Known, now: floa
 
 def _state(snap: Snapshot, name: str, now: float) -> str:
     e = snap.engine(name)
-    if e is not None and not e.admitting:
+    if e is None:
+        return "gone"
+    if not e.admitting:
         return "draining"
-    return "gone" if e is None else effective_state(e, now, e.overdue_after_s)
+    state = effective_state(e, now, e.overdue_after_s)
+    # (listed, yet not serving it: its model list names other models)
+    return f"{state} but does not list it" if state in LISTED_STATES else state
 
 
 def order_peers(ready: tuple[PeerRoute, ...], traffic: Traffic, now: float,
