@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import trio
 
+from nvpair import wakes
+
 log = logging.getLogger("nvpair.collector")
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -114,8 +116,9 @@ class Collector:
         """After ``begin``: freeze every ``every_s``, check every ``check_s``; forever.
         Cancellation: at any sleep, nothing left half done (each step is sync)."""
         check_at = trio.current_time() + self.policy.check_s
+        ticker = wakes.Ticker(self.policy.every_s)
         while True:
-            await trio.sleep(self.policy.every_s)
+            await ticker.tick()
             self.freeze()
             if trio.current_time() >= check_at:
                 check_at = trio.current_time() + self.policy.check_s

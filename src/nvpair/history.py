@@ -18,6 +18,7 @@ from typing import Any
 
 import trio
 
+from nvpair import wakes
 from nvpair.snapshot import Board, EngineState, Snapshot
 
 #: the probes whose latency is charted: what nvpair's own liveness probes cost the engine
@@ -162,7 +163,8 @@ class History:
         snap = self.board.current
         self.observe(snap, trio.current_time())
         task_status.started()
+        ticker = wakes.Ticker(every_s)
         while True:
-            await trio.sleep(every_s)
+            await ticker.tick()
             snap = await self.board.wait_changed(snap.version)
             self.observe(snap, trio.current_time())

@@ -23,6 +23,8 @@ import time
 
 import trio
 
+from nvpair import wakes
+
 log = logging.getLogger("nvpair.looplag")
 
 ENV = "NVPAIR_LOOP_LAG_FILE"
@@ -31,7 +33,7 @@ REPORT_S = 1.0
 #: while ``PATH`` + this exists the probe does not tick (nor time task steps): its own 200
 #: wake-ups a second cost about 2 % of a core, which a benchmark of idle CPU must not count
 PAUSE_SUFFIX = ".pause"
-PAUSED_CHECK_S = 0.25
+PAUSED_CHECK_S = 1.0
 
 
 class _Steps(trio.abc.Instrument):
@@ -105,10 +107,11 @@ async def probe(path: str, tick_s: float = TICK_S, report_s: float = REPORT_S) -
     worst, ticks = 0.0, 0
     try:
         while True:
+            paused = wakes.Ticker(PAUSED_CHECK_S, wakes.HOUSEKEEPING_S)
             while True:  # (a pause is checked once a report: see PAUSE_SUFFIX)
                 if not _paused(pause):
                     break
-                await trio.sleep(PAUSED_CHECK_S)
+                await paused.tick()  # (on the housekeeping grid: no wake-up of its own)
             trio.lowlevel.add_instrument(steps)
             gc.callbacks.append(collections)
             last = trio.current_time()

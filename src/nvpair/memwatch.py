@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import msgspec
 import trio
 
-from nvpair import memproc
+from nvpair import memproc, wakes
 from nvpair.boundary import Part, describe
 from nvpair.config import EngineSpec, MemoryConfig
 from nvpair.lifecycle import Busy
@@ -282,13 +282,11 @@ class MemoryWatch:
             await self.part.supervise(self._loop)
 
     async def _loop(self) -> None:
-        interval = self.config.interval_s
-        next_at = trio.current_time()
+        ticker = wakes.Ticker(self.config.interval_s)
         while True:
             await self.tick()
             self.part.ok()
-            next_at = max(next_at + interval, trio.current_time())
-            await trio.sleep_until(next_at)
+            await ticker.tick()
 
     async def tick(self) -> None:
         """One reading of every engine and the node, published once."""

@@ -27,7 +27,7 @@ import httpx2
 import msgspec
 import trio
 
-from nvpair import probes
+from nvpair import probes, wakes
 from nvpair.boundary import Backoff, Part
 from nvpair.config import EngineSpec
 from nvpair.errors import ProbeError
@@ -315,6 +315,7 @@ class Prober:
             if self._generated is not None and self._generates(self._specs()[following],
                                                                self._paths[following]):
                 wake = max(wake, self._generated[0] + GENERATING_MIN_INTERVAL_S)
+            wake = wakes.on_grid(wake, self._grid(interval))
             if (following == "ready" and not after.queued and interval > AWAITED_READY_INTERVAL_S
                     and self.spec.activation == "on_demand"):
                 await self._sleep_until_awaited(wake)  # (a start not made for a request)
@@ -364,7 +365,9 @@ class Prober:
             return
         next_tick = trio.current_time() + self.interval("identity")
         while True:
-            await trio.sleep_until(next_tick + self._jitter(self.interval("identity")))
+            interval = self.interval("identity")
+            await trio.sleep_until(wakes.on_grid(next_tick + self._jitter(interval),
+                                                 self._grid(interval)))
             current = self.board.current.engine(self.spec.name)
             if current is not None and current.state not in ("starting", "down", "stopped"):
                 await self.check_identity()
@@ -380,6 +383,12 @@ class Prober:
 
     def _jitter(self, interval: float) -> float:
         return self._rng.uniform(0, JITTER * interval)
+
+    @staticmethod
+    def _grid(interval: float) -> float:
+        """The grid this loop's ticks wake on (nvpair.wakes): shared with the node's other
+        probes and housekeeping, so that an idle node wakes up seldom."""
+        return wakes.grid_for(interval, wakes.probe_rate())
 
 
 def _then(first: Change, second: Change, engine: EngineState) -> EngineState:
@@ -455,6 +464,14 @@ class Enrolment(Protocol):
     def enrolled(self, prober: Prober) -> AbstractContextManager[None]: ...
 
 
+def probe_rate(spec: EngineSpec) -> float:
+    """The probes a second of ``spec``'s engine once it is ready: health, identity and its
+    model list (for the node's probe grid, nvpair.wakes)."""
+    probes = spec.probes
+    return sum(1 / p.interval_s for p in (probes.health, probes.identity, probes.models)
+               if p is not None and p.interval_s > 0)
+
+
 async def run_probes(
     spec: EngineSpec,
     board: Board,
@@ -478,7 +495,8 @@ async def run_probes(
     """
     async with open_client(spec, transport) as client, trio.open_nursery() as nursery:
         prober = Prober(spec, board, client, traffic, memory)
-        with sweep.enrolled(prober) if sweep is not None else nullcontext():
+        with (sweep.enrolled(prober) if sweep is not None else nullcontext(),
+              wakes.probing(probe_rate(spec))):
             # (the identity loop's failure holds until an identity check clears it: good
             # health probes alone would make the engine ready between its failures)
             loops: list[tuple[str, tuple[str, ...], Finder | None,

@@ -26,7 +26,7 @@ from types import MappingProxyType
 
 import trio
 
-from nvpair import probes
+from nvpair import probes, wakes
 from nvpair.boundary import Part
 from nvpair.errors import ProbeError
 from nvpair.histogram import SWEEP_BUCKETS_S, Histogram
@@ -169,7 +169,9 @@ class Sweep:
                 with self._part(name).guard():
                     spec = probers[name].spec.probes.models
                     assert spec is not None  # due() picks only engines with a models probe
-                    self._next_due[name] = started + self.interval(name, spec.interval_s)
+                    self._next_due[name] = wakes.on_grid(
+                        started + self.interval(name, spec.interval_s),
+                        wakes.grid_for(spec.interval_s, wakes.probe_rate()))
                     if name not in done:
                         self._mark_missed(probers[name], now)
 

@@ -365,7 +365,9 @@ async def test_the_heads_nvpair_restarted_moves_the_epoch_on_and_its_leave_stops
             await cluster.stop(group.head)
             await gone(lambda: any(p in group_processes() for p in ranks), 5)
             print(f"the head left -> ranks stopped {trio.current_time() - left_at:.2f} s")
-            rank_doc = await group.doc(group.nodes[1])
+            # (its process reaped, the rank's node publishes it stopped a moment later)
+            rank_doc = await group.wait(lambda d: d["ranks"][1]["state"] != "stopping",
+                                        within=2, what="rank 1 stopped", node=group.nodes[1])
             assert rank_doc["ranks"][1]["state"] == "stopped" and rank_doc["error"] is None
 
 

@@ -24,6 +24,7 @@ import httpcore2
 import msgspec
 import trio
 
+from nvpair import wakes
 from nvpair.asgi import (
     FORWARDED_BY,
     BodyTooLarge,
@@ -155,8 +156,9 @@ class Router:
             stack.push_async_callback(self._close_all)
             task_status.started()
             try:
+                ticker = wakes.Ticker(REAP_EVERY_S)
                 while True:
-                    await trio.sleep(REAP_EVERY_S)
+                    await ticker.tick()
                     with self._pools.guard():  # a bug here is the pools', not the node's
                         self.reap()
                         self._pools.ok()
