@@ -1,9 +1,10 @@
 """Wake-ups on a shared grid (timer coalescing): periodic work wakes together.
 
-On an idle node most of nvpair's CPU is the cost of waking up, not the work done awake:
-on the reference machine a small piece of work that takes 0.6 ms back to back takes
-2.3 ms after a 1 s sleep and 4 ms after 3 s (cold caches), and five of them in one wake-up
-take 5.3 ms where five wake-ups take 9 (docs/benchmarks.md, "Wake-ups on a grid"). So
+On an idle node much of nvpair's CPU is the cost of waking up, not the work done awake:
+on the reference machine a small step that takes 0.6 ms back to back takes 1.3-3.4 ms
+after a 1 s sleep and 1.8-7.9 ms after 3 s (cold caches; ``python -m
+benchmarks.wake_cost``), and five of them in one wake-up take about 5 ms where five
+wake-ups take 7-11 (docs/benchmarks.md, "Wake-ups on a grid"). So
 each periodic loop keeps its nominal schedule (the same number of ticks per hour) but
 sleeps until the next point of a grid shared by the whole process, at or after its
 nominal time: loops with different phases then wake at the same instants.
