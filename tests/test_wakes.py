@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tests.fakes import FakeEngine, engine_spec, vllm_routes
 
 from nvpair import wakes
-from nvpair.prober import probe_rate, run_probes
+from nvpair.prober import run_probes, steady_probe_rate
 from nvpair.snapshot import Board
 from nvpair.state import initial_state
 
@@ -107,7 +107,7 @@ async def test_the_health_probes_of_several_engines_share_wake_ups(
         await nursery.start(lambda task_status, s=spec, b=board, t=transport: run_probes(
             s, b, transport=t, task_status=task_status))
         await trio.sleep(0.3)  # different phases
-    assert wakes.probe_rate() == 6 * probe_rate(engine_spec("vllm"))
+    assert wakes.probe_rate() == 6 * steady_probe_rate(engine_spec("vllm"))
     started = trio.current_time()
     await trio.sleep(600)
     times = [t for tr in timed for t in tr.times if t > started + 10]

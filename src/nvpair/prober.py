@@ -464,7 +464,7 @@ class Enrolment(Protocol):
     def enrolled(self, prober: Prober) -> AbstractContextManager[None]: ...
 
 
-def probe_rate(spec: EngineSpec) -> float:
+def steady_probe_rate(spec: EngineSpec) -> float:
     """The probes a second of ``spec``'s engine once it is ready: health, identity and its
     model list (for the node's probe grid, nvpair.wakes)."""
     probes = spec.probes
@@ -496,7 +496,7 @@ async def run_probes(
     async with open_client(spec, transport) as client, trio.open_nursery() as nursery:
         prober = Prober(spec, board, client, traffic, memory)
         with (sweep.enrolled(prober) if sweep is not None else nullcontext(),
-              wakes.probing(probe_rate(spec))):
+              wakes.probing(steady_probe_rate(spec))):
             # (the identity loop's failure holds until an identity check clears it: good
             # health probes alone would make the engine ready between its failures)
             loops: list[tuple[str, tuple[str, ...], Finder | None,

@@ -38,45 +38,32 @@ MIN_GRID_S = 1 / 64
 PER_WAKE = 4.0
 
 
-class _Rate:
-    __slots__ = ("per_s",)
+#: loops whose lateness may be up to half their period (housekeeping)
+HOUSEKEEPING_SLACK = 0.5
 
-    def __init__(self) -> None:
-        self.per_s = 0.0
-
-
-_RATE: trio.lowlevel.RunVar[_Rate] = trio.lowlevel.RunVar("nvpair.wakes.rate")
-
-
-def _rate() -> _Rate:
-    try:
-        return _RATE.get()
-    except LookupError:
-        rate = _Rate()
-        _RATE.set(rate)
-        return rate
+_RATE: trio.lowlevel.RunVar[float] = trio.lowlevel.RunVar("nvpair.wakes.rate", default=0.0)
 
 
 @contextmanager
 def probing(per_s: float) -> Iterator[None]:
     """Count ``per_s`` probes a second in the node's probe rate while the block runs."""
-    rate = _rate()
-    rate.per_s += per_s
+    _RATE.set(_RATE.get() + per_s)
     try:
         yield
     finally:
-        rate.per_s -= per_s
+        _RATE.set(_RATE.get() - per_s)
 
 
 def probe_rate() -> float:
     """Probes a second of every engine whose probes run now (in this Trio run)."""
-    return max(0.0, _rate().per_s)
+    return max(0.0, _RATE.get())
 
 
-def grid_for(interval_s: float, rate: float = 0.0) -> float:
-    """The grid for a loop of ``interval_s`` (0: none), with ``rate`` probes a second in the
-    node when the loop is one of them (see the module)."""
-    widest = min(SLACK * interval_s, MAX_GRID_S)
+def grid_for(interval_s: float, rate: float = 0.0, slack: float = SLACK) -> float:
+    """The grid for a loop of ``interval_s`` (0: none), late by at most ``slack`` of it,
+    with ``rate`` probes a second in the node when the loop is one of them (see the
+    module)."""
+    widest = min(slack * interval_s, MAX_GRID_S)
     if rate > 0:
         widest = min(widest, PER_WAKE / rate)
     if widest < MIN_GRID_S:
@@ -97,8 +84,7 @@ class Ticker:
 
     def __init__(self, every_s: float, grid: float | None = None) -> None:
         self.every_s = every_s
-        #: by default up to half the period late (housekeeping, where that is harmless)
-        self.grid = grid_for(every_s * 5) if grid is None else grid
+        self.grid = grid_for(every_s, slack=HOUSEKEEPING_SLACK) if grid is None else grid
         self.nominal = trio.current_time()
 
     async def tick(self) -> None:

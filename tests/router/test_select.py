@@ -7,6 +7,7 @@ from pathlib import Path
 import httpx2
 import msgspec
 import trio
+from tests.fakes import engine_spec
 from tests.managed import FAST_PROBES, wait_state
 
 from nvpair import service
@@ -62,7 +63,8 @@ async def test_a_ready_engine_serves_its_configured_model_until_its_list_is_read
     client that saw it ready is routed, not refused, in between; once read, the list
     decides (an engine that serves another model no longer takes the configured one)."""
     board = Board((msgspec.structs.replace(engine("a", ()), state="starting"),))
-    traffic, known, rng = Traffic(), Known({"a": "m"}), random.Random(0)
+    known = Known((engine_spec("vllm", name="a", model="m"),))
+    traffic, rng = Traffic(), random.Random(0)
 
     def pick(model: str) -> tuple[tuple[str, ...], str | None]:
         c = choose(board.current, model, traffic, known, trio.current_time(), rng)

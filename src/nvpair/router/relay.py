@@ -134,10 +134,7 @@ class Router:
         self.specs = {e.name: e for e in engines}
         self.config = config
         self.traffic = traffic
-        self.known = Known({s.name: s.model for s in engines if s.model})
-        for spec in self.specs.values():  # (a restarting engine's aliases: a 503, not a 404)
-            if spec.aliases:
-                self.known.names.setdefault(spec.name, set()).update(spec.aliases)
+        self.known = Known(engines)
         self.rng = random.Random()
         self._targets: dict[str, Target] = {}
         self._stack: AsyncExitStack | None = None

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Iterable
 
 import msgspec
 
+from nvpair.config import EngineSpec
 from nvpair.router.peering import PeerRoute
 from nvpair.snapshot import LISTED_STATES, Snapshot
 from nvpair.state import effective_state
@@ -31,15 +32,20 @@ class Known:
     Kept once per listing version (``Snapshot.listing``), engine by engine: a request
     looks its model up, it never scans the engines' models.
 
-    ``configured``: each engine's model as its configuration names it. A ready engine
-    whose model list has not been read yet (``models_at`` None: the list comes a moment
-    after the engine turns ready, or the engine's list keeps failing) serves that model:
+    ``specs``: the engines as configured. Their models and aliases are known names from
+    the start (a 503 for a restarting engine, not a 404), and a ready engine whose model
+    list has not been read yet (``models_at`` None: the list comes a moment after the
+    engine turns ready, or the engine's list keeps failing) serves its configured model:
     a client that saw the engine ready is not refused for the moment between the two.
     """
 
-    def __init__(self, configured: Mapping[str, str] | None = None) -> None:
-        self.configured = dict(configured or {})
-        self.names: dict[str, set[str]] = {n: {m} for n, m in self.configured.items()}
+    def __init__(self, specs: Iterable[EngineSpec] = ()) -> None:
+        specs = tuple(specs)
+        self.configured = {s.name: s.model for s in specs if s.model}
+        self.names: dict[str, set[str]] = {}
+        for s in specs:
+            if s.model or s.aliases:
+                self.names[s.name] = {*s.aliases, *([s.model] if s.model else [])}
         self.serving: dict[str, dict[str, None]] = {}
         self._listing = -1
         self._layout: tuple[str, ...] = ()
