@@ -7,6 +7,8 @@ orchestrator polls ``/v1/models`` every 200 ms from nvpair's start until every m
 every engine is listed. Then the same measurement as the scale scenario
 (:func:`benchmarks.scale.measure`): nvpair and a floor answering the same bytes under 8
 back-to-back clients with ``/healthz`` beside them, nvpair idle, its RSS and its loop lag.
+The idle CPU's window is ``models_idle_s`` (120 s): it holds one re-reading of every list
+(every 108 s for an unchanged 3.5 MB list), so it reads the long-run average.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def run(cfg: BenchConfig, workdir: Path) -> dict[str, Any]:
         out: dict[str, Any] = {"engines": n, "models_per_engine": per, "models": len(models),
                                "first_listing": listing}
         out.update(measure(cfg, procs, manager, url, "e000", lag, "models", workdir,
-                           spawned))
+                           spawned, idle_s=cfg.models_idle_s))
         listing["loop_lag"] = loop_lag(lag, started_at, listed_at)
         out["states_at_end"] = states(url)
         return out

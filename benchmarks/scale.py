@@ -129,9 +129,11 @@ def loop_lag(path: Path, since: float, until: float) -> dict[str, Any]:
 
 
 def measure(cfg: BenchConfig, procs: Procs, manager: Proc, url: str, status_engine: str,
-            lag: Path, tag: str, workdir: Path, spawned: float) -> dict[str, Any]:
+            lag: Path, tag: str, workdir: Path, spawned: float,
+            idle_s: float | None = None) -> dict[str, Any]:
     """nvpair and the floor under the same load, then nvpair idle: the second half of a
-    scale run (see the module's docstring). ``spawned``: nvpair's start (monotonic)."""
+    scale run (see the module's docstring). ``spawned``: nvpair's start (monotonic);
+    ``idle_s``: the idle CPU's window (``cfg.scale_idle_s`` by default)."""
     floor_lag = workdir / f"looplag-floor-{tag}.jsonl"
     floor, floor_url = start_floor(procs, url, workdir,
                                    ("/v1/models", f"/v1/engines/{status_engine}"),
@@ -172,12 +174,17 @@ def measure(cfg: BenchConfig, procs: Procs, manager: Proc, url: str, status_engi
     pause.touch()
     time.sleep(1.5)  # (the probe notices at its next report)
     idle = CpuMeter(manager.pid)
-    time.sleep(cfg.scale_idle_s)
+    idle_end = time.monotonic() + (cfg.scale_idle_s if idle_s is None else idle_s)
+    rss_at = spawned + cfg.scale_rss_age_s
+    if rss_at < idle_end:  # (the RSS at its age, read within a long idle window)
+        time.sleep(max(0.0, rss_at - time.monotonic()))
+        rss_age_s, mem = time.monotonic() - spawned, memory_kb(manager.pid)
+    time.sleep(max(0.0, idle_end - time.monotonic()))
     idle_cpu = idle.read()
     pause.unlink()
-    time.sleep(max(0.0, spawned + cfg.scale_rss_age_s - time.monotonic()))
-    rss_age_s = time.monotonic() - spawned
-    mem = memory_kb(manager.pid)
+    if rss_at >= idle_end:
+        time.sleep(max(0.0, rss_at - time.monotonic()))
+        rss_age_s, mem = time.monotonic() - spawned, memory_kb(manager.pid)
     nv, fl = targets["nvpair"], targets["floor"]
     ratio = {q: (round(nv["models"][q] / fl["models"][q], 3)
                  if nv["models"][q] and fl["models"][q] else None)

@@ -9,6 +9,8 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nvpair.history import History, memory_bytes
 from nvpair.snapshot import Board, EngineState, ProbeStats
@@ -156,3 +158,40 @@ async def test_run_observes_changes_at_most_once_a_second(autojump_clock) -> Non
     assert 5 <= len(observed) <= 7, observed
     assert all(b - a >= 1.0 for a, b in itertools.pairwise(observed))
     assert observed[-1] < 7
+
+
+#: one step of a node's life: a probe result, a memory reading, or an observation, at a
+#: time that only moves forward (seconds since the last step)
+_STEPS = st.lists(st.tuples(
+    st.sampled_from(("result", "memory", "observe")),
+    st.sampled_from(("a", "b", "c")),
+    st.floats(0.0, 35.0),
+    st.integers(0, 1_000),
+), max_size=40)
+
+
+@pytest.mark.skipif(not WATCHED, reason="no memory watch in this tree (EngineState.memory)")
+@settings(max_examples=200, deadline=None)
+@given(_STEPS)
+def test_looking_at_changed_engines_only_charts_what_looking_at_all_of_them_does(
+        steps: list[tuple[str, str, float, int]]) -> None:
+    """An observation looks only at the engines changed since the last one; the charts
+    are those of one that looks at every engine each time (an engine's memory unchanged
+    stays in every bucket, gaps and all)."""
+    boards = [Board(tuple(engine(n) for n in "abc")) for _ in range(2)]
+    lazy, eager = (History(b, step_s=10, points=8) for b in boards)
+    now = 0.0
+    for kind, name, dt, value in steps:
+        now += dt
+        for board, history in zip(boards, (lazy, eager), strict=True):
+            if kind == "result":
+                board.update(name, lambda e, v=value, t=now: probed(e, "health", float(v), t))
+            elif kind == "memory":
+                board.update(name, lambda e, v=value: msgspec.structs.replace(
+                    e, memory=None if v % 5 == 0 else SimpleNamespace(
+                        rss_anon_bytes=v, swap_bytes=0)))
+            else:
+                if history is eager:
+                    history._touched.everything = True  # (every engine looked at)
+                history.observe(board.current, now)
+    assert wire(lazy.doc(now)) == wire(eager.doc(now))

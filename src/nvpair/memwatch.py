@@ -55,7 +55,7 @@ log = logging.getLogger("nvpair.memory")
 #: membership (the processes of each engine) is rescanned at most this often
 RESCAN_S = 60.0
 #: engines judged per step of the loop (about 2 ms of it); a checkpoint between steps
-JUDGED_PER_STEP = 128
+JUDGED_PER_STEP = 64
 #: the processes an engine's status lists, largest first
 TOP = 5
 #: states whose memory is judged (a process loading its weights is not leaking)
