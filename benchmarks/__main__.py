@@ -36,6 +36,7 @@ from benchmarks import (
     replay,
     report,
     scale,
+    server_cost,
     soak,
     throughput,
 )
@@ -51,6 +52,7 @@ SCENARIOS: dict[str, Scenario] = {
     "scale": scale.run,
     "models": models.run,
     "probe_cost": probe_cost.run,
+    "server_cost": server_cost.run,
     "throughput": throughput.run,
     "soak": soak.run,
     "metrics": metrics.run,

@@ -1,7 +1,11 @@
 """The server's floor: hypercorn's trio worker serving fixed bytes, with no nvpair behind it.
 
 ``python -m benchmarks.floor --framework asgi|quart --listen 127.0.0.1:PORT
---route /v1/models=FILE --route /v1/engines=FILE``
+--route /v1/models=FILE --route /v1/engines=FILE [--server hypercorn|nvpair]``
+
+``--server nvpair`` serves the same app through nvpair's own server (``nvpair.server``:
+hypercorn's protocol with nvpair's connection handling), for the server's own cost
+(:mod:`benchmarks.server_cost`).
 
 ``asgi`` is a bare ASGI callable that sends the file's bytes with the same headers nvpair
 sends (content-type and content-length); ``quart`` is a QuartTrio app returning the same
@@ -67,11 +71,17 @@ def quart_app(routes: dict[str, bytes]) -> Any:
     return app
 
 
-async def serve_with_probe(app: Any, cfg: HypercornConfig) -> None:
+async def serve_with_probe(app: Any, cfg: HypercornConfig, server: str = "hypercorn") -> None:
     async with trio.open_nursery() as nursery:
         if os.environ.get(looplag.ENV):
             nursery.start_soon(looplag.probe, os.environ[looplag.ENV])
-        await serve(app, cfg)
+        if server == "nvpair":
+            from nvpair import server as nvpair_server
+
+            await nvpair_server.serve(app, cfg, nvpair_server.Limits(keep_alive_s=5.0),
+                                      shutdown_trigger=trio.sleep_forever)
+        else:
+            await serve(app, cfg)
         nursery.cancel_scope.cancel()
 
 
@@ -80,6 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--framework", choices=("asgi", "quart"), default="asgi")
     p.add_argument("--listen", required=True)
     p.add_argument("--route", action="append", default=[], metavar="PATH=FILE")
+    p.add_argument("--server", choices=("hypercorn", "nvpair"), default="hypercorn")
     args = p.parse_args(argv)
     routes = {}
     for item in args.route:
@@ -96,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg.errorlog = logging.getLogger("hypercorn.error")
     cfg.include_server_header = False
     try:
-        trio.run(serve_with_probe, app, cfg)
+        trio.run(serve_with_probe, app, cfg, args.server)
     except KeyboardInterrupt:
         return 0
     return 0

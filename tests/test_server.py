@@ -439,3 +439,39 @@ async def test_a_head_that_begins_while_the_last_answer_is_pending_is_held_to_it
         assert trio.current_time() - began < 0.5 + 0.5
         await stream.aclose()
     assert len(app.bodies) == 1
+
+
+async def test_at_shutdown_an_idle_connection_closes_at_once_a_busy_one_after_its_answer(
+        app) -> None:
+    """The keep-alive timer (one task per connection, its deadline moved): shutting down
+    closes what is idle now, and a connection answering a request once it has answered,
+    long before its keep-alive or the graceful timeout."""
+    stop = trio.Event()
+    cfg = config()
+    cfg.graceful_timeout = 30.0
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(lambda task_status: serve(
+            app, cfg, Limits(keep_alive_s=60.0), shutdown_trigger=stop.wait,
+            task_status=task_status))
+        port = int(binds[0].rsplit(":", 1)[1])
+        with trio.fail_after(10):
+            idle = await trio.open_tcp_stream("127.0.0.1", port)
+            busy = await trio.open_tcp_stream("127.0.0.1", port)
+            await get(idle)
+            await get(idle)  # (kept alive: its timer restarted, stopped, restarted)
+            arrived = app.arrived
+            await busy.send_all(b"GET /hold HTTP/1.1\r\nhost: x\r\n\r\n")
+            await arrived.wait()
+            stop.set()
+            assert await closed_by_server(idle)
+            with trio.move_on_after(0.3):  # the busy one is not closed meanwhile
+                assert not await busy.receive_some(4096)
+                raise AssertionError("a connection answering was closed at shutdown")
+            app.release.set()
+            received = b""
+            while chunk := await busy.receive_some(4096):
+                received += chunk
+            assert received.endswith(b"\r\n\r\nok")  # answered, then closed
+            await idle.aclose()
+            await busy.aclose()
+        nursery.cancel_scope.cancel()

@@ -24,6 +24,11 @@ worker that decide how long a client connection lives:
     ``Limits.keep_alive_paths`` (peers' adverts) idles that long instead of
     ``keep_alive_s``, so steady peer pushes keep their connection without stretching
     every client's.
+  - **One keep-alive timer task per connection** (``IdleTimer``), whose deadline moves.
+    hypercorn starts a new timer task each time a connection turns idle and takes a lock
+    to start or stop it: at every request a task spawned and three more trips through the
+    scheduler. Moving a deadline is a sync assignment (``docs/benchmarks.md``, "The
+    server's own cost").
 
 * ``serve`` replaces ``hypercorn.trio.serve``'s accept loop (``trio.serve_listeners``):
 
@@ -186,6 +191,56 @@ class _WatchPath:
         await self.app(scope, receive, send, sync_spawn, call_soon)
 
 
+class IdleTimer:
+    """A connection's keep-alive timer, in place of hypercorn's ``TrioSingleTask`` (same
+    two methods): one task for the connection's life, waiting under a cancel scope whose
+    deadline ``restart`` sets (idle from now) and ``stop`` lifts (a request is running).
+    When the deadline passes, or the server shuts down while the connection is idle, the
+    connection is closed (``close``). ``end`` stops the task without closing anything
+    (the connection is ending anyway). Neither method waits."""
+
+    __slots__ = ("_close", "_ended", "_idle", "_keep_alive", "_scope", "_started",
+                 "_terminated")
+
+    def __init__(self, keep_alive: Callable[[], float], terminated: Callable[[], Awaitable[None]],
+                 close: Callable[[], Awaitable[None]]) -> None:
+        self._keep_alive, self._terminated, self._close = keep_alive, terminated, close
+        self._scope = trio.CancelScope()
+        self._idle = self._started = self._ended = False
+
+    async def restart(self, task_group: Any, action: object = None) -> None:
+        """Idle from now (``task_group``: the connection's, where the task starts the first
+        time; ``action``, hypercorn's timer coroutine, is not used)."""
+        if self._ended:
+            return
+        self._idle = True
+        self._scope.deadline = trio.current_time() + self._keep_alive()
+        if not self._started:
+            self._started = True
+            task_group._nursery.start_soon(self._run)
+
+    async def stop(self) -> None:
+        """Busy from now: no deadline."""
+        self._idle = False
+        self._scope.deadline = math.inf
+
+    def end(self) -> None:
+        self._ended = True
+        self._scope.cancel()
+
+    async def _run(self) -> None:
+        with self._scope:
+            await self._terminated()
+            # shutting down: an idle connection closes now; a busy one when its answer
+            # has ended (``restart``, then the deadline passes at once)
+            self._keep_alive = lambda: 0.0
+            if not self._idle:
+                await trio.sleep_forever()
+        if not self._ended:
+            with trio.CancelScope(shield=True):
+                await self._close()
+
+
 class Connection(TCPServer):
     """One client connection: hypercorn's, closed when its client closes it (see module)."""
 
@@ -201,6 +256,9 @@ class Connection(TCPServer):
         self._requests = 0
         self._head_from: float | None = None  # first byte of a request head not yet parsed
         self._body_from: float | None = None  # when the head of a request with a body ended
+        self._timer = IdleTimer(self._keep_alive, context.terminated.wait,
+                                self._initiate_server_close)
+        self.idle_task = self._timer  # type: ignore[assignment]  # (hypercorn calls it too)
 
     def evict(self) -> None:
         """Close the socket now (the connection's task then ends on its own)."""
@@ -238,21 +296,21 @@ class Connection(TCPServer):
                 self._head_from = trio.current_time()
                 self.connections.idle(self, False)  # a request is arriving: not evictable
                 if self._requests:  # a new request on a kept-alive connection
-                    await self.idle_task.stop()
+                    await self._timer.stop()
             h11_before = state is not None
             await self.protocol.handle(RawData(bytes(data)))
             if state is h11.DONE and self._head_from is not None and (
                     self._their_state() is h11.IDLE):
                 # the answer's end made the connection idle, but the next head is arriving
                 self.connections.idle(self, False)
-                await self.idle_task.stop()
+                await self._timer.stop()
             if h11_before and self._their_state() is None:  # now HTTP/2 (or a WebSocket):
                 # idle while it has no stream; its own Updated events say so from here on
                 self.connections.idle(self, getattr(self.protocol.protocol, "idle", False))
             if data == b"":
                 break
         await self.protocol.handle(Closed())
-        await self.idle_task.stop()
+        self._timer.end()
 
     def _their_state(self) -> object:
         connection = getattr(self.protocol.protocol, "connection", None)
@@ -276,13 +334,10 @@ class Connection(TCPServer):
         self._body_from = None
         return math.inf  # the app is answering, or HTTP/2, or a WebSocket
 
-    async def _idle_timeout(self) -> None:
-        keep_alive = self.limits.keep_alive_paths.get(self.last_path or "",
-                                                      self.config.keep_alive_timeout)
-        with trio.move_on_after(keep_alive):
-            await self.context.terminated.wait()
-        with trio.CancelScope(shield=True):
-            await self._initiate_server_close()
+    def _keep_alive(self) -> float:
+        """How long this connection may idle now (its last request's path decides)."""
+        return self.limits.keep_alive_paths.get(self.last_path or "",
+                                                self.config.keep_alive_timeout)
 
 
 async def serve(app: Any, config: HypercornConfig, limits: Limits, *,
