@@ -176,15 +176,16 @@ def measure(cfg: BenchConfig, procs: Procs, manager: Proc, url: str, status_engi
     idle = CpuMeter(manager.pid)
     idle_end = time.monotonic() + (cfg.scale_idle_s if idle_s is None else idle_s)
     rss_at = spawned + cfg.scale_rss_age_s
-    if rss_at < idle_end:  # (the RSS at its age, read within a long idle window)
+
+    def rss() -> tuple[float, dict[str, int]]:  # (at its age: it grows the first minute)
         time.sleep(max(0.0, rss_at - time.monotonic()))
-        rss_age_s, mem = time.monotonic() - spawned, memory_kb(manager.pid)
+        return time.monotonic() - spawned, memory_kb(manager.pid)
+
+    early = rss() if rss_at < idle_end else None  # (read within a long idle window)
     time.sleep(max(0.0, idle_end - time.monotonic()))
     idle_cpu = idle.read()
     pause.unlink()
-    if rss_at >= idle_end:
-        time.sleep(max(0.0, rss_at - time.monotonic()))
-        rss_age_s, mem = time.monotonic() - spawned, memory_kb(manager.pid)
+    rss_age_s, mem = early or rss()
     nv, fl = targets["nvpair"], targets["floor"]
     ratio = {q: (round(nv["models"][q] / fl["models"][q], 3)
                  if nv["models"][q] and fl["models"][q] else None)

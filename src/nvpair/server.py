@@ -199,14 +199,14 @@ class IdleTimer:
     connection is closed (``close``). ``end`` stops the task without closing anything
     (the connection is ending anyway). Neither method waits."""
 
-    __slots__ = ("_close", "_ended", "_idle", "_keep_alive", "_scope", "_started",
+    __slots__ = ("_close", "_closing", "_ended", "_idle", "_keep_alive", "_scope", "_started",
                  "_terminated")
 
     def __init__(self, keep_alive: Callable[[], float], terminated: Callable[[], Awaitable[None]],
                  close: Callable[[], Awaitable[None]]) -> None:
         self._keep_alive, self._terminated, self._close = keep_alive, terminated, close
         self._scope = trio.CancelScope()
-        self._idle = self._started = self._ended = False
+        self._idle = self._started = self._ended = self._closing = False
 
     async def restart(self, task_group: Any, action: object = None) -> None:
         """Idle from now (``task_group``: the connection's, where the task starts the first
@@ -214,10 +214,11 @@ class IdleTimer:
         if self._ended:
             return
         self._idle = True
-        self._scope.deadline = trio.current_time() + self._keep_alive()
+        self._scope.deadline = trio.current_time() + (0.0 if self._closing
+                                                      else self._keep_alive())
         if not self._started:
             self._started = True
-            task_group._nursery.start_soon(self._run)
+            task_group.spawn(self._run)
 
     async def stop(self) -> None:
         """Busy from now: no deadline."""
@@ -233,7 +234,7 @@ class IdleTimer:
             await self._terminated()
             # shutting down: an idle connection closes now; a busy one when its answer
             # has ended (``restart``, then the deadline passes at once)
-            self._keep_alive = lambda: 0.0
+            self._closing = True
             if not self._idle:
                 await trio.sleep_forever()
         if not self._ended:

@@ -145,8 +145,9 @@ class Sweep:
         heap = self._due_heap
         while heap and heap[0][0] <= now:
             at, name = heapq.heappop(heap)
-            if self._current(at, name) and name not in out:
+            if self._current(at, name):
                 out.append(name)
+                del self._next_due[name]  # (in flight until its batch sets the next one)
         return out
 
     def _set_due(self, name: str, at: float) -> None:
