@@ -381,3 +381,16 @@ async def test_a_large_model_list_is_sent_in_pieces_with_the_same_bytes(autojump
     async with client(api) as c:
         r = await c.get("/v1/models")
     assert r.content == want and r.headers["content-length"] == str(len(want))
+
+
+@given(st.lists(st.sampled_from([b"", b"{}", b'{"a":1}', b"big"]), max_size=8))
+def test_chunked_models_are_the_list_and_large_parts_are_pieces_of_their_own(
+        kinds: list[bytes]) -> None:
+    """However small and large parts mix, the pieces joined are the whole list (commas
+    only between items), and every large part is sent as it is, not copied."""
+    from nvpair import api
+    big = b'{"x":"' + b"y" * api.CHUNK_BYTES + b'"}'
+    parts = [big if k == b"big" else k for k in kinds]
+    chunks = api._chunked(parts)
+    assert b"".join(chunks) == b'{"object":"list","data":[' + b",".join(parts) + b"]}"
+    assert sum(1 for c in chunks if c is big) == kinds.count(b"big")

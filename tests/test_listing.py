@@ -130,3 +130,13 @@ async def test_stepwise_parts_are_the_same_bytes_and_yield_after_each_big_join(
     assert got == plain.parts(board, now) and again == got
     assert first == 2  # after "a" and after "b" (the small ones end no step)
     assert steps.count == first  # nothing joined the second time: no checkpoint
+
+
+@given(st.floats(-1e6, 1e6), st.lists(st.one_of(st.none(), st.floats(-1e6, 1e6))))
+def test_ages_of_many_are_each_age(now: float, ats: list[float | None]) -> None:
+    """The one-pass ages a listing encodes are the ages of one at a time (never below 0,
+    ms resolution, None for never)."""
+    from nvpair.ages import ages
+    got = ages(now, ats)
+    assert all(a is None or a >= 0 for a in got)
+    assert [None if a is None else round(max(0.0, now - a), 3) for a in ats] == got

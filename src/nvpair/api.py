@@ -54,6 +54,26 @@ async def send_chunks(send: Send, status: int, chunks: Sequence[bytes]) -> None:
     await send({"type": "http.response.body", "body": chunks[-1] if chunks else b""})
 
 
+def _chunked(parts: Sequence[bytes]) -> list[bytes]:
+    """``{"object":"list","data":[`` the parts, comma-separated ``]}``, in pieces: the
+    small parts between two large ones joined, each large part (CHUNK_BYTES or more) a
+    piece of its own (never copied)."""
+    opening = b'{"object":"list","data":['
+    chunks: list[bytes] = []
+    start = 0
+    for i in [i for i, part in enumerate(parts) if len(part) >= CHUNK_BYTES]:
+        run = parts[start:i]
+        chunks += ((opening if start == 0 else b",") + b",".join(run) + (b"," if run else b""),
+                   parts[i])
+        start = i + 1
+    rest = parts[start:]
+    if start == 0:
+        chunks.append(opening + b",".join(rest) + b"]}")
+    else:
+        chunks.append((b"," + b",".join(rest) if rest else b"") + b"]}")
+    return chunks
+
+
 class Controller(Protocol):
     """The write side (lifecycle), when there is one. Its methods never block a read."""
 
@@ -137,19 +157,7 @@ class Api:
                                                   ages_at=bucket * AGE_RESOLUTION_S)
         if cluster and self.cluster is not None and (peers := self.cluster.models(now)):
             parts.append(encoder.encode(peers)[1:-1])
-        chunks: list[bytes] = []
-        small = [b'{"object":"list","data":[']
-        for i, part in enumerate(parts):
-            if i:
-                small.append(b",")
-            if len(part) < CHUNK_BYTES:
-                small.append(part)
-                continue
-            chunks += (b"".join(small), part)
-            small = []
-        small.append(b"]}")
-        chunks.append(b"".join(small))
-        body = tuple(chunks)
+        body = tuple(_chunked(parts))
         self._chunks[key] = (version, bucket, body)
         return body
 

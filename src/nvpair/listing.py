@@ -23,7 +23,7 @@ from typing import Annotated
 import msgspec
 import trio
 
-from nvpair.ages import age
+from nvpair.ages import age, ages
 from nvpair.group.machine import GroupTag
 from nvpair.snapshot import SHOWN_STATES, Board, EngineState
 
@@ -32,6 +32,9 @@ from nvpair.snapshot import SHOWN_STATES, Board, EngineState
 TEXT_MAX = 512
 #: an engine's part joined again at least this large ends a step (``parts_stepwise``)
 STEP_BYTES = 256 * 1024
+#: an engine's part in at most this many pieces (items + 1) is joined at every read, not
+#: cached: the check would cost what the join does
+SMALL_PIECES = 9
 NAME_MAX = 128
 Text = Annotated[str, msgspec.Meta(max_length=TEXT_MAX)]
 Name = Annotated[str, msgspec.Meta(max_length=NAME_MAX)]
@@ -116,13 +119,13 @@ class Catalog:
             changed = [i for i, s in enumerate(board.serials) if s > self.version]
         self.version = version
         try:
-            self._update(engines, [k[1] for k in board.keys], changed)
+            self._update(engines, board.keys, changed)
         except BaseException:  # an engine nothing can list (a bug): all again next time
             self.__init__()  # type: ignore[misc]
             raise
         return self
 
-    def _update(self, engines: tuple[EngineState, ...], shown: list[object],
+    def _update(self, engines: tuple[EngineState, ...], keys: list[tuple[object, ...]],
                 changed: list[int]) -> None:
         affected: set[str] = set()
         dirty = set(changed)
@@ -132,11 +135,12 @@ class Catalog:
             e = engines[pos]
             # a group's head lists its models only while the group is ready (admitting)
             listed = e.state in SHOWN_STATES and (e.group is None or e.admitting)
-            basis = (e.models, e.aliases, listed, shown[pos] != "ready")
+            shown = keys[pos][1]
+            basis = (e.models, e.aliases, listed, shown != "ready")
             old = self.basis[pos]
             if (old is not None and old[0] is basis[0] and old[1] is basis[1]
                     and old[2:] == basis[2:]):
-                self.shown[pos] = str(shown[pos])  # the same items, other fields: its own
+                self.shown[pos] = str(shown)  # the same items, other fields: its own
                 continue
             self.basis[pos] = basis
             moved.append(pos)
@@ -148,7 +152,7 @@ class Catalog:
                 else:
                     ids[:] = [p for p in ids if p != pos]
                 affected.add(model_id)
-            self.shown[pos] = str(shown[pos])
+            self.shown[pos] = str(shown)
             self.names[pos] = _names(e) if listed else []
         for pos in moved:
             for name in self.names[pos]:
@@ -170,7 +174,9 @@ class Catalog:
                 del self.items[model_id]
         for pos in dirty:
             self._own(engines[pos], pos, rebuild=pos in changed, affected=affected)
-        self.order = sorted((p for p, names in enumerate(self.names) if names), key=self._rank)
+        if moved:  # (the others' names and rank are as they were: so is the order)
+            self.order = sorted((p for p, names in enumerate(self.names) if names),
+                                key=self._rank)
 
     def _own(self, e: EngineState, pos: int, *, rebuild: bool, affected: set[str]) -> None:
         """Recompute the items ``pos`` owns (all when it changed itself, else the ids
@@ -291,35 +297,44 @@ class ModelsBody:
 
     def _walk(self, board: Board, now: float, ages_at: float | None
               ) -> Iterator[tuple[bytes, bool]]:
-        """Each listed engine's part, in order, and whether it was joined now."""
+        """Each listed engine's part, in order, and whether it was joined now. The ages of
+        all engines are encoded in one call (each engine's age moves with every probe);
+        a small part is joined again (cheaper than checking it), a large one only when
+        its items or its age changed."""
         cat, engines = catalog(board, now), board.current.engines
         if cat.layout != self._layout:
             self._parts, self._layout, self._joined = {}, cat.layout, {}
         at = now if ages_at is None else ages_at
-        for pos in cat.order:
-            if cat.owned[pos]:
-                yield self._part(cat, engines, pos, at)
-
-    def _part(self, cat: Catalog, engines: tuple[EngineState, ...], pos: int, at: float
-              ) -> tuple[bytes, bool]:
-        """Engine ``pos``'s items with its age as at ``at``, and whether they were joined
-        now (else: the bytes of last time). The caches are written only while they are
-        of ``cat``'s layout (a call that checkpointed may find a newer layout's)."""
+        owned = cat.owned
+        order = [pos for pos in cat.order if owned[pos]]
+        if not order:
+            return
+        encoded = _encoder.encode(ages(at, [engines[pos].checked_at for pos in order]))
         mine = cat.layout == self._layout
-        part = self._parts.get(pos) if mine else None
-        if part is None or part[0] != cat.changed_at[pos]:
-            items = [wire(cat.items[m], self.node, None) for m in cat.owned[pos]]
-            part = (cat.changed_at[pos], _encoder.encode(items)[1:-1].split(_PLACEHOLDER))
+        parts, joined_last, changed_at = self._parts, self._joined, cat.changed_at
+        for pos, checked in zip(order, encoded[1:-1].split(b","), strict=True):
+            part = parts.get(pos) if mine else None
+            if part is None or part[0] != changed_at[pos]:
+                part = (changed_at[pos], self._encode(cat, pos))
+                if mine:
+                    parts[pos] = part
+            pieces = part[1]
+            if len(pieces) <= SMALL_PIECES:
+                yield (_AGE + checked).join(pieces), False
+                continue
+            joined = joined_last.get(pos) if mine else None
+            if joined is not None and joined[0] is part and joined[1] == checked:
+                yield joined[2], False
+                continue
+            joined = (part, checked, (_AGE + checked).join(pieces))
             if mine:
-                self._parts[pos] = part
-        checked = _encoder.encode(age(at, engines[pos].checked_at))
-        joined = self._joined.get(pos) if mine else None
-        if joined is not None and joined[0] is part and joined[1] == checked:
-            return joined[2], False
-        joined = (part, checked, (_AGE + checked).join(part[1]))
-        if mine:
-            self._joined[pos] = joined
-        return joined[2], True
+                joined_last[pos] = joined
+            yield joined[2], True
+
+    def _encode(self, cat: Catalog, pos: int) -> list[bytes]:
+        """Engine ``pos``'s items, encoded and split where each one's age goes."""
+        items = [wire(cat.items[m], self.node, None) for m in cat.owned[pos]]
+        return _encoder.encode(items)[1:-1].split(_PLACEHOLDER)
 
     def item(self, board: Board, now: float, model: str) -> _Item | None:
         """``GET /v1/models/{id}``: the listed item for ``model``, None if not listed."""
