@@ -1,4 +1,5 @@
-"""The collector policy: frozen every every_s; a full collection only when memory grew."""
+"""The collector policy: frozen after each automatic collection; a full one only when
+memory grew."""
 
 from __future__ import annotations
 
@@ -36,18 +37,24 @@ def test_resident_bytes_reads_this_process() -> None:
     assert rss is not None and 1 << 20 < rss < 1 << 40
 
 
-async def test_frozen_at_start_and_every_interval(autojump_clock) -> None:
-    collector = Collector(Policy(every_s=10.0, check_s=3600.0), rss=lambda: 100)
+async def test_frozen_at_start_and_after_each_automatic_collection(autojump_clock) -> None:
+    """What the automatic collections found alive is frozen as they end: no collection
+    of nvpair's own, and nothing frozen before a collection walked it."""
+    collector = Collector(Policy(check_s=3600.0), rss=lambda: 100)
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(collector.run)
+            await trio.sleep(0)  # (keep is running: its callback is in)
             frozen = gc.get_freeze_count()
             assert frozen > 0
-            kept = [[i] for i in range(1000)]  # tracked, made after the first freeze
-            assert gc.get_freeze_count() < frozen + 1000
-            await trio.sleep(10.5)
-            assert gc.get_freeze_count() >= frozen + 1000
+            kept = [[i] for i in range(100)]  # tracked, made after the first freeze
+            assert gc.get_freeze_count() < frozen + 100
+            # 50,000 more: the automatic collections of generation 1 come (one every
+            # 10 of generation 0, each every 700 allocations) and freeze what they kept
+            kept += [[i] for i in range(50_000)]
+            assert gc.get_freeze_count() >= frozen + 30_000
             nursery.cancel_scope.cancel()
+        assert collector._collected not in gc.callbacks  # (cancelled: no more freezing)
         assert collector.full_runs == 0 and kept
     finally:
         gc.unfreeze()
@@ -56,13 +63,13 @@ async def test_frozen_at_start_and_every_interval(autojump_clock) -> None:
 async def test_a_full_collection_only_when_memory_grew_and_it_frees_frozen_cycles(
         autojump_clock) -> None:
     rss = [100]
-    collector = Collector(Policy(every_s=10.0, check_s=60.0, growth=1.25), rss=lambda: rss[0])
+    collector = Collector(Policy(check_s=60.0, growth=1.25), rss=lambda: rss[0])
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(collector.run)
             cycle = Cycle()
             ref = weakref.ref(cycle)
-            await trio.sleep(10.5)  # frozen while alive
+            gc.collect(1)  # frozen while alive (as after an automatic collection)
             del cycle  # garbage now, a cycle among frozen objects: only a full run finds it
             gc.collect()
             assert ref() is not None
