@@ -14,8 +14,16 @@ from nvpair import looplag
 
 
 def hold_the_loop(seconds: float) -> None:
-    """A step that does not yield (what the probe is there to catch)."""
+    """A step that does not yield (what the probe is there to catch); asleep, it takes
+    no CPU (as a process waiting for a core)."""
     time.sleep(seconds)
+
+
+def spin(seconds: float) -> None:
+    """A step that holds the loop with CPU work."""
+    start = time.thread_time()
+    while time.thread_time() - start < seconds:
+        pass
 
 
 async def test_a_blocking_step_shows_as_the_longest_gap(tmp_path: Path) -> None:
@@ -27,6 +35,8 @@ async def test_a_blocking_step_shows_as_the_longest_gap(tmp_path: Path) -> None:
             hold_the_loop(0.08)
             gc.collect()  # a full collection, timed as one
             await trio.sleep(0.15)
+            spin(0.03)
+            await trio.sleep(0.15)
             nursery.cancel_scope.cancel()
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(lines) >= 2
@@ -37,6 +47,11 @@ async def test_a_blocking_step_shows_as_the_longest_gap(tmp_path: Path) -> None:
     assert stalled["step_ms"] >= 80  # the step that held the loop, and whose it was
     assert "test_a_blocking_step_shows_as_the_longest_gap" in stalled["step_task"]
     assert stalled["gc_gen"] == 2 and stalled["gc_ms"] > 0
+    # by the CPU: the sleep was no work, the spin was
+    assert stalled["step_cpu_ms"] < stalled["step_ms"] - 40
+    busy = max(lines, key=lambda line: line["step_cpu_ms"])
+    assert busy["step_cpu_ms"] >= 30
+    assert "test_a_blocking_step_shows_as_the_longest_gap" in busy["step_cpu_task"]
 
 
 def touch(path: Path) -> None:

@@ -4,7 +4,8 @@ With ``NVPAIR_LOOP_LAG_FILE=PATH`` in its environment, ``nvpair serve`` runs a t
 sleeps 5 ms in a loop and measures the gap between its wake-ups, and a Trio instrument
 times every task step. Once a second it appends one JSON line to ``PATH``: ``{"t": <unix
 time>, "max_ms": <longest gap in that second>, "ticks": <wake-ups>, "step_ms": <longest task
-step>, "step_task": <the task that took it>, "gc_ms": <longest garbage collection>, "gc_gen":
+step>, "step_task": <the task that took it>, "step_cpu_ms": <the most CPU one step took>,
+"step_cpu_task": <its task>, "gc_ms": <longest garbage collection>, "gc_gen":
 <its generation>}``. A gap is what any task waiting on the loop
 waited at worst, the timer's own 5 ms included, so an idle loop shows about 5 ms and a step
 that held the loop for 40 ms shows about 45; the step names who held it. While a file
@@ -37,27 +38,36 @@ PAUSED_CHECK_S = 1.0
 
 
 class _Steps(trio.abc.Instrument):
-    """The longest task step since the last ``take()``, and its task's name."""
+    """The longest task step since the last ``take()`` and its task's name, by the clock
+    and by the CPU the loop's thread spent in it: a step long by the clock and short in
+    CPU was the process waiting for a core (the machine busy), not nvpair's work."""
 
     def __init__(self) -> None:
         self.started: float | None = None  # the step running when added is not timed
-        self.worst = 0.0
-        self.task = ""
+        self.cpu_started = 0.0
+        self.worst = self.worst_cpu = 0.0
+        self.task = self.cpu_task = ""
 
     def before_task_step(self, task: trio.lowlevel.Task) -> None:
         self.started = time.perf_counter()
+        self.cpu_started = time.thread_time()
 
     def after_task_step(self, task: trio.lowlevel.Task) -> None:
         if self.started is None:
             return
         took = time.perf_counter() - self.started
+        cpu = time.thread_time() - self.cpu_started
         if took > self.worst:
             self.worst, self.task = took, task.name
+        if cpu > self.worst_cpu:
+            self.worst_cpu, self.cpu_task = cpu, task.name
 
     def take(self) -> dict[str, float | int | str]:
-        out: dict[str, float | int | str] = {"step_ms": round(self.worst * 1000, 3),
-                                             "step_task": self.task}
-        self.worst, self.task = 0.0, ""
+        out: dict[str, float | int | str] = {
+            "step_ms": round(self.worst * 1000, 3), "step_task": self.task,
+            "step_cpu_ms": round(self.worst_cpu * 1000, 3), "step_cpu_task": self.cpu_task}
+        self.worst = self.worst_cpu = 0.0
+        self.task = self.cpu_task = ""
         return out
 
 
