@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import warnings
 import weakref
+from collections.abc import Iterator
 
 import pytest
 import trio
@@ -19,12 +20,16 @@ pytestmark = [pytest.mark.filterwarnings("ignore::ResourceWarning"),
 
 
 @pytest.fixture(autouse=True)
-def no_garbage_of_other_tests() -> None:
+def no_garbage_of_other_tests() -> Iterator[None]:
     """What earlier tests left for the collector (an unclosed socket's cycle, say) is
-    collected before: a full run here would find it and warn in this test's name."""
+    collected before: a full run here would find it and warn in this test's name. The
+    thresholds a collector sets are put back after."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         gc.collect()
+    thresholds = gc.get_threshold()
+    yield
+    gc.set_threshold(*thresholds)
 
 
 class Cycle:
@@ -44,9 +49,8 @@ async def test_frozen_at_start_and_after_each_automatic_collection(autojump_cloc
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(collector.run)
-            await trio.sleep(0)  # (keep is running: its callback is in)
             frozen = gc.get_freeze_count()
-            assert frozen > 0
+            assert frozen > 0 and gc.get_threshold() == collector.policy.thresholds
             kept = [[i] for i in range(100)]  # tracked, made after the first freeze
             assert gc.get_freeze_count() < frozen + 100
             # 50,000 more: the automatic collections of generation 1 come (one every
