@@ -29,6 +29,7 @@ import msgspec
 
 from benchmarks import (
     events,
+    listing_cost,
     memwatch,
     metrics,
     models,
@@ -53,6 +54,7 @@ SCENARIOS: dict[str, Scenario] = {
     "models": models.run,
     "probe_cost": probe_cost.run,
     "server_cost": server_cost.run,
+    "listing_cost": listing_cost.run,
     "throughput": throughput.run,
     "soak": soak.run,
     "metrics": metrics.run,

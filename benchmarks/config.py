@@ -38,6 +38,9 @@ class BenchConfig(msgspec.Struct, frozen=True):
     #: ten in one batch (about 65 ms of CPU): a 20 s window held that batch or not, and
     #: read either the base alone or five times the lists' share (0.33 % against 1.05 %)
     models_idle_s: float = 120.0
+    #: scenario "listing_cost": the SGLang-like board's engines, and rebuilds timed
+    listing_engines: int = 1024
+    listing_rebuilds: int = 200
     #: scenario 4
     throughput_s: float = 6.0
     throughput_warmup_s: float = 2.0
@@ -64,6 +67,8 @@ QUICK = BenchConfig(
     baseline_clients=(1, 32),
     baseline_window_s=5.0,
     scale_ks=(8, 256),
+    listing_engines=256,
+    listing_rebuilds=20,
     models_per_engine=2_000,
     models_idle_s=3.0,
     scale_load_s=2.0,
