@@ -310,12 +310,14 @@ class ModelsBody:
         if not order:
             return
         encoded = _encoder.encode(ages(at, [engines[pos].checked_at for pos in order]))
-        mine = cat.layout == self._layout
-        parts, joined_last, changed_at = self._parts, self._joined, cat.changed_at
+        parts, joined_last = self._parts, self._joined
         for pos, checked in zip(order, encoded[1:-1].split(b","), strict=True):
+            # the caches are written only while they are of the catalog's layout (a walk
+            # that checkpointed may find a newer layout's)
+            mine = cat.layout == self._layout
             part = parts.get(pos) if mine else None
-            if part is None or part[0] != changed_at[pos]:
-                part = (changed_at[pos], self._encode(cat, pos))
+            if part is None or part[0] != cat.changed_at[pos]:
+                part = (cat.changed_at[pos], self._encode(cat, pos))
                 if mine:
                     parts[pos] = part
             pieces = part[1]
