@@ -140,3 +140,16 @@ def test_ages_of_many_are_each_age(now: float, ats: list[float | None]) -> None:
     got = ages(now, ats)
     assert all(a is None or a >= 0 for a in got)
     assert [None if a is None else round(max(0.0, now - a), 3) for a in ats] == got
+
+
+async def test_a_board_left_with_no_engines_lists_nothing() -> None:
+    """A new layout re-sorts the order even when no engine is left to move it."""
+    board = Board(tuple(engine(n) for n in NAMES))
+    for n in NAMES:
+        board.update(n, lambda e: msgspec.structs.replace(
+            e, state="ready", models=(Model(f"{e.name}-x"),), checked_at=trio.current_time()))
+    built = ModelsBody("n")
+    now = trio.current_time()
+    assert built.data(board, now).count(b'"id"') == len(NAMES)
+    board.publish(())
+    assert catalog(board, now).order == [] and built.data(board, now) == b""

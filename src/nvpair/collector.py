@@ -129,7 +129,7 @@ class Collector:
             gc.freeze()
 
     async def keep(self) -> None:
-        """After ``begin``: freeze after each automatic collection of generation 1, check
+        """After ``begin``: freeze after each collection of generation 1 or 2, check
         every ``check_s``; forever. Cancellation: at its sleep; the freezing stops with
         it."""
         gc.callbacks.append(self._collected)

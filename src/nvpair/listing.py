@@ -110,7 +110,7 @@ class Catalog:
             self.names, self.owned = [[] for _ in range(n)], [[] for _ in range(n)]
             self.shown, self.changed_at = [""] * n, [version] * n
             self.basis = [None] * n
-            self.listers, self.items = {}, {}
+            self.listers, self.items, self.order = {}, {}, []
             self.layout = board.layout
             self.engine_names = [e.name for e in engines]
             self.positions = {name: i for i, name in enumerate(self.engine_names)}
@@ -174,7 +174,8 @@ class Catalog:
                 del self.items[model_id]
         for pos in dirty:
             self._own(engines[pos], pos, rebuild=pos in changed, affected=affected)
-        if moved:  # (the others' names and rank are as they were: so is the order)
+        if moved:  # (the others' names and rank are as they were: so is the order; a new
+            # layout starts with none, and every engine in it has moved)
             self.order = sorted((p for p, names in enumerate(self.names) if names),
                                 key=self._rank)
 
@@ -279,7 +280,8 @@ class ModelsBody:
         """Each engine's items, encoded (to be joined with commas), with ages as at
         ``ages_at`` (default ``now``). An engine's part with the same items and the same
         age is the one joined last time (with ages at a fixed moment, only engines whose
-        items changed or that were probed since are joined again)."""
+        items changed or that were probed since are joined again; small parts are joined
+        at every call)."""
         return [part for part, _ in self._walk(board, now, ages_at)]
 
     async def parts_stepwise(self, board: Board, now: float, ages_at: float | None = None
@@ -297,9 +299,10 @@ class ModelsBody:
 
     def _walk(self, board: Board, now: float, ages_at: float | None
               ) -> Iterator[tuple[bytes, bool]]:
-        """Each listed engine's part, in order, and whether it was joined now. The ages of
-        all engines are encoded in one call (each engine's age moves with every probe);
-        a small part is joined again (cheaper than checking it), a large one only when
+        """Each listed engine's part, in order, and whether it is a large part joined
+        now (``parts_stepwise`` ends a step after those). The ages of all engines are
+        encoded in one call (each engine's age moves with every probe); a small part is
+        joined again at each walk (cheaper than checking a cache), a large one only when
         its items or its age changed."""
         cat, engines = catalog(board, now), board.current.engines
         if cat.layout != self._layout:
