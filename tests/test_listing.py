@@ -32,6 +32,15 @@ def engine(name: str) -> EngineState:
                        overdue_after_s=30.0)
 
 
+def ready_board() -> Board:
+    """NAMES, each ready with one model of its own (``<name>-x``)."""
+    board = Board(tuple(engine(n) for n in NAMES))
+    for n in NAMES:
+        board.update(n, lambda e: msgspec.structs.replace(
+            e, state="ready", models=(Model(f"{e.name}-x"),), checked_at=trio.current_time()))
+    return board
+
+
 def body(models: ModelsBody, board: Board, now: float) -> bytes:
     return b'{"object":"list","data":[' + models.data(board, now) + b"]}"
 
@@ -83,10 +92,7 @@ async def test_a_ready_engine_overdue_moves_the_listing_with_time_alone(autojump
 
 
 async def test_one_engine_changed_re_encodes_that_engine_only() -> None:
-    board = Board(tuple(engine(n) for n in NAMES))
-    for n in NAMES:
-        board.update(n, lambda e: msgspec.structs.replace(
-            e, state="ready", models=(Model(f"{e.name}-x"),), checked_at=trio.current_time()))
+    board = ready_board()
     built = ModelsBody("n")
     now = trio.current_time()
     built.data(board, now)
@@ -144,10 +150,7 @@ def test_ages_of_many_are_each_age(now: float, ats: list[float | None]) -> None:
 
 async def test_a_board_left_with_no_engines_lists_nothing() -> None:
     """A new layout re-sorts the order even when no engine is left to move it."""
-    board = Board(tuple(engine(n) for n in NAMES))
-    for n in NAMES:
-        board.update(n, lambda e: msgspec.structs.replace(
-            e, state="ready", models=(Model(f"{e.name}-x"),), checked_at=trio.current_time()))
+    board = ready_board()
     built = ModelsBody("n")
     now = trio.current_time()
     assert built.data(board, now).count(b'"id"') == len(NAMES)
