@@ -5,7 +5,7 @@ NvpairError                      base of every error nvpair raises on purpose
  |    +-- ConfigError            nvpair.toml (or the embedded default)
  |    +-- ManifestError          engines/<kind>.json or a manifest path
  +-- ProbeError                  one probe request failed (a state, never a crash)
- +-- ExchangeError               oneshot: no usable answer on a probe's own connection
+ +-- ExchangeError               answer: no usable answer on a probe's own connection
  +-- BodyTooLarge                a request body past the cap (asgi.read_body; the 413)
  +-- StartError                  lifecycle: a managed engine could not be started
  +-- StateFileError              orphans: a state file nvpair did not write

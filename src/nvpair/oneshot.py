@@ -1,42 +1,33 @@
-"""One HTTP/1.1 request on a connection of its own: connect, send, read the answer with h11,
-close. What a probe sends when no later probe would reuse its connection.
+"""One HTTP/1.1 request on a connection of its own: connect, send, read the answer, close.
+What a probe sends when no later probe would reuse its connection.
 
 A connection pool is machinery for reuse: on httpcore2's, a probe on a fresh connection
-that is closed after the answer cost about 790 µs of CPU; here it costs about 300 µs, of
-which 75 µs are the socket's connect and close (``docs/benchmarks.md``, "Probes on
-connections of their own"). With nothing pooled, nothing can leak when a request is
-cancelled: the socket is closed in a ``finally``, on every way out.
+that is closed after the answer cost about 790 µs of CPU. Here the socket is a plain
+non-blocking one, waited on with Trio's ``wait_readable``/``wait_writable`` directly, the
+request's bytes are made once per engine and path (``ProbeClient``), and the answer is
+read by ``nvpair.answer`` (h11 for any answer out of the plain shape); see
+``docs/benchmarks.md``, "Probes with less bookkeeping". With nothing pooled, nothing can
+leak when a request is cancelled: the socket is closed in a ``finally``, on every way out.
 
 No timeouts here: the caller's cancel scope bounds the exchange.
 """
 
 from __future__ import annotations
 
+import errno
 import ipaddress
+import os
 import socket
-from typing import Literal
+from typing import Protocol
 
-import h11
 import trio
 
-from nvpair.errors import NvpairError
+from nvpair.answer import MAX_HEAD, AnswerReader, ExchangeError, Failure, encode_request, reason
 
-#: the largest answer head taken (status line and headers), as httpcore2 allows.
-MAX_HEAD = 100 * 1024
+__all__ = ["MAX_HEAD", "ExchangeError", "Failure", "Target", "encode_request", "exchange",
+           "exchange_on", "reason", "send_request"]
+
 RECEIVE_BYTES = 64 * 1024
-
-Failure = Literal["connect", "write", "read", "protocol", "too_big"]
-
-
-class ExchangeError(NvpairError):
-    """No usable answer. ``failure``: ``connect`` (no connection), ``write`` (the request
-    could not be sent), ``read`` (the connection broke while the answer came), ``protocol``
-    (the bytes are not an HTTP/1.1 answer, or the head is over MAX_HEAD), ``too_big`` (the
-    body is over the caller's cap)."""
-
-    def __init__(self, failure: Failure, message: str) -> None:
-        super().__init__(message)
-        self.failure: Failure = failure
 
 
 class Target:
@@ -55,20 +46,77 @@ class Target:
         else:
             self.family = socket.AF_INET if version == 4 else socket.AF_INET6
 
-    async def connect(self) -> trio.SocketStream:
-        """A connected stream (closed by the caller); raises ExchangeError("connect")."""
+    def connect(self) -> socket.socket:
+        """A non-blocking socket of an IP literal's, its connection under way (closed by
+        the caller): the request is sent as soon as it is made, without a wait of its own
+        (``_Socket``). Raises ExchangeError("connect") when the kernel refuses at once."""
+        assert self.family is not None
+        sock = socket.socket(self.family, socket.SOCK_STREAM)
         try:
-            if self.family is None:
-                return await trio.open_tcp_stream(self.host, self.port)
-            sock = trio.socket.socket(self.family, socket.SOCK_STREAM)
-            try:
-                await sock.connect((self.host, self.port))
-            except BaseException:
-                sock.close()
-                raise
-            return trio.SocketStream(sock)
+            sock.setblocking(False)
+            code = sock.connect_ex((self.host, self.port))
+            if code not in (0, errno.EINPROGRESS):
+                raise ExchangeError("connect", f"[Errno {code}] {os.strerror(code)}")
+        except OSError as exc:  # (an address the kernel will not take)
+            sock.close()
+            raise ExchangeError("connect", reason(exc)) from None
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    async def open_stream(self) -> trio.SocketStream:
+        """A connected stream to a name (closed by the caller); raises
+        ExchangeError("connect")."""
+        try:
+            return await trio.open_tcp_stream(self.host, self.port)
         except OSError as exc:  # (refused, unreachable, no such name: all are OSError)
             raise ExchangeError("connect", reason(exc)) from None
+
+
+class _Socket:
+    """A non-blocking socket as the two stream methods the exchange needs, each a plain
+    system call, and a wait on Trio's I/O manager only when it would block.
+
+    Its connection may still be under way (``Target.connect``): the first send waits for
+    it when it has to (on loopback it is mostly made by then), and an error there is the
+    connection's (``connect``), not the send's."""
+
+    __slots__ = ("connecting", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.connecting = True
+
+    async def send_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            try:
+                sent = self.sock.send(view)
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(self.sock)
+                continue
+            except OSError as exc:
+                if self.connecting:  # (refused, unreachable: the connection's error)
+                    raise ExchangeError("connect", reason(exc)) from None
+                raise
+            self.connecting = False
+            view = view[sent:]
+
+    async def receive_some(self, max_bytes: int) -> bytes:
+        while True:
+            try:
+                return self.sock.recv(max_bytes)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(self.sock)
+
+
+class Wire(Protocol):
+    """What an exchange talks through: a Trio stream, or ``_Socket``."""
+
+    async def send_all(self, data: bytes) -> None: ...
+
+    async def receive_some(self, max_bytes: int) -> bytes | bytearray: ...
 
 
 async def exchange(target: Target, method: str, path: str,
@@ -76,66 +124,49 @@ async def exchange(target: Target, method: str, path: str,
     """Send ``method path`` with ``headers`` (``Host`` among them; ``Connection: close`` is
     added) on a new connection and return the answer's status and body. The connection
     is closed however this ends. Raises ExchangeError."""
-    stream = await target.connect()
+    return await send_request(target, encode_request(method, path, headers), method,
+                              max_body=max_body)
+
+
+async def send_request(target: Target, request: bytes, method: str, *, max_body: int
+                       ) -> tuple[int, bytes]:
+    """``exchange`` of a request already encoded (``encode_request``)."""
+    if target.family is None:
+        stream = await target.open_stream()
+        try:
+            return await _exchange(stream, request, method, max_body)
+        finally:
+            stream.socket.close()  # (synchronous: nothing to wait for, nothing to shield)
+    sock = target.connect()
     try:
-        return await exchange_on(stream, method, path, headers, max_body=max_body)
+        return await _exchange(_Socket(sock), request, method, max_body)
     finally:
-        stream.socket.close()  # (synchronous: nothing to wait for, nothing to shield)
+        # (no task waits on it, so Trio's I/O manager holds nothing of it: a plain close)
+        sock.close()
 
 
 async def exchange_on(stream: trio.abc.Stream, method: str, path: str,
                       headers: list[tuple[bytes, bytes]], *, max_body: int
                       ) -> tuple[int, bytes]:
     """The exchange on a connected stream (which the caller closes)."""
-    conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
+    return await _exchange(stream, encode_request(method, path, headers), method, max_body)
+
+
+async def _exchange(wire: Wire, request: bytes, method: str, max_body: int
+                    ) -> tuple[int, bytes]:
     try:
-        request = conn.send(h11.Request(method=method, target=path,
-                                        headers=[*headers, (b"connection", b"close")]))
-        conn.send(h11.EndOfMessage())  # (no body: nothing more to send)
-    except h11.LocalProtocolError as exc:  # (a header value of ours that is not legal)
-        raise ExchangeError("protocol", f"cannot send the request: {reason(exc)}") from None
-    try:
-        await stream.send_all(request or b"")
+        await wire.send_all(request)
     except (trio.BrokenResourceError, OSError) as exc:
         raise ExchangeError("write", reason(exc)) from None
-    status: int | None = None
-    chunks: list[bytes] = []
-    size = 0
-    received = closed = False
+    reader = AnswerReader(method, max_body)
     while True:
         try:
-            event = conn.next_event()
-        except h11.RemoteProtocolError as exc:
-            if not closed:
-                raise ExchangeError("protocol", reason(exc)) from None
-            if not received:
-                raise ExchangeError("protocol", "the engine closed the connection without "
-                                                "answering") from None
+            data = await wire.receive_some(RECEIVE_BYTES)
+        except (trio.BrokenResourceError, OSError) as exc:
+            raise ExchangeError("read", reason(exc)) from None
+        answer = reader.feed(bytes(data))  # (b"": the engine closed its side)
+        if answer is not None:
+            return answer
+        if not data:  # (the readers decide at a close: kept so that nothing can loop here)
             raise ExchangeError("protocol", "the engine closed the connection before its "
-                                            f"answer was complete ({reason(exc)})") from None
-        if event is h11.NEED_DATA:
-            try:
-                data = await stream.receive_some(RECEIVE_BYTES)
-            except (trio.BrokenResourceError, OSError) as exc:
-                raise ExchangeError("read", reason(exc)) from None
-            received, closed = received or bool(data), not data
-            conn.receive_data(bytes(data))  # (b"": the engine closed its side)
-        elif isinstance(event, h11.Response):
-            status = event.status_code
-        elif isinstance(event, h11.Data):
-            size += len(event.data)
-            if size > max_body:
-                raise ExchangeError("too_big", f"more than {max_body} bytes")
-            chunks.append(bytes(event.data))
-        elif isinstance(event, h11.EndOfMessage) and status is not None:
-            return status, b"".join(chunks)
-        elif not isinstance(event, h11.InformationalResponse):  # (a 1xx: skipped)
-            # (ConnectionClosed or PAUSED: h11 turns both into errors above for a client
-            # waiting for its answer; kept so that no event can loop here)
-            raise ExchangeError("protocol", f"unexpected {type(event).__name__}")
-
-
-def reason(exc: BaseException) -> str:
-    """An exception's message as one short line (its type's name when it has none)."""
-    text = str(exc) or type(exc).__name__
-    return text.splitlines()[0][:200] if text.strip() else type(exc).__name__
+                                            "answer was complete")

@@ -18,8 +18,8 @@ recovers the engine by the usual rules.
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from typing import Protocol
 
@@ -105,7 +105,9 @@ class Prober:
         self._passive_in_a_row = 0
         self.board = board
         self.client = client
-        self._paths = {n: p.path for n, p in self._specs().items()}
+        #: the manifest's probes by name (the spec is frozen: made once)
+        self._by_name: dict[str, ProbeSpec] = dict(spec.probes.named())
+        self._paths = {n: p.path for n, p in self._by_name.items()}
         #: per probe in flight, its lock (``_lock``)
         self._locks: dict[str, trio.Lock] = {}
         #: per probe, the paths that answered 404 when last asked
@@ -124,7 +126,7 @@ class Prober:
         return Backoff(first, ident.interval_s, jitter=JITTER, rng=self._rng)
 
     def _specs(self) -> dict[str, ProbeSpec]:
-        return dict(self.spec.probes.named())
+        return self._by_name
 
     def path(self, name: str) -> str:
         """The path probe ``name`` asks now: the manifest's, or its fallback once a 404
@@ -144,47 +146,48 @@ class Prober:
         the other path is not known to be missing too (an old build lacks the path; an
         upgraded one lacks the fallback), else at the next tick (one request a tick for
         a server that has neither)."""
-        spec = self._specs()[name]
-        async with self._lock(name):
-            path = self._paths[name]
-            outcome, answer = await self._request(spec, path)
-            if outcome.http_status != 404 or not spec.fallback_path:
-                if (known := self._missing.get(name)) is not None:
-                    known.discard(path)
-                return outcome, answer
-            missing = self._missing.setdefault(name, set())
-            other = spec.fallback_path if path != spec.fallback_path else spec.path
-            if path not in missing:  # it worked (or was never asked): news of the other is old
-                missing.discard(other)
-            missing.add(path)
-            if (other == spec.fallback_path and spec.fallback_cost == "generating"
-                    and not self.spec.allow_generating):
-                return msgspec.structs.replace(outcome, kind="error", error=(
-                    f"the engine has no {spec.path} (an older build?) and its fallback "
-                    f"{spec.fallback_path} generates; set allow_generating_probes = true "
-                    "to use it, or upgrade the engine")), None
-            self._use(name, other)
-            if other in missing:
-                return outcome, answer  # both missing: the other one at the next tick
-            outcome, answer = await self._request(spec, other)
-            if outcome.http_status == 404:
-                missing.add(other)
-            return outcome, answer
-
-    @asynccontextmanager
-    async def _lock(self, name: str) -> AsyncIterator[None]:
-        """Probe ``name`` one request at a time (the liveness and identity loops may both
-        ask identity). The lock is made when needed and dropped when free: four locks an
-        engine, kept idle, were about 0.5 KB of every engine's memory."""
+        spec = self._by_name[name]
         lock = self._locks.get(name)
         if lock is None:
             lock = self._locks[name] = trio.Lock()
+        try:  # (taken at once when free: a probe's requests checkpoint enough)
+            lock.acquire_nowait()
+        except trio.WouldBlock:
+            await lock.acquire()
         try:
-            async with lock:
-                yield
+            return await self._probe_locked(name, spec)
         finally:  # (released to a waiter, it is still locked: kept for it)
+            lock.release()
             if not lock.locked() and self._locks.get(name) is lock:
                 del self._locks[name]
+
+    async def _probe_locked(self, name: str, spec: ProbeSpec
+                            ) -> tuple[Outcome, probes.Answer | None]:
+        """``probe`` with the probe's lock held."""
+        path = self._paths[name]
+        outcome, answer = await self._request(spec, path)
+        if outcome.http_status != 404 or not spec.fallback_path:
+            if (known := self._missing.get(name)) is not None:
+                known.discard(path)
+            return outcome, answer
+        missing = self._missing.setdefault(name, set())
+        other = spec.fallback_path if path != spec.fallback_path else spec.path
+        if path not in missing:  # it worked (or was never asked): news of the other is old
+            missing.discard(other)
+        missing.add(path)
+        if (other == spec.fallback_path and spec.fallback_cost == "generating"
+                and not self.spec.allow_generating):
+            return msgspec.structs.replace(outcome, kind="error", error=(
+                f"the engine has no {spec.path} (an older build?) and its fallback "
+                f"{spec.fallback_path} generates; set allow_generating_probes = true "
+                "to use it, or upgrade the engine")), None
+        self._use(name, other)
+        if other in missing:
+            return outcome, answer  # both missing: the other one at the next tick
+        outcome, answer = await self._request(spec, other)
+        if outcome.http_status == 404:
+            missing.add(other)
+        return outcome, answer
 
     def _use(self, name: str, path: str) -> None:
         self._paths[name] = path

@@ -18,7 +18,7 @@ import trio
 from nvpair.decoding import decode_json, excerpt
 from nvpair.errors import ProbeError
 from nvpair.manifest import ModelsFormat, ProbeSpec
-from nvpair.oneshot import ExchangeError, Target, exchange, reason
+from nvpair.oneshot import ExchangeError, Target, encode_request, reason, send_request
 from nvpair.snapshot import Identity, Model
 from nvpair.streams import close_early
 from nvpair.tls import client_tls
@@ -72,8 +72,8 @@ class ProbeClient:
     ``httpx2.MockTransport``); its errors become httpcore2's of the same name.
     """
 
-    __slots__ = ("_extensions", "_headers", "_host", "_port", "_scheme", "closed", "pool",
-                 "target", "timeout_s")
+    __slots__ = ("_extensions", "_headers", "_host", "_port", "_requests", "_scheme", "closed",
+                 "pool", "target", "timeout_s")
 
     def __init__(self, url: str, *, timeout_s: float, max_connections: int = 4,
                  transport: httpx2.AsyncBaseTransport | None = None) -> None:
@@ -96,6 +96,9 @@ class ProbeClient:
         self._headers = ((b"host", parts.netloc.rpartition("@")[2].encode("idna")),
                          (b"accept", b"*/*"), (b"user-agent", b"nvpair-probe"))
         self.timeout_s = timeout_s
+        #: one-shot requests' bytes, made once per method, path and authorization (a
+        #: probe's path and its fallback: a few entries)
+        self._requests: dict[tuple[str, str, str | None], bytes] = {}
         self._extensions = {"timeout": dict.fromkeys(("connect", "read", "write", "pool"),
                                                      timeout_s)}
 
@@ -112,6 +115,16 @@ class ProbeClient:
                                            port=self._port, target=path.encode()),
             headers=headers, extensions=self._extensions)
         return await self.pool.handle_async_request(request)
+
+    def encoded(self, method: str, path: str, auth: str | None) -> bytes:
+        """The bytes of a one-shot request (``Connection: close``), made once; raises
+        ExchangeError("protocol") for a path or header HTTP does not allow."""
+        key = (method, path, auth)
+        request = self._requests.get(key)
+        if request is None:
+            request = self._requests[key] = encode_request(method, path,
+                                                           self.headers(method, auth))
+        return request
 
     def headers(self, method: str, auth: str | None) -> list[tuple[bytes, bytes]]:
         """The request's header fields (``Host`` first)."""
@@ -182,15 +195,12 @@ async def request(client: ProbeClient, spec: ProbeSpec, path: str, *, api_key: s
 async def _one_shot(client: ProbeClient, target: Target, method: str, path: str,
                     auth: str | None) -> tuple[int, bytes]:
     """The request on a connection of its own (closed after the answer); its failures as
-    the pool's would be named."""
+    the pool's would be named. Bounded by the caller's deadline (every caller sets one)."""
     what = f"{method} {path}"
     await client.drop_idle()
     try:
-        with trio.fail_after(client.timeout_s):  # (a backstop: probers set their own)
-            return await exchange(target, method, path, client.headers(method, auth),
+        return await send_request(target, client.encoded(method, path, auth), method,
                                   max_body=MAX_BODY)
-    except trio.TooSlowError:
-        raise ProbeError("timeout", "no answer within the client's timeout") from None
     except ExchangeError as exc:
         if exc.failure == "connect":
             raise ProbeError("refused", f"cannot connect: {exc}") from None
