@@ -9,8 +9,9 @@ another in the same run, twice, interleaved (this machine is shared; ratios are 
   one connection;
 * ``pooled_closed``: a probe every 5 s through the pool, asking the engine to close the
   connection after answering (what every such probe did before nvpair.oneshot);
-* ``one_shot``: the same probe on a connection of its own (``nvpair.oneshot``), what
-  probes further apart than ``probes.KEEPALIVE_S`` do now.
+* ``one_shot``: the same probe on a connection of its own (``nvpair.oneshot``: a plain
+  non-blocking socket, the request's bytes made once, the answer read by
+  ``nvpair.answer``), what probes further apart than ``probes.KEEPALIVE_S`` do now.
 
 ``python -m benchmarks.probe_cost [--quick]`` runs it alone and prints the numbers.
 """
