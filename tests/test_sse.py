@@ -396,9 +396,10 @@ def rss_kb() -> int:
 
 @pytest.mark.alone  # see tests/conftest.py
 async def test_50_streams_and_a_client_that_never_reads(nursery, tmp_path) -> None:
-    """51 streams while content changes 100 times a second, one of them never read (a tiny
+    """51 streams while content changes 50 times a second, one of them never read (a tiny
     receive buffer): it is dropped at the (shortened) drop timeout; memory, /v1/models and
-    the engine's probe counts do not move."""
+    the engine's probe counts do not move (the reads' p99 is held to the quiet one's, or
+    on a machine too slow for that, to the one with the 50 read streams alone)."""
     with trio.fail_after(60), ExitStack() as stack:
         async with node(nursery, tmp_path, max_streams=64) as (running, sims), \
                 httpx2.AsyncClient(base_url=running.url,
@@ -444,7 +445,10 @@ async def test_50_streams_and_a_client_that_never_reads(nursery, tmp_path) -> No
                     n.start_soon(reader, i)
                 n.start_soon(churn)
                 await warm.wait()
-                await reads_p99(2.0)  # warm: 50 streams read while content changes
+                # 50 streams read while content changes: what the stuck one is held to
+                # (their own cost is the machine's: on a slow day they alone took the
+                # p99 from 17 to 90 ms, stuck client or not)
+                warm_p99 = await reads_p99(2.0)
                 gc.collect()
                 before = rss_kb()
                 stuck = stack.enter_context(socket.socket())
@@ -463,7 +467,7 @@ async def test_50_streams_and_a_client_that_never_reads(nursery, tmp_path) -> No
     assert min(received) > 0
     assert after - before < 5 * 1024, (before, after)
     assert abs(probes_busy - probes_quiet) <= 1, (probes_quiet, probes_busy)
-    assert busy < max(0.05, 3 * quiet), (quiet, busy)
+    assert busy < max(0.05, 3 * quiet, 2 * warm_p99), (quiet, warm_p99, busy)
 
 
 @given(st.binary(max_size=200))
