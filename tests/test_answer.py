@@ -89,14 +89,6 @@ def test_a_head_over_the_limit_is_refused_whatever_its_pieces() -> None:
         assert verdict == "protocol: Receive buffer too long"
 
 
-def test_the_request_is_encoded_once_with_connection_close() -> None:
-    request = answer.encode_request("GET", "/health", [(b"host", b"e")])
-    assert request == b"GET /health HTTP/1.1\r\nhost: e\r\nconnection: close\r\n\r\n"
-    with pytest.raises(ExchangeError) as caught:
-        answer.encode_request("GET", "/", [(b"host", b"e"), (b"authorization", b"a\r\nb")])
-    assert caught.value.failure == "protocol" and "cannot send" in str(caught.value)
-
-
 # -- any bytes: the same verdict as h11's, at the same piece --------------------------------
 
 CODES = st.one_of(st.sampled_from([200, 201, 204, 299, 304, 404, 500, 599, 100, 101, 199, 600,

@@ -5,6 +5,8 @@ however the exchange ends (cancelled included)."""
 from __future__ import annotations
 
 import socket
+import threading
+import time
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -160,6 +162,14 @@ async def test_a_name_is_resolved_and_connected(nursery) -> None:
     assert answer == (204, b"")
 
 
+def test_the_request_is_encoded_with_connection_close() -> None:
+    request = oneshot.encode_request("GET", "/health", [(b"host", b"e")])
+    assert request == b"GET /health HTTP/1.1\r\nhost: e\r\nconnection: close\r\n\r\n"
+    with pytest.raises(ExchangeError) as caught:
+        oneshot.encode_request("GET", "/", [(b"host", b"e"), (b"authorization", b"a\r\nb")])
+    assert caught.value.failure == "protocol" and "cannot send" in str(caught.value)
+
+
 # -- any bytes an engine sends: an answer or one ExchangeError, never anything else ------------
 
 def over_memory(answer: bytes, cuts: list[int], max_body: int) -> tuple[int, bytes] | str:
@@ -226,3 +236,54 @@ def test_a_well_framed_answer_gives_its_body(body: bytes, framing: str, status: 
     assert over_memory(answer, cuts, 2000) == (status, body)
     if body:  # one byte less allowed: refused, not cut
         assert over_memory(answer, cuts, len(body) - 1) == "too_big"
+
+
+async def test_an_engine_that_never_stops_sending_cannot_hold_the_loop() -> None:
+    """An engine that pumps 1xx heads without end (none of them counts toward the body's
+    cap) from a thread of its own, as fast as the socket takes them: every read finds
+    bytes waiting, yet the exchange yields at each one, so its deadline fires on time and
+    the rest of the loop runs meanwhile."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def pump() -> None:
+        conn, _ = listener.accept()
+        conn.settimeout(0.5)
+        heads = b"HTTP/1.1 100 Continue\r\n\r\n" * 4096
+        until = time.monotonic() + 5.0
+        with conn:
+            while not stop.is_set() and time.monotonic() < until:
+                try:
+                    conn.sendall(heads)
+                except TimeoutError:
+                    continue
+                except OSError:
+                    return
+
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await trio.sleep(0.01)
+            ticks += 1
+
+    target = Target("127.0.0.1", listener.getsockname()[1])
+    try:
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(tick)
+                started = trio.current_time()
+                with trio.move_on_after(0.5) as scope:
+                    await oneshot.exchange(target, "GET", "/", HEADERS, max_body=1024)
+                took = trio.current_time() - started
+                nursery.cancel_scope.cancel()
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()
+    assert scope.cancelled_caught
+    assert took < 3.0, took  # (held, it ran until the pump stopped: 5 s)
+    assert ticks >= 3, ticks  # (held, it would not tick until the exchange ended)

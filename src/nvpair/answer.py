@@ -203,17 +203,6 @@ class _H11Reader:
                                          f"answer was complete ({reason(exc)})")
 
 
-def encode_request(method: str, path: str, headers: list[tuple[bytes, bytes]]) -> bytes:
-    """The request's bytes, with ``Connection: close`` added; ExchangeError("protocol") for
-    a header or path that HTTP does not allow (h11 checks them)."""
-    conn = h11.Connection(h11.CLIENT)
-    try:
-        return conn.send(h11.Request(method=method, target=path,
-                                     headers=[*headers, (b"connection", b"close")])) or b""
-    except h11.LocalProtocolError as exc:  # (a header value of ours that is not legal)
-        raise ExchangeError("protocol", f"cannot send the request: {reason(exc)}") from None
-
-
 def reason(exc: BaseException) -> str:
     """An exception's message as one short line (its type's name when it has none)."""
     text = str(exc) or type(exc).__name__

@@ -20,9 +20,10 @@ import os
 import socket
 from typing import Protocol
 
+import h11
 import trio
 
-from nvpair.answer import MAX_HEAD, AnswerReader, ExchangeError, Failure, encode_request, reason
+from nvpair.answer import MAX_HEAD, AnswerReader, ExchangeError, Failure, reason
 
 __all__ = ["MAX_HEAD", "ExchangeError", "Failure", "Target", "encode_request", "exchange",
            "exchange_on", "reason", "send_request"]
@@ -104,11 +105,22 @@ class _Socket:
             view = view[sent:]
 
     async def receive_some(self, max_bytes: int) -> bytes:
+        """Bytes as they come; a checkpoint at every call, as Trio's streams have: bytes
+        that were already waiting are taken, then the loop is let in (an engine that
+        never stops sending would otherwise hold it, its deadline included)."""
+        try:
+            data = self.sock.recv(max_bytes)
+        except BlockingIOError:
+            pass
+        else:
+            await trio.lowlevel.checkpoint()
+            return data
         while True:
+            await trio.lowlevel.wait_readable(self.sock)
             try:
                 return self.sock.recv(max_bytes)
             except BlockingIOError:
-                await trio.lowlevel.wait_readable(self.sock)
+                continue
 
 
 class Wire(Protocol):
@@ -117,6 +129,17 @@ class Wire(Protocol):
     async def send_all(self, data: bytes) -> None: ...
 
     async def receive_some(self, max_bytes: int) -> bytes | bytearray: ...
+
+
+def encode_request(method: str, path: str, headers: list[tuple[bytes, bytes]]) -> bytes:
+    """The request's bytes, with ``Connection: close`` added; ExchangeError("protocol") for
+    a header or path that HTTP does not allow (h11 checks them)."""
+    conn = h11.Connection(h11.CLIENT)
+    try:
+        return conn.send(h11.Request(method=method, target=path,
+                                     headers=[*headers, (b"connection", b"close")])) or b""
+    except h11.LocalProtocolError as exc:  # (a header value of ours that is not legal)
+        raise ExchangeError("protocol", f"cannot send the request: {reason(exc)}") from None
 
 
 async def exchange(target: Target, method: str, path: str,
