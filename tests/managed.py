@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -13,15 +12,10 @@ from typing import Any
 
 import httpx2
 import trio
+from tests.ports import free_port as free_port  # the tests take it from here
 
 from nvpair.config import Settings, load_settings
 from nvpair.manifest import builtin_dir
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def fast_manifest(tmp: Path, kind: str = "vllm", **restart: float) -> Path:

@@ -21,6 +21,10 @@ from nvpair.sim import garbage as sim_garbage
 from nvpair.snapshot import EngineState
 
 TIMEOUT_S = 0.5
+#: a read that waited on the hostile engine would take its probe's timeout (0.5 s), so no
+#: read may take half of it, and the median read must stay under FAST_READ_S. (The worst
+#: of some 100 reads held to FAST_READ_S failed in CI at 105.6 ms, the other worker busy.)
+WAITED_S = TIMEOUT_S / 2
 #: the hostile engine (kind openai: its ready, health and model probes all ask /v1/models)
 PROBES = "".join(f"[engines.probes.{name}]\ninterval_s = 0.5\ntimeout_s = {TIMEOUT_S}\n"
                  for name in ("ready", "health", "models"))
@@ -105,16 +109,15 @@ async def test_a_hostile_engine_changes_only_its_own_state(
         await wait_state(running.board, "bad", "ready", where=lambda e: bool(e.models))
         await wait_state(running.board, "good", "ready", where=lambda e: bool(e.models))
         bad.set_fault("garbage", kind=kind, paths=["/v1/models"])
-        worst, reads = 0.0, 0
+        times: list[float] = []
         async with httpx2.AsyncClient(base_url=running.url) as client:
             async with trio.open_nursery() as inner:
                 async def read_while_it_lasts() -> None:
-                    nonlocal worst, reads
                     while True:
                         elapsed, r = await timed_get(client, "/v1/models")
                         assert r.status_code == 200
                         assert "good" in {m["id"] for m in r.json()["data"]}
-                        worst, reads = max(worst, elapsed), reads + 1
+                        times.append(elapsed)
                         await trio.sleep(0.02)
 
                 inner.start_soon(read_while_it_lasts)
@@ -128,7 +131,9 @@ async def test_a_hostile_engine_changes_only_its_own_state(
         assert now is not None and CASES[kind](now), now
     assert hostile is not None
     assert running.board.current.engine("good").state == "ready"  # type: ignore[union-attr]
-    assert reads > 10 and worst < FAST_READ_S, (reads, worst)
+    times.sort()
+    assert len(times) > 10 and times[-1] < WAITED_S, times
+    assert times[len(times) // 2] < FAST_READ_S, times
     if kind == "drip":  # bounded by the probe's timeout as a whole, not per byte
         health = now.probe("health")
         assert health is not None and health.latency_ms_max <= TIMEOUT_S * 1000 + 250

@@ -270,6 +270,10 @@ async def test_3000_idle_connections_do_not_stop_a_new_client(nursery, app) -> N
                 await get(stream)
             held.append(stream)
         clients = {stream.socket.getsockname()[1] for stream in held}
+        # counted once the server has nothing left to do: CI once counted 1,026 with the
+        # registry at 1,024 (not seen here in 9 runs, alone or beside two busy cores); a
+        # socket closed late is not counted now, a leaked one still is
+        await trio.testing.wait_all_tasks_blocked(cushion=0.05)
         estab = server_sockets(port, clients).get("ESTAB", 0)
         assert estab <= 1024, (estab, len(connections), connections.high_water)
     with trio.fail_after(1.0):

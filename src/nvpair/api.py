@@ -31,6 +31,7 @@ from nvpair.asgi import (
     send_error,
     send_json,
 )
+from nvpair.decoding import is_digits
 from nvpair.events import Journal
 from nvpair.listing import ModelsBody
 from nvpair.logs import EngineLog, Lines
@@ -399,7 +400,7 @@ def split_authority(authority: str) -> str | None:
     else:
         host, colon, port = authority.partition(":")
         rest = colon + port
-    if rest and not (rest.startswith(":") and rest[1:].isdigit() and len(rest) <= 6):
+    if rest and not (rest.startswith(":") and is_digits(rest[1:]) and len(rest) <= 6):
         return None
     return host or None
 
@@ -440,7 +441,7 @@ def _whole(query: dict[str, list[str]], key: str, low: int, high: int) -> int | 
     raw = query.get(key, [None])[0]
     if raw is None:
         return None
-    if not raw.isdigit() or not low <= int(raw) <= high:
+    if not is_digits(raw) or not low <= int(raw) <= high:
         raise ValueError(f"{key}: expected a whole number {low}-{high}, got {raw!r}")
     return int(raw)
 

@@ -28,6 +28,7 @@ import trio
 from nvpair import __version__
 from nvpair.api import local_host, split_authority
 from nvpair.asgi import Mount, Receive, Scope, Send, encoder, header, send_bytes, send_error
+from nvpair.decoding import is_digits
 from nvpair.history import History
 
 UI_DIR = Path(__file__).parent / "ui"
@@ -186,7 +187,7 @@ def history_query(raw: bytes) -> tuple[str | None, int | None]:
     # every engine at once: at most 60 (at 1,024 engines, 60 points each take ~18 ms)
     top = 360 if engine is not None else ALL_ENGINES_POINTS
     points = query.get("points", [])
-    if len(points) > 1 or (points and not (points[0].isdigit() and 1 <= int(points[0]) <= top)):
+    if len(points) > 1 or (points and not (is_digits(points[0]) and 1 <= int(points[0]) <= top)):
         raise ValueError(f"points: expected a whole number 1-{top}"
                          f"{'' if engine else ' (for every engine at once)'}, "
                          f"got {','.join(points)[:50]!r}")

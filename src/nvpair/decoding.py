@@ -1,4 +1,5 @@
-"""Turn msgspec's decoding errors into one line that names the file and the path inside it."""
+"""Turn msgspec's decoding errors into one line that names the file and the path inside it;
+and what a number written by someone else (a header, a /proc file, a query) may look like."""
 
 from __future__ import annotations
 
@@ -16,6 +17,12 @@ _AT = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
 _UNKNOWN = re.compile(r"Object contains unknown field `(?P<key>[^`]*)`")
 _MISSING = re.compile(r"Object missing required field `(?P<key>[^`]*)`")
 _EXPECTED = re.compile(r"Expected `(?P<want>[^`]*)`, got `(?P<got>[^`]*)`")
+
+
+def is_digits(text: str) -> bool:
+    """Only the ASCII digits 0-9, at least one. ``str.isdigit`` alone also takes "²" and
+    other characters that ``int`` refuses (a ValueError where a clear error was due)."""
+    return text.isascii() and text.isdigit()
 
 
 def describe(exc: Exception) -> tuple[str, str]:

@@ -27,6 +27,7 @@ import msgspec
 import trio
 
 from nvpair.changes import Changes
+from nvpair.decoding import is_digits
 from nvpair.errors import NvpairError
 from nvpair.memstate import event_doc
 from nvpair.snapshot import Board, EngineState, shown_state
@@ -143,7 +144,7 @@ def parse_event_id(text: str) -> tuple[str, int] | None:
     if (not dot or not boot or len(boot) > MAX_BOOT_ID or not boot.isascii()
             or not all(c.isalnum() or c in "-_" for c in boot)):
         return None
-    if not seq.isascii() or not seq.isdigit() or len(seq) > 19 or int(seq) > MAX_SEQ:
+    if not is_digits(seq) or len(seq) > 19 or int(seq) > MAX_SEQ:
         return None
     return boot, int(seq)
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import msgspec
 
+from nvpair.decoding import is_digits
 from nvpair.errors import NvpairError
 
 PROC = Path("/proc")
@@ -98,7 +99,7 @@ class ProcEntry(msgspec.Struct, frozen=True, gc=False):
 
 def _kib(value: str, where: str) -> int:
     parts = value.split()
-    if not parts or not parts[0].isdigit() or len(parts) > 2 or (
+    if not parts or not is_digits(parts[0]) or len(parts) > 2 or (
             len(parts) == 2 and parts[1].lower() != "kb"):
         raise MemorySourceError(f"{where}: expected a size in kB, got {value.strip()!r}")
     return int(parts[0]) * 1024
@@ -136,7 +137,7 @@ def parse_status(text: str, where: str = "/proc/PID/status") -> ProcStatus:
         return None if key not in f else _kib(f[key], f"{where}: {key}")
 
     ppid = f.get("PPid", "").strip()
-    if ppid and not ppid.isdigit():
+    if ppid and not is_digits(ppid):
         raise MemorySourceError(f"{where}: PPid: expected a number, got {ppid!r}")
     return ProcStatus(name=f.get("Name", "").strip(), ppid=int(ppid) if ppid else None,
                       rss_bytes=size("VmRSS"), rss_anon_bytes=size("RssAnon"),
@@ -188,7 +189,7 @@ def parse_flat_keyed(text: str, where: str) -> dict[str, int]:
         words = line.split()
         if not words:
             continue
-        if len(words) != 2 or not words[1].isdigit():
+        if len(words) != 2 or not is_digits(words[1]):
             raise MemorySourceError(f"{where}: expected 'KEY COUNT', got {line.strip()!r}")
         out[words[0]] = int(words[1])
     return out
@@ -199,7 +200,7 @@ def parse_single(text: str, where: str) -> int | None:
     value = text.strip()
     if value == "max":
         return None
-    if not value.isdigit():
+    if not is_digits(value):
         raise MemorySourceError(f"{where}: expected a number of bytes or 'max', got {value!r}")
     return int(value)
 
@@ -220,8 +221,8 @@ def parse_stat(text: str, where: str = "/proc/PID/stat") -> ProcEntry:
     head, paren, tail = text.rpartition(")")
     pid_text = head.partition("(")[0].strip()
     words = tail.split()
-    if not paren or not pid_text.isdigit() or len(words) < 3 or not (
-            words[1].isdigit() and words[2].isdigit()):
+    if not paren or not is_digits(pid_text) or len(words) < 3 or not (
+            is_digits(words[1]) and is_digits(words[2])):
         raise MemorySourceError(f"{where}: not the shape of a stat line")
     return ProcEntry(pid=int(pid_text), ppid=int(words[1]), pgid=int(words[2]))
 
@@ -244,7 +245,7 @@ def parse_listeners(text: str, ports: Collection[int]) -> dict[int, int]:
             port = int(port_hex, 16) if colon else -1
         except ValueError:
             continue
-        if port in ports and words[9].isdigit():
+        if port in ports and is_digits(words[9]):
             inodes[int(words[9])] = port
     return inodes
 
@@ -333,7 +334,7 @@ def read_cgroup(path: Path) -> CgroupMemory:
 
 def cgroup_procs(path: Path) -> list[int]:
     text = _read(path / "cgroup.procs", f"cgroup {path}")
-    return [int(w) for w in text.split() if w.isdigit()]
+    return [int(w) for w in text.split() if is_digits(w)]
 
 
 def scan(proc: Path = PROC) -> list[ProcEntry]:
@@ -345,7 +346,7 @@ def scan(proc: Path = PROC) -> list[ProcEntry]:
     except OSError as exc:
         raise MemorySourceError(f"cannot list {proc}: {exc.strerror or exc}") from None
     for name in names:
-        if not name.isdigit():
+        if not is_digits(name):
             continue
         try:
             with open(proc / name / "stat", "rb") as f:
@@ -399,7 +400,7 @@ def listening_pids_of(ports: Collection[int], proc: Path = PROC) -> dict[int, li
     wanted = {f"socket:[{i}]": port for i, port in inodes.items()}
     found: dict[int, list[int]] = {}
     for name in os.listdir(proc):
-        if not name.isdigit():
+        if not is_digits(name):
             continue
         fd_dir = proc / name / "fd"
         try:
@@ -421,7 +422,7 @@ def listening_pids_of(ports: Collection[int], proc: Path = PROC) -> dict[int, li
 
 def read_pid_file(path: Path) -> int:
     text = _read(path, f"pid_file {path}").strip()
-    if not text.isdigit() or int(text) <= 0:
+    if not is_digits(text) or int(text) <= 0:
         raise MemorySourceError(f"pid_file {path}: expected a process id, got {text[:40]!r}")
     return int(text)
 

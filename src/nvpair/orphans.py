@@ -38,7 +38,7 @@ import msgspec
 import trio
 
 from nvpair.boundary import Part
-from nvpair.decoding import json_error, one_line
+from nvpair.decoding import is_digits, json_error, one_line
 from nvpair.errors import NvpairError
 
 if TYPE_CHECKING:
@@ -156,7 +156,7 @@ def _processes() -> Iterable[tuple[int, Stat]]:
     except OSError:
         return
     for entry in entries:
-        if entry.name.isdigit():
+        if is_digits(entry.name):
             s = stat(int(entry.name))
             if s is not None:
                 yield int(entry.name), s

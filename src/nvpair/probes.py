@@ -15,7 +15,7 @@ import httpx2
 import msgspec
 import trio
 
-from nvpair.decoding import decode_json, excerpt
+from nvpair.decoding import decode_json, excerpt, is_digits
 from nvpair.errors import ProbeError
 from nvpair.manifest import ModelsFormat, ProbeSpec
 from nvpair.oneshot import ExchangeError, Target, encode_request, reason, send_request
@@ -344,7 +344,7 @@ def pointer(doc: Any, ptr: str) -> Any:
         key = raw.replace("~1", "/").replace("~0", "~")
         if isinstance(doc, dict):
             doc = doc.get(key)
-        elif isinstance(doc, list) and key.isdigit() and int(key) < len(doc):
+        elif isinstance(doc, list) and is_digits(key) and int(key) < len(doc):
             doc = doc[int(key)]
         else:
             return None

@@ -9,20 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import Any
 
 from tests.peers.cluster import USER_TOKEN, Cluster, Node
+from tests.ports import free_port
 
 SIM = [sys.executable, "-m", "nvpair.sim"]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def sim_manifest(path: Path, *, load_s: float = 0.3, rank_extra: tuple[str, ...] = (),

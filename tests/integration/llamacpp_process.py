@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from typing import Any, BinaryIO, Literal
 
 import httpx2
 import trio
+from tests.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROVIDE_SCRIPT = REPO_ROOT / "scripts" / "llama_server.py"
@@ -76,11 +76,6 @@ def find_assets() -> tuple[LlamaAssets | None, str]:
     data = json.loads(proc.stdout)
     return LlamaAssets(Path(data["llama_server"]), Path(data["model"])), ""
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import httpx2
 import msgspec
 
 from nvpair.cli.client import base_url, call, print_status
+from nvpair.decoding import is_digits
 from nvpair.errors import InputError
 
 #: how long to wait before reconnecting when the server sent no ``retry:``
@@ -38,7 +39,7 @@ def parse(lines: Iterator[str], on_retry: Callable[[int], None]) -> Iterator[Sse
             continue
         name, _, value = line.partition(":")
         value = value.removeprefix(" ")
-        if name == "retry" and value.isdigit():
+        if name == "retry" and is_digits(value):
             on_retry(int(value))
             continue
         fields = True

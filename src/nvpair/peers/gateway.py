@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import httpx2
 import msgspec
 
-from nvpair.decoding import decode_json
+from nvpair.decoding import decode_json, is_digits
 from nvpair.errors import NvpairError
 
 T = TypeVar("T")
@@ -168,7 +168,7 @@ async def _read_capped(r: httpx2.Response, where: str) -> bytes:
     """The body of ``r``, at most ``ANSWER_MAX_BYTES`` (BadAnswer past it; the rest is
     never read, and a declared length over it reads nothing)."""
     length = r.headers.get("content-length", "")
-    if length.isdigit() and int(length) > ANSWER_MAX_BYTES:
+    if is_digits(length) and int(length) > ANSWER_MAX_BYTES:
         raise BadAnswer(f"{where}: an answer of {int(length)} bytes, over the "
                         f"{ANSWER_MAX_BYTES} read from etcd")
     chunks, size = [], 0

@@ -29,6 +29,7 @@ import trio
 
 from nvpair.boundary import Part
 from nvpair.cluster import PeerTarget
+from nvpair.decoding import is_digits
 from nvpair.peers.advert import Advertiser
 from nvpair.peers.receiver import ADVERTS_PATH
 from nvpair.peers.table import Link
@@ -202,7 +203,7 @@ async def _read_at_most(r: httpx2.Response, limit: int) -> bytes:
     """The answer's body, or its first ``limit`` bytes; the rest is never read (leaving
     the stream closes the connection). A declared length over ``limit``: nothing is read."""
     length = r.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
+    if is_digits(length) and int(length) > limit:
         return b"(an answer of %d bytes, not read)" % int(length)
     chunks, size = [], 0
     async with aclosing(r.aiter_bytes()) as body:  # closed here, not when collected

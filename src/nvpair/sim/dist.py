@@ -28,7 +28,7 @@ _RETRY_S = 0.1
 
 def split_addr(addr: str) -> tuple[str, int]:
     host, sep, port = addr.rpartition(":")
-    if not sep or not port.isdigit():
+    if not sep or not (port.isascii() and port.isdigit()):
         raise ValueError(f"dist_init_addr must be HOST:PORT, got {addr!r}")
     return host.strip("[]") or "127.0.0.1", int(port)
 
@@ -76,7 +76,7 @@ class Rendezvous:
                 while (lines := await _lines(stream)) is not None:
                     for line in lines:
                         command, _, arg = line.partition(" ")
-                        if command == "join" and arg.isdigit():
+                        if command == "join" and arg.isascii() and arg.isdigit():
                             rank = int(arg)
                             self.joined.add(rank)
                             self._links[rank] = stream
