@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from tests.managed import free_port
 from tests.peers.cluster import (
     LISTING,
     Cluster,
@@ -58,6 +57,7 @@ from tests.peers.cluster import (
     set_refusing,
     states,
 )
+from tests.ports import free_port
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

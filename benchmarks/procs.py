@@ -12,7 +12,6 @@ import http.client
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -20,15 +19,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from tests.ports import free_port as free_port  # (one port helper for tests and benchmarks)
+
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def env() -> dict[str, str]:
