@@ -1,10 +1,12 @@
 """Wake-ups on a shared grid: each loop keeps its number of ticks, late by at most its
 grid, and loops of different phases wake at the same instants (Trio's autojump clock)."""
 
+import gc
 import itertools
 import math
 
 import httpx2
+import pytest
 import trio
 from hypothesis import given
 from hypothesis import strategies as st
@@ -71,6 +73,117 @@ async def test_loops_of_different_phases_wake_together(autojump_clock) -> None:
             nursery.start_soon(loop, name, phase)
     instants = {t for times in seen.values() for t in times}
     assert len(instants) <= 31  # three loops, one set of wake-ups (90 without the grid)
+
+
+async def test_sleeps_to_one_point_wake_together_at_the_point(autojump_clock) -> None:
+    woke: dict[float, list[float]] = {}
+    start = trio.current_time()
+
+    async def sleeper(t: float, grid: float) -> None:
+        await wakes.sleep_until(t, grid)
+        woke.setdefault(t, []).append(trio.current_time())
+
+    async with trio.open_nursery() as nursery:
+        for t in (start + 3.7, start + 1.1, start + 1.3, start + 1.5, start + 0.2):
+            nursery.start_soon(sleeper, t, 0.5)
+        nursery.start_soon(sleeper, start + 0.9, 0.0)  # no grid: its own deadline
+    assert woke == {start + 3.7: [start + 4.0], start + 1.1: [start + 1.5],
+                    start + 1.3: [start + 1.5], start + 1.5: [start + 1.5],
+                    start + 0.2: [start + 0.5], start + 0.9: [start + 0.9]}
+
+
+async def test_an_earlier_point_wakes_a_timer_asleep_for_a_later_one(autojump_clock) -> None:
+    start, woke = trio.current_time(), []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(wakes.sleep_until, start + 100, 1.0)
+        await trio.sleep(1)  # the timer now sleeps until start + 100
+        await wakes.sleep_until(start + 2.2, 0.25)
+        woke.append(trio.current_time() - start)
+        nursery.cancel_scope.cancel()
+    assert woke == [2.25]
+
+
+async def test_a_cancelled_sleep_leaves_its_point_and_the_others_still_wake(
+        autojump_clock) -> None:
+    start, woke = trio.current_time(), []
+
+    async def sleeper(name: str) -> None:
+        await wakes.sleep_until(start + 5, 1.0)
+        woke.append((name, trio.current_time() - start))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(sleeper, "a")
+        with trio.move_on_after(2) as scope:
+            await wakes.sleep_until(start + 5, 1.0)
+        assert scope.cancelled_caught and trio.current_time() - start == 2
+        with trio.move_on_after(1):  # every sleeper of a point gone: the point wakes nobody
+            await wakes.sleep_until(start + 7, 1.0)
+        nursery.start_soon(sleeper, "b")
+    assert sorted(woke) == [("a", 5), ("b", 5)]
+
+
+async def test_a_sleep_to_a_point_past_is_a_checkpoint(autojump_clock) -> None:
+    start = trio.current_time()
+    await wakes.sleep_until(start - 3, 1.0)
+    assert trio.current_time() == start
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await wakes.sleep_until(start - 3, 1.0)
+    assert scope.cancelled_caught
+    with pytest.raises(ValueError, match="NaN"):
+        await wakes.sleep_until(math.nan, 1.0)
+
+
+async def test_a_bug_in_the_timer_wakes_every_sleeper_and_stops_nothing(
+        autojump_clock, caplog) -> None:
+    start, woke = trio.current_time(), []
+
+    async def sleeper() -> None:
+        await wakes.sleep_until(start + 60, 1.0)
+        woke.append(trio.current_time() - start)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(sleeper)
+        await trio.sleep(1)
+        timer = wakes._TIMER.get()  # a fault injected: a sleeper that is no task
+        timer.add(start + 10, trio.lowlevel.current_task())
+        timer.waiting[start + 10][object()] = None  # (woken first: the dict's last)
+        await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.SUCCEEDED)
+        assert trio.current_time() - start == 10
+        await trio.lowlevel.checkpoint()  # (the sleeper was woken in my batch: it runs)
+        assert woke == [10]  # woken early, not left asleep
+        await wakes.sleep_until(start + 21.5, 1.0)  # later sleeps keep their own time
+        assert trio.current_time() - start == 22
+    assert "the wake-up timer stopped" in caplog.text
+
+
+async def test_a_sleep_makes_a_fraction_of_the_objects_of_a_trio_sleep(
+        autojump_clock) -> None:
+    """What each sleeping probe loop leaves for the young collections to walk."""
+    start = trio.current_time()
+
+    async def made(sleep) -> float:
+        async with trio.open_nursery() as nursery:
+            for i in range(8):  # warm: the timer, the point, the code paths
+                nursery.start_soon(sleep, start + 50 + i / 1000)
+            await trio.testing.wait_all_tasks_blocked()
+            gc.collect()
+            before = len(gc.get_objects())
+            for i in range(200):
+                nursery.start_soon(sleep, start + 50 + i / 1000)
+            await trio.testing.wait_all_tasks_blocked()
+            gc.collect()
+            per_sleep = (len(gc.get_objects()) - before) / 200
+            nursery.cancel_scope.cancel()
+        return per_sleep
+
+    async def parked(_t: float) -> None:  # a task and nothing else: the base
+        await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.SUCCEEDED)
+
+    base = await made(parked)
+    ours = await made(lambda t: wakes.sleep_until(t, 1.0)) - base
+    trios = await made(trio.sleep_until) - base
+    assert ours <= 4 and trios >= 2 * ours, (ours, trios)
 
 
 async def test_probing_counts_an_engines_rate_while_its_probes_run() -> None:

@@ -316,12 +316,12 @@ class Prober:
             if self._generated is not None and self._generates(self._by_name[following],
                                                                self._paths[following]):
                 wake = max(wake, self._generated[0] + GENERATING_MIN_INTERVAL_S)
-            wake = wakes.on_grid(wake, self._grid(interval))
             if (following == "ready" and not after.queued and interval > AWAITED_READY_INTERVAL_S
                     and self.spec.activation == "on_demand"):
-                await self._sleep_until_awaited(wake)  # (a start not made for a request)
+                # (a start not made for a request)
+                await self._sleep_until_awaited(wakes.on_grid(wake, self._grid(interval)))
             else:
-                await trio.sleep_until(wake)
+                await wakes.sleep_until(wake, self._grid(interval))
 
     async def _sleep_until_awaited(self, wake: float) -> None:
         """Until ``wake``, or the moment requests start waiting for this starting on-demand
@@ -367,8 +367,7 @@ class Prober:
         next_tick = trio.current_time() + self.interval("identity")
         while True:
             interval = self.interval("identity")
-            await trio.sleep_until(wakes.on_grid(next_tick + self._jitter(interval),
-                                                 self._grid(interval)))
+            await wakes.sleep_until(next_tick + self._jitter(interval), self._grid(interval))
             current = self.board.current.engine(self.spec.name)
             if current is not None and current.state not in ("starting", "down", "stopped"):
                 await self.check_identity()
