@@ -119,21 +119,17 @@ def loop_lag(path: Path, since: float, until: float) -> dict[str, Any]:
         return {"max_ms": None, "seconds": 0}
     worst = sorted(ln["max_ms"] for ln in inside)
     step = max(inside, key=lambda ln: ln.get("step_ms", 0))
+    gap = max(inside, key=lambda ln: ln["max_ms"])
     return {"max_ms": worst[-1], "p99_ms": quantile(worst, 0.99), "seconds": len(inside),
+            # the CPU the loop's thread spent in the longest gap (a gap long by the clock
+            # that took little CPU was the process waiting for a core: the machine)
+            "max_cpu_ms": gap.get("max_cpu_ms"),
             "over_20ms_seconds": sum(1 for w in worst if w > 20),
             # the longest single task step, and whose (the probe's Trio instrument)
             "step_ms": step.get("step_ms"), "step_task": step.get("step_task"),
-            # the most CPU one step took (a long step by the clock that took little CPU
-            # was the process waiting for a core: the machine, not nvpair's work)
-            **_most_cpu(inside),
             # the longest garbage collection (a pause inside whichever step allocated)
             "gc_ms": max((ln.get("gc_ms", 0) for ln in inside), default=None),
             "gc_gen": max(inside, key=lambda ln: ln.get("gc_ms", 0)).get("gc_gen")}
-
-
-def _most_cpu(lines: list[dict[str, Any]]) -> dict[str, Any]:
-    cpu = max(lines, key=lambda ln: ln.get("step_cpu_ms", 0))
-    return {"step_cpu_ms": cpu.get("step_cpu_ms"), "step_cpu_task": cpu.get("step_cpu_task")}
 
 
 def measure(cfg: BenchConfig, procs: Procs, manager: Proc, url: str, status_engine: str,

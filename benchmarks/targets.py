@@ -187,7 +187,10 @@ def _longest_step(lag: dict[str, Any]) -> str:
     w = max(steps, key=lambda w: w["step_ms"])
     gc = max((w for w in (lag["load"], lag["idle"]) if w.get("gc_ms") is not None),
              key=lambda w: w["gc_ms"], default=None)
-    text = f"; longest task step {w['step_ms']} ms in {w['step_task']}"
+    cpu = [f"{name} {lag[name]['max_cpu_ms']}" for name in ("load", "idle")
+           if lag[name].get("max_cpu_ms") is not None]
+    text = f" (of CPU in that gap: {', '.join(cpu)} ms)" if cpu else ""
+    text += f"; longest task step {w['step_ms']} ms in {w['step_task']}"
     if gc is not None:
         text += f"; longest garbage collection {gc['gc_ms']} ms (generation {gc['gc_gen']})"
     return text

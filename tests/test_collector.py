@@ -91,3 +91,45 @@ async def test_a_full_collection_only_when_memory_grew_and_it_frees_frozen_cycle
             nursery.cancel_scope.cancel()
     finally:
         gc.unfreeze()
+
+
+async def test_the_young_generation_is_held_to_its_limit_while_frozen_objects_die(
+        autojump_clock) -> None:
+    """Each frozen object that dies cancels a young allocation in CPython's count, so a
+    node whose state turns over grows its young generation far past the threshold with
+    no collection; the collector's look at its size collects it at the next look."""
+    collector = Collector(Policy(check_s=3600.0, young_limit=2_000), rss=lambda: 100)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(collector.run)
+            old = [[i] for i in range(30_000)]
+            gc.collect(1)  # (frozen by the collector's callback, as after an automatic run)
+            assert gc.get_freeze_count() >= 30_000
+            young = []
+            for i in range(20_000):  # state turning over: an old object dies, a young is born
+                old.pop()
+                young.append([i])
+            assert len(gc.get_objects(0)) > 10_000  # no automatic collection came
+            assert collector.trims == 0
+            await trio.sleep(collector.policy.young_check_s[1] * 2)
+            assert collector.trims == 1
+            assert len(gc.get_objects(0)) + len(gc.get_objects(1)) < 1_000
+            assert young and old
+            nursery.cancel_scope.cancel()
+    finally:
+        gc.unfreeze()
+
+
+def test_the_next_look_comes_when_the_young_will_hold_half_the_limit() -> None:
+    collector = Collector(Policy(young_limit=2_000, young_check_s=(1 / 32, 1.0)))
+    assert collector.next_look(1.0, 4_000) == 0.25  # (4,000 a second: 1,000 in 1/4 s)
+    assert collector.next_look(0.5, 1_000) == 0.5
+    assert collector.next_look(0.25, 3_000) == 1 / 16  # (a power of two: 1/12 s is 1/16)
+    assert collector.next_look(1 / 32, 100_000) == 1 / 32  # (never sooner than 1/32 s)
+    assert collector.next_look(1.0, 10) == 1.0  # (never later than a second)
+    assert collector.next_look(1.0, 0) == 1.0
+
+
+def test_a_young_generation_under_its_limit_is_left_to_the_automatic_runs() -> None:
+    collector = Collector(Policy(young_limit=1_000_000))
+    assert collector.trim() < 1_000_000 and collector.trims == 0

@@ -26,6 +26,17 @@ to it; the collector's automatic runs then walk only what was made since.
   under load the longest collection took 4.4 ms of CPU, where it took 17.5 with the
   default, and all collections together 232 ms in 10 s, where they took 293 (one run of
   each, ``docs/benchmarks.md``).
+* the young generations are also held to a size (``young_limit``, 2,000 objects).
+  CPython counts allocations *less deallocations* since the last collection, of any
+  generation: each frozen object that dies (a probe's result replaced by the next one,
+  an old snapshot) cancels one young allocation in that count. With everything frozen,
+  a node whose state turns over grows its young generation far past the threshold with
+  no collection: at 1,024 engines 10,000-18,000 young objects were walked at once (7-15
+  ms of CPU, a stall of the loop inside whatever step allocated next). So ``keep``
+  looks at their size (``gc.get_objects``: a list of them, microseconds) and above the
+  limit collects them and freezes (``trim``); it looks again when, at the rate they grew
+  since the last look, they will hold half the limit: every 1/32 s at the soonest, once
+  a second at the latest (an idle small node).
 * what freezing gives up: a cycle of frozen objects that later becomes garbage is not
   found. That is bounded here: every ``check_s`` (an hour) nvpair compares its resident
   memory with what it was after the last full collection, and when it grew by
@@ -39,12 +50,15 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
+
+from nvpair import wakes
 
 log = logging.getLogger("nvpair.collector")
 
@@ -67,6 +81,10 @@ class Policy:
     check_s: float = 3600.0
     growth: float = 1.25
     thresholds: tuple[int, int, int] = (700, 1, 10)
+    #: young objects (generations 0 and 1) above which ``trim`` collects (see the module)
+    young_limit: int = 2_000
+    #: the young generation's size is looked at every this many seconds at least, at most
+    young_check_s: tuple[float, float] = (1 / 32, 1.0)
 
 
 @dataclass
@@ -80,6 +98,8 @@ class Collector:
     #: full collections run, and the last one's length in seconds (``nvpair`` logs them)
     full_runs: int = 0
     last_full_s: float = 0.0
+    #: collections ``trim`` ran
+    trims: int = 0
     _settled: int | None = None
 
     def freeze(self) -> None:
@@ -128,15 +148,42 @@ class Collector:
         if phase == "stop" and info.get("generation", 0) >= 1:
             gc.freeze()
 
+    def trim(self) -> int:
+        """When the young generations hold more than ``young_limit`` objects (what a
+        collection of them would walk), collect them and freeze what survived (sync);
+        the young objects seen."""
+        young = len(gc.get_objects(0)) + len(gc.get_objects(1))
+        if young > self.policy.young_limit:
+            self.freeze()
+            self.trims += 1
+        return young
+
+    def next_look(self, since_s: float, young: int) -> float:
+        """When to look at the young generations again (a power of two seconds): when, at
+        the rate they grew since the last look ``since_s`` ago (``young`` now, none
+        after it), they will hold half the limit; within ``young_check_s``."""
+        shortest, longest = self.policy.young_check_s
+        every_s = longest if young <= 0 else since_s * self.policy.young_limit / 2 / young
+        every_s = min(max(every_s, shortest), longest)
+        return float(2.0 ** math.floor(math.log2(every_s)))
+
     async def keep(self) -> None:
-        """After ``begin``: freeze after each collection of generation 1 or 2, check
-        every ``check_s``; forever. Cancellation: at its sleep; the freezing stops with
-        it."""
+        """After ``begin``: freeze after each collection of generation 1 or 2, hold the
+        young generations to ``young_limit`` (``trim``), check the memory every
+        ``check_s``; forever. Cancellation: at its sleep; the freezing stops with it."""
         gc.callbacks.append(self._collected)
         try:
+            every_s = self.policy.young_check_s[1]
+            looked = trio.current_time()
+            check_at = looked + self.policy.check_s
             while True:
-                await trio.sleep(self.policy.check_s)
-                self.check()
+                await wakes.sleep_until(trio.current_time() + every_s, every_s)
+                now = trio.current_time()
+                every_s = self.next_look(now - looked, self.trim())
+                looked = now
+                if now >= check_at:
+                    check_at += self.policy.check_s
+                    self.check()
         finally:
             gc.callbacks.remove(self._collected)
 

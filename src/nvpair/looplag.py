@@ -3,12 +3,21 @@
 With ``NVPAIR_LOOP_LAG_FILE=PATH`` in its environment, ``nvpair serve`` runs a task that
 sleeps 5 ms in a loop and measures the gap between its wake-ups, and a Trio instrument
 times every task step. Once a second it appends one JSON line to ``PATH``: ``{"t": <unix
-time>, "max_ms": <longest gap in that second>, "ticks": <wake-ups>, "step_ms": <longest task
-step>, "step_task": <the task that took it>, "step_cpu_ms": <the most CPU one step took>,
-"step_cpu_task": <its task>, "gc_ms": <longest garbage collection>, "gc_gen":
-<its generation>}``. A gap is what any task waiting on the loop
-waited at worst, the timer's own 5 ms included, so an idle loop shows about 5 ms and a step
-that held the loop for 40 ms shows about 45; the step names who held it. While a file
+time>, "max_ms": <longest gap in that second>, "max_cpu_ms": <the CPU the loop's thread
+spent in that gap>, "ticks": <wake-ups>, "step_ms": <longest task step>, "step_task": <the
+task that took it>, "gc_ms": <longest garbage collection>, "gc_gen": <its generation>}``.
+A gap is what any task waiting on the loop waited at worst, the timer's own 5 ms included,
+so an idle loop shows about 5 ms and a step that held the loop for 40 ms shows about 45;
+the step names who held it. A gap long by the clock in which the thread spent little CPU
+was the process waiting for a core (the machine busy), not nvpair's work.
+
+Steps are timed by the clock only (``time.perf_counter``, about 60 ns). Until 537711a they
+were timed by the thread's CPU clock as well, but ``time.thread_time`` is a system call
+(about 0.75 us here), and two of them a step more than doubled what a short task step
+costs (about 3 us bare, 7-8 us so timed, 4 us timed by the clock only): the probe added
+load to what it measured. The CPU clock is now read once a tick.
+
+While a file
 ``PATH.pause`` exists the probe pauses (checked once a second). Without the variable
 nothing runs. The benchmarks
 (docs/benchmarks.md) read the file to report the longest stall beside the latencies.
@@ -39,35 +48,28 @@ PAUSED_CHECK_S = 1.0
 
 class _Steps(trio.abc.Instrument):
     """The longest task step since the last ``take()`` and its task's name, by the clock
-    and by the CPU the loop's thread spent in it: a step long by the clock and short in
-    CPU was the process waiting for a core (the machine busy), not nvpair's work."""
+    (see the module for why not by the CPU clock too)."""
 
     def __init__(self) -> None:
         self.started: float | None = None  # the step running when added is not timed
-        self.cpu_started = 0.0
-        self.worst = self.worst_cpu = 0.0
-        self.task = self.cpu_task = ""
+        self.worst = 0.0
+        self.task = ""
 
     def before_task_step(self, task: trio.lowlevel.Task) -> None:
         self.started = time.perf_counter()
-        self.cpu_started = time.thread_time()
 
     def after_task_step(self, task: trio.lowlevel.Task) -> None:
         if self.started is None:
             return
         took = time.perf_counter() - self.started
-        cpu = time.thread_time() - self.cpu_started
         if took > self.worst:
             self.worst, self.task = took, task.name
-        if cpu > self.worst_cpu:
-            self.worst_cpu, self.cpu_task = cpu, task.name
 
     def take(self) -> dict[str, float | int | str]:
         out: dict[str, float | int | str] = {
-            "step_ms": round(self.worst * 1000, 3), "step_task": self.task,
-            "step_cpu_ms": round(self.worst_cpu * 1000, 3), "step_cpu_task": self.cpu_task}
-        self.worst = self.worst_cpu = 0.0
-        self.task = self.cpu_task = ""
+            "step_ms": round(self.worst * 1000, 3), "step_task": self.task}
+        self.worst = 0.0
+        self.task = ""
         return out
 
 
@@ -114,7 +116,7 @@ async def probe(path: str, tick_s: float = TICK_S, report_s: float = REPORT_S) -
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     steps, collections = _Steps(), _Collections()
     pause = path + PAUSE_SUFFIX
-    worst, ticks = 0.0, 0
+    worst, worst_cpu, ticks = 0.0, 0.0, 0
     try:
         while True:
             paused = wakes.Ticker(PAUSED_CHECK_S, wakes.HOUSEKEEPING_S)
@@ -124,19 +126,22 @@ async def probe(path: str, tick_s: float = TICK_S, report_s: float = REPORT_S) -
                 await paused.tick()  # (on the housekeeping grid: no wake-up of its own)
             trio.lowlevel.add_instrument(steps)
             gc.callbacks.append(collections)
-            last = trio.current_time()
+            last, last_cpu = trio.current_time(), time.thread_time()
             report_at = last + report_s
             try:
                 while True:
                     await trio.sleep(tick_s)
-                    now = trio.current_time()
-                    worst, ticks = max(worst, now - last), ticks + 1
-                    last = now
+                    now, cpu = trio.current_time(), time.thread_time()
+                    if now - last > worst:
+                        worst, worst_cpu = now - last, cpu - last_cpu
+                    ticks += 1
+                    last, last_cpu = now, cpu
                     if now >= report_at:
                         _append(fd, {"t": round(time.time(), 3),
-                                     "max_ms": round(worst * 1000, 3), "ticks": ticks,
+                                     "max_ms": round(worst * 1000, 3),
+                                     "max_cpu_ms": round(worst_cpu * 1000, 3), "ticks": ticks,
                                      **steps.take(), **collections.take()})
-                        worst, ticks = 0.0, 0
+                        worst, worst_cpu, ticks = 0.0, 0.0, 0
                         report_at = now + report_s
                         if _paused(pause):
                             break
@@ -146,7 +151,8 @@ async def probe(path: str, tick_s: float = TICK_S, report_s: float = REPORT_S) -
     finally:
         if ticks:
             _append(fd, {"t": round(time.time(), 3), "max_ms": round(worst * 1000, 3),
-                         "ticks": ticks, **steps.take(), **collections.take()})
+                         "max_cpu_ms": round(worst_cpu * 1000, 3), "ticks": ticks,
+                         **steps.take(), **collections.take()})
         os.close(fd)
 
 

@@ -232,8 +232,9 @@ async def main(settings: Settings, *, announce: Callable[[str], None] = print,
     orphans.become_subreaper()  # what engines double-fork comes back to us, not to init
     async with trio.open_nursery() as nursery:
         running: Running = await nursery.start(run, settings)
-        # What is alive is frozen out of the cyclic collector's walk, now and every 2 s,
-        # so its automatic runs stay short at any size (nvpair.collector)
+        # What is alive is frozen out of the cyclic collector's walk, now and after each
+        # collection of the young generations, which are held to a size, so that every
+        # collection stays short at any size of the node (nvpair.collector)
         with collector_part.guard():
             collector.begin()
         nursery.start_soon(keep_collecting)
