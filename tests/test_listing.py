@@ -156,3 +156,44 @@ async def test_a_board_left_with_no_engines_lists_nothing() -> None:
     assert built.data(board, now).count(b'"id"') == len(NAMES)
     board.publish(())
     assert catalog(board, now).order == [] and built.data(board, now) == b""
+
+
+async def test_a_catalog_moved_during_a_stepwise_walk_is_not_mixed_into_it(
+        autojump_clock) -> None:
+    """Another reader brings the catalog up to date while a walk waits at a checkpoint
+    (engine "b", big, no longer listed): the walk starts again and returns the new
+    listing whole, never an empty part (a ",," in the body) or a model twice."""
+    board = Board(tuple(engine(n) for n in NAMES))
+    many = tuple(Model(f"org/model-{i:05d}-" + "x" * 40) for i in range(6000))  # > 256 KiB
+    for n in NAMES:
+        board.update(n, lambda e, n=n: msgspec.structs.replace(
+            e, state="ready", models=tuple(msgspec.structs.replace(m, id=f"{n}/{m.id}")
+                                           for m in (many if n in "ab" else many[:3])),
+            checked_at=trio.current_time()))
+    walking, other, plain = ModelsBody("n"), ModelsBody("n"), ModelsBody("n")
+    now = trio.current_time()
+
+    class Between(trio.abc.Instrument):
+        """After the walker's first step (it ended at the checkpoint after "a")."""
+
+        walker: trio.lowlevel.Task | None = None
+        done = False
+
+        def after_task_step(self, task: trio.lowlevel.Task) -> None:
+            if task is self.walker and not self.done:
+                self.done = True
+                board.update("b", lambda e: msgspec.structs.replace(e, state="down"))
+                other.parts(board, now)  # (another reader: the catalog brought up to date)
+
+    between = Between()
+    between.walker = trio.lowlevel.current_task()  # (its next step ends at the checkpoint)
+    trio.lowlevel.add_instrument(between)
+    try:
+        got = await walking.parts_stepwise(board, now)
+    finally:
+        trio.lowlevel.remove_instrument(between)
+    assert between.done
+    assert all(got) and got == plain.parts(board, now)
+    ids = [m["id"] for m in msgspec.json.decode(
+        b'{"object":"list","data":[' + b",".join(got) + b"]}")["data"]]
+    assert len(ids) == len(set(ids)) == 6000 + 3 + 3

@@ -32,6 +32,8 @@ from nvpair.snapshot import SHOWN_STATES, Board, EngineState
 TEXT_MAX = 512
 #: an engine's part joined again at least this large ends a step (``parts_stepwise``)
 STEP_BYTES = 256 * 1024
+#: a stepwise walk the catalog moved under this many times is finished in one step
+WALKS = 3
 #: an engine's part in at most this many pieces (items + 1) is joined at every read, not
 #: cached: the check would cost what the join does
 SMALL_PIECES = 9
@@ -288,14 +290,24 @@ class ModelsBody:
                              ) -> list[bytes]:
         """``parts``, with a checkpoint after each engine whose part was joined again and
         is large: when the ages move, ten engines of 10,000 models are 20 MB to join, in
-        steps of one engine's instead of one step of the loop. What it returns is of the
-        board as it was when called. Cancellation: at a checkpoint, nothing half made."""
-        out = []
-        for part, joined in self._walk(board, now, ages_at):
-            out.append(part)
-            if joined and len(part) >= STEP_BYTES:
-                await trio.lowlevel.checkpoint()
-        return out
+        steps of one engine's instead of one step of the loop. What it returns is of one
+        catalog version: when another reader brought the catalog up to date during a
+        checkpoint (an engine unlisted, a model moved), the walk starts again, at most
+        ``WALKS`` times, then ends in one step. Cancellation: at a checkpoint, nothing
+        half made."""
+        for _ in range(WALKS):
+            out, moved = [], False
+            for part, joined in self._walk(board, now, ages_at):
+                out.append(part)
+                if joined and len(part) >= STEP_BYTES:
+                    version = _catalogs[board].version
+                    await trio.lowlevel.checkpoint()
+                    if _catalogs[board].version != version:
+                        moved = True
+                        break
+            if not moved:
+                return out
+        return self.parts(board, now, ages_at)
 
     def _walk(self, board: Board, now: float, ages_at: float | None
               ) -> Iterator[tuple[bytes, bool]]:
