@@ -197,3 +197,32 @@ async def test_a_catalog_moved_during_a_stepwise_walk_is_not_mixed_into_it(
     ids = [m["id"] for m in msgspec.json.decode(
         b'{"object":"list","data":[' + b",".join(got) + b"]}")["data"]]
     assert len(ids) == len(set(ids)) == 6000 + 3 + 3
+
+
+async def test_a_stepwise_walk_of_many_small_engines_ends_a_step_every_few_hundred(
+        autojump_clock) -> None:
+    from nvpair.listing import STEP_ENGINES
+    names = [f"e{i:04d}" for i in range(STEP_ENGINES * 2 + 10)]
+    board = Board(tuple(engine(n) for n in names))
+    for n in names:
+        board.update(n, lambda e: msgspec.structs.replace(
+            e, state="ready", models=(Model(f"{e.name}-x"),), checked_at=trio.current_time()))
+    built, plain = ModelsBody("n"), ModelsBody("n")
+    now = trio.current_time()
+    me = trio.lowlevel.current_task()
+
+    class Steps(trio.abc.Instrument):
+        count = 0
+
+        def before_task_step(self, task: trio.lowlevel.Task) -> None:
+            if task is me:
+                self.count += 1
+
+    steps = Steps()
+    trio.lowlevel.add_instrument(steps)
+    try:
+        got = await built.parts_stepwise(board, now)
+    finally:
+        trio.lowlevel.remove_instrument(steps)
+    assert got == plain.parts(board, now) and len(got) == len(names)
+    assert steps.count == 2  # after 256 and after 512 engines' parts

@@ -9,6 +9,7 @@ import hmac
 import ipaddress
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 from urllib.parse import parse_qs
 
@@ -75,6 +76,16 @@ def _chunked(parts: Sequence[bytes]) -> list[bytes]:
     return chunks
 
 
+@dataclass
+class _Build:
+    """A ``/v1/models`` build under way: its (version, age bucket), and its body once
+    made (``done`` is set when it ends, made or not)."""
+
+    key: tuple[tuple[int, int], int]
+    done: trio.Event = field(default_factory=trio.Event)
+    body: tuple[bytes, ...] | None = None
+
+
 class Controller(Protocol):
     """The write side (lifecycle), when there is one. Its methods never block a read."""
 
@@ -124,6 +135,8 @@ class Api:
         self.cluster = cluster
         self._cache: dict[str, tuple[tuple[int, int], int, bytes]] = {}
         self._chunks: dict[str, tuple[tuple[int, int], int, tuple[bytes, ...]]] = {}
+        #: the /v1/models build under way, by key (see models_chunks)
+        self._building: dict[str, _Build] = {}
         #: this node's /v1/models, encoded per engine (see nvpair.listing)
         self._models = ModelsBody(node)
 
@@ -143,7 +156,12 @@ class Api:
         """``/v1/models`` as the pieces it is sent in, cached per listing version and age
         bucket: probe counters do not re-encode it, and a changed engine re-encodes only its
         own items. An engine's part of 256 KiB or more stays a piece of its own, so a list
-        of tens of MB is never copied into one buffer on the event loop."""
+        of tens of MB is never copied into one buffer on the event loop.
+
+        The build is in steps of the loop (``ModelsBody.parts_stepwise``); a request that
+        comes while one for the same version and bucket is under way waits for it (a few
+        milliseconds of nvpair's own work, never an engine) rather than build it again.
+        When that build ends without a body (its request cancelled), it builds its own."""
         now = trio.current_time()
         version = (self.board.listed(now),
                    self.cluster.version if cluster and self.cluster else 0)
@@ -152,15 +170,28 @@ class Api:
         hit = self._chunks.get(key)
         if hit is not None and hit[0] == version and hit[1] == bucket:
             return hit[2]
-        # ages as at the start of the bucket (so at most AGE_RESOLUTION_S old, as before):
-        # an engine neither changed nor probed since the last answer is not joined again
-        parts = await self._models.parts_stepwise(self.board, now,
-                                                  ages_at=bucket * AGE_RESOLUTION_S)
-        if cluster and self.cluster is not None and (peers := self.cluster.models(now)):
-            parts.append(encoder.encode(peers)[1:-1])
-        body = tuple(_chunked(parts))
-        self._chunks[key] = (version, bucket, body)
-        return body
+        building = self._building.get(key)
+        if building is not None and building.key == (version, bucket):
+            await building.done.wait()
+            if building.body is not None:
+                return building.body
+        build = _Build((version, bucket))
+        self._building[key] = build
+        try:
+            # ages as at the start of the bucket (so at most AGE_RESOLUTION_S old, as
+            # before): an engine neither changed nor probed since the last answer is not
+            # joined again
+            parts = await self._models.parts_stepwise(self.board, now,
+                                                      ages_at=bucket * AGE_RESOLUTION_S)
+            if cluster and self.cluster is not None and (peers := self.cluster.models(now)):
+                parts.append(encoder.encode(peers)[1:-1])
+            build.body = tuple(_chunked(parts))
+            self._chunks[key] = (version, bucket, build.body)
+            return build.body
+        finally:
+            build.done.set()
+            if self._building.get(key) is build:
+                del self._building[key]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
