@@ -396,62 +396,57 @@ def test_chunked_models_are_the_list_and_large_parts_are_pieces_of_their_own(
     assert sum(1 for c in chunks if c is big) == kinds.count(b"big")
 
 
-def counted_builds(api: Api, release: trio.Event) -> list[int]:
-    """Each /v1/models build of ``api`` counted, and held until ``release`` is set."""
-    builds: list[int] = []
-    real = api._models.parts_stepwise
+class Builds:
+    """``api``'s /v1/models builds, counted and each held until ``release`` is set;
+    ``read`` is one reader, what it got in ``got``."""
 
-    async def held(*args: Any, **kw: Any) -> list[bytes]:
-        builds.append(1)
-        await release.wait()
-        return await real(*args, **kw)
+    def __init__(self, api: Api) -> None:
+        self.api, self.count, self.release = api, 0, trio.Event()
+        self.got: list[tuple[bytes, ...]] = []
+        real = api._models.parts_stepwise
 
-    api._models.parts_stepwise = held  # type: ignore[method-assign]
-    return builds
+        async def held(*args: Any, **kw: Any) -> list[bytes]:
+            self.count += 1
+            await self.release.wait()
+            return await real(*args, **kw)
+
+        api._models.parts_stepwise = held  # type: ignore[method-assign]
+
+    async def read(self) -> None:
+        self.got.append(await self.api.models_chunks(False))
 
 
 async def test_readers_that_come_while_the_list_is_built_take_that_build() -> None:
     board = board_with(*(engine(f"e{i}", "ready", (f"m{i}",)) for i in range(5)))
-    api, release = Api(board, node="n1"), trio.Event()
-    builds = counted_builds(api, release)
-    got: list[tuple[bytes, ...]] = []
-
-    async def read() -> None:
-        got.append(await api.models_chunks(False))
-
+    builds = Builds(Api(board, node="n1"))
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery:
             for _ in range(4):
-                nursery.start_soon(read)
+                nursery.start_soon(builds.read)
             await trio.testing.wait_all_tasks_blocked()
-            release.set()
-    assert len(builds) == 1 and len(got) == 4 and all(g is got[0] for g in got)
+            builds.release.set()
+    got = builds.got
+    assert builds.count == 1 and len(got) == 4 and all(g is got[0] for g in got)
     assert b'"m4"' in b"".join(got[0])
 
 
 async def test_a_reader_whose_build_was_cancelled_leaves_the_next_to_build_its_own() -> None:
-    board = board_with(engine("a", "ready", ("m1",)))
-    api, release = Api(board, node="n1"), trio.Event()
-    builds = counted_builds(api, release)
-    got: list[tuple[bytes, ...]] = []
-
-    async def read() -> None:
-        got.append(await api.models_chunks(False))
-
+    builds = Builds(Api(board_with(engine("a", "ready", ("m1",))), node="n1"))
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery:
             first = trio.CancelScope()
 
             async def cancelled_read() -> None:
                 with first:
-                    await read()
+                    await builds.read()
 
             nursery.start_soon(cancelled_read)
             await trio.testing.wait_all_tasks_blocked()  # (the first build under way)
-            nursery.start_soon(read)
+            nursery.start_soon(builds.read)
             await trio.testing.wait_all_tasks_blocked()  # (the second waits for it)
-            assert len(builds) == 1
+            assert builds.count == 1
             first.cancel()  # (its client gone: the build ends without a body)
             await trio.testing.wait_all_tasks_blocked()
-            release.set()
-    assert len(builds) == 2 and len(got) == 1 and b'"m1"' in b"".join(got[0])
+            builds.release.set()
+    got = builds.got
+    assert builds.count == 2 and len(got) == 1 and b'"m1"' in b"".join(got[0])

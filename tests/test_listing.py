@@ -1,6 +1,9 @@
 """The listing built engine by engine is the one views.models_doc defines, byte for byte,
 after any sequence of changes (hypothesis), and it rebuilds only what changed."""
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import msgspec
 import trio
 import trio.testing
@@ -39,6 +42,41 @@ def ready_board() -> Board:
         board.update(n, lambda e: msgspec.structs.replace(
             e, state="ready", models=(Model(f"{e.name}-x"),), checked_at=trio.current_time()))
     return board
+
+
+def big_board() -> Board:
+    """NAMES, ready: "a" and "b" with 6,000 models each (a part over 256 KiB), the others
+    with 3."""
+    board = Board(tuple(engine(n) for n in NAMES))
+    many = tuple(Model(f"org/model-{i:05d}-" + "x" * 40) for i in range(6000))  # > 256 KiB
+    for n in NAMES:
+        board.update(n, lambda e, n=n: msgspec.structs.replace(
+            e, state="ready", models=tuple(msgspec.structs.replace(m, id=f"{n}/{m.id}")
+                                           for m in (many if n in "ab" else many[:3])),
+            checked_at=trio.current_time()))
+    return board
+
+
+class StepsOf(trio.abc.Instrument):
+    """Counts the steps ``task`` takes while added."""
+
+    def __init__(self, task: trio.lowlevel.Task) -> None:
+        self.task, self.count = task, 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task is self.task:
+            self.count += 1
+
+
+@contextmanager
+def steps_counted() -> Iterator[StepsOf]:
+    """The steps this task takes within the block."""
+    steps = StepsOf(trio.lowlevel.current_task())
+    trio.lowlevel.add_instrument(steps)
+    try:
+        yield steps
+    finally:
+        trio.lowlevel.remove_instrument(steps)
 
 
 def body(models: ModelsBody, board: Board, now: float) -> bytes:
@@ -107,32 +145,13 @@ async def test_stepwise_parts_are_the_same_bytes_and_yield_after_each_big_join(
     """When the ages move, every big engine's part is joined again: one checkpoint after
     each (a step of the loop per engine, not one for all); the bytes are parts' bytes,
     and a second call joins nothing."""
-    board = Board(tuple(engine(n) for n in NAMES))
-    many = tuple(Model(f"org/model-{i:05d}-" + "x" * 40) for i in range(6000))  # > 256 KiB
-    for n in NAMES:
-        board.update(n, lambda e, n=n: msgspec.structs.replace(
-            e, state="ready", models=tuple(msgspec.structs.replace(m, id=f"{n}/{m.id}")
-                                           for m in (many if n in "ab" else many[:3])),
-            checked_at=trio.current_time()))
+    board = big_board()
     built, plain = ModelsBody("n"), ModelsBody("n")
     now = trio.current_time()
-    me = trio.lowlevel.current_task()
-
-    class Steps(trio.abc.Instrument):
-        count = 0
-
-        def before_task_step(self, task: trio.lowlevel.Task) -> None:
-            if task is me:
-                self.count += 1
-
-    steps = Steps()
-    trio.lowlevel.add_instrument(steps)
-    try:
+    with steps_counted() as steps:
         got = await built.parts_stepwise(board, now)
         first = steps.count
         again = await built.parts_stepwise(board, now)
-    finally:
-        trio.lowlevel.remove_instrument(steps)
     assert got == plain.parts(board, now) and again == got
     assert first == 2  # after "a" and after "b" (the small ones end no step)
     assert steps.count == first  # nothing joined the second time: no checkpoint
@@ -163,13 +182,7 @@ async def test_a_catalog_moved_during_a_stepwise_walk_is_not_mixed_into_it(
     """Another reader brings the catalog up to date while a walk waits at a checkpoint
     (engine "b", big, no longer listed): the walk starts again and returns the new
     listing whole, never an empty part (a ",," in the body) or a model twice."""
-    board = Board(tuple(engine(n) for n in NAMES))
-    many = tuple(Model(f"org/model-{i:05d}-" + "x" * 40) for i in range(6000))  # > 256 KiB
-    for n in NAMES:
-        board.update(n, lambda e, n=n: msgspec.structs.replace(
-            e, state="ready", models=tuple(msgspec.structs.replace(m, id=f"{n}/{m.id}")
-                                           for m in (many if n in "ab" else many[:3])),
-            checked_at=trio.current_time()))
+    board = big_board()
     walking, other, plain = ModelsBody("n"), ModelsBody("n"), ModelsBody("n")
     now = trio.current_time()
 
@@ -209,20 +222,7 @@ async def test_a_stepwise_walk_of_many_small_engines_ends_a_step_every_few_hundr
             e, state="ready", models=(Model(f"{e.name}-x"),), checked_at=trio.current_time()))
     built, plain = ModelsBody("n"), ModelsBody("n")
     now = trio.current_time()
-    me = trio.lowlevel.current_task()
-
-    class Steps(trio.abc.Instrument):
-        count = 0
-
-        def before_task_step(self, task: trio.lowlevel.Task) -> None:
-            if task is me:
-                self.count += 1
-
-    steps = Steps()
-    trio.lowlevel.add_instrument(steps)
-    try:
+    with steps_counted() as steps:
         got = await built.parts_stepwise(board, now)
-    finally:
-        trio.lowlevel.remove_instrument(steps)
     assert got == plain.parts(board, now) and len(got) == len(names)
     assert steps.count == 2  # after 256 and after 512 engines' parts
