@@ -124,7 +124,7 @@ def test_the_next_look_comes_when_the_young_will_hold_half_the_limit() -> None:
     collector = Collector(Policy(young_limit=2_000, young_check_s=(1 / 32, 1.0)))
     assert collector.next_look(1.0, 4_000) == 0.25  # (4,000 a second: 1,000 in 1/4 s)
     assert collector.next_look(0.5, 1_000) == 0.5
-    assert collector.next_look(0.25, 3_000) == 1 / 16  # (a power of two: 1/12 s is 1/16)
+    assert collector.next_look(0.25, 3_000) == 0.25 / 3
     assert collector.next_look(1 / 32, 100_000) == 1 / 32  # (never sooner than 1/32 s)
     assert collector.next_look(1.0, 10) == 1.0  # (never later than a second)
     assert collector.next_look(1.0, 0) == 1.0

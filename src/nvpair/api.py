@@ -161,17 +161,21 @@ class Api:
         The build is in steps of the loop (``ModelsBody.parts_stepwise``); a request that
         comes while one for the same version and bucket is under way waits for it (a few
         milliseconds of nvpair's own work, never an engine) rather than build it again.
-        When that build ends without a body (its request cancelled), it builds its own."""
+        When that build ends without a body (its request cancelled), one of the readers
+        that waited builds it again and the others wait for that one."""
         now = trio.current_time()
         version = (self.board.listed(now),
                    self.cluster.version if cluster and self.cluster else 0)
         bucket = int(now / AGE_RESOLUTION_S)
         key = "cluster-models" if cluster else "models"
-        hit = self._chunks.get(key)
-        if hit is not None and hit[0] == version and hit[1] == bucket:
-            return hit[2]
-        building = self._building.get(key)
-        if building is not None and building.key == (version, bucket):
+        while True:  # (again after a build that ended without a body: another reader
+            # may have started the next one)
+            hit = self._chunks.get(key)
+            if hit is not None and hit[0] == version and hit[1] == bucket:
+                return hit[2]
+            building = self._building.get(key)
+            if building is None or building.key != (version, bucket):
+                break
             await building.done.wait()
             if building.body is not None:
                 return building.body

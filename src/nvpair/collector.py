@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import math
 import os
 import time
 from collections.abc import Callable
@@ -159,13 +158,12 @@ class Collector:
         return young
 
     def next_look(self, since_s: float, young: int) -> float:
-        """When to look at the young generations again (a power of two seconds): when, at
-        the rate they grew since the last look ``since_s`` ago (``young`` now, none
-        after it), they will hold half the limit; within ``young_check_s``."""
+        """When to look at the young generations again: when, at the rate they grew since
+        the last look ``since_s`` ago (``young`` now, none after it), they will hold half
+        the limit; within ``young_check_s``."""
         shortest, longest = self.policy.young_check_s
         every_s = longest if young <= 0 else since_s * self.policy.young_limit / 2 / young
-        every_s = min(max(every_s, shortest), longest)
-        return float(2.0 ** math.floor(math.log2(every_s)))
+        return min(max(every_s, shortest), longest)
 
     async def keep(self) -> None:
         """After ``begin``: freeze after each collection of generation 1 or 2, hold the
@@ -177,7 +175,8 @@ class Collector:
             looked = trio.current_time()
             check_at = looked + self.policy.check_s
             while True:
-                await wakes.sleep_until(trio.current_time() + every_s, every_s)
+                await wakes.sleep_until(trio.current_time() + every_s,
+                                        wakes.grid_for(every_s, slack=1.0))
                 now = trio.current_time()
                 every_s = self.next_look(now - looked, self.trim())
                 looked = now

@@ -300,7 +300,7 @@ class ModelsBody:
         ``WALKS`` times, then ends in one step. Cancellation: at a checkpoint, nothing
         half made."""
         for _ in range(WALKS):
-            out, moved, since = [], False, 0
+            out, since = [], 0
             for part, joined in self._walk(board, now, ages_at):
                 out.append(part)
                 since += 1
@@ -309,9 +309,8 @@ class ModelsBody:
                     version = _catalogs[board].version
                     await trio.lowlevel.checkpoint()
                     if _catalogs[board].version != version:
-                        moved = True
-                        break
-            if not moved:
+                        break  # (moved under the walk: start again)
+            else:
                 return out
         return self.parts(board, now, ages_at)
 

@@ -11,7 +11,7 @@ so an idle loop shows about 5 ms and a step that held the loop for 40 ms shows a
 the step names who held it. A gap long by the clock in which the thread spent little CPU
 was the process waiting for a core (the machine busy), not nvpair's work.
 
-Steps are timed by the clock only (``time.perf_counter``, about 60 ns). Until 537711a they
+Steps are timed by the clock only (``time.perf_counter``, about 60 ns). Before 8dc19e2 they
 were timed by the thread's CPU clock as well, but ``time.thread_time`` is a system call
 (about 0.75 us here), and two of them a step more than doubled what a short task step
 costs (about 3 us bare, 7-8 us so timed, 4 us timed by the clock only): the probe added
