@@ -260,7 +260,7 @@ class EngineLog:
             if pending and not skipping:
                 self.write(pending.decode("utf-8", "replace"))
             if self._episode is not None:
-                self._episode_end()
+                self._episode_end(trio.current_time())
 
     async def _take(self, buf: bytes, read: int, skipping: bool, now: float
                     ) -> tuple[bytes, bool]:
@@ -362,17 +362,19 @@ class EngineLog:
         episode = self._episode
         if episode is None:
             return
-        if now - episode.last_drop >= EPISODE_S:
-            self._episode_end()
-        elif episode.words is None and now - episode.start >= EPISODE_S:
+        over = now - episode.last_drop >= EPISODE_S
+        if episode.words is None and (over or now - episode.start >= EPISODE_S):
             self._say(episode, now)
         elif episode.words is not None and now - episode.reported >= EPISODE_S:
             episode.reported = now
             self._report(Drops(self.dropped, episode.words))
+        if over:
+            self._episode_end(now)
 
     def _say(self, episode: _Episode, now: float) -> None:
-        """The episode in one line, in nvpair's log and the engine's."""
-        span = max(now - episode.start, 1e-3)
+        """The episode in one line, in nvpair's log and the engine's: its rates over its
+        first second (or its whole, if longer by the time it is said)."""
+        span = max(now - episode.start, EPISODE_S)
         episode.words = (f"engine {self.name} wrote {episode.lines / span:,.0f} lines/s "
                          f"({episode.bytes / span / 1e6:,.1f} MB/s); {episode.dropped:,} "
                          f"dropped; the newest kept")
@@ -382,11 +384,11 @@ class EngineLog:
         self.write(f"[nvpair] {episode.words}")
         self._report(Drops(self.dropped, episode.words))
 
-    def _episode_end(self) -> None:
+    def _episode_end(self, now: float) -> None:
         episode = self._episode
         assert episode is not None
         if episode.words is None:
-            self._say(episode, episode.last_drop)
+            self._say(episode, now)
         self._episode = None
         self._report(Drops(self.dropped, None))
 
