@@ -251,9 +251,9 @@ class EngineLog:
                     if not data:
                         return
                 now = trio.current_time()
-                if data:
-                    pending, skipping = await self._take(pending + data, len(data),
-                                                         skipping, now)
+                if data:  # (pending is in buf now: a cancel inside must not write it again)
+                    buf, pending = pending + data, b""
+                    pending, skipping = await self._take(buf, len(data), skipping, now)
                 self._episode_tick(now)
                 if self._episode is not None and data:
                     await trio.sleep(DROP_PAUSE_S)
