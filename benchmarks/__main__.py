@@ -33,6 +33,7 @@ from benchmarks import (
     memwatch,
     metrics,
     models,
+    output_flood,
     probe_cost,
     replay,
     report,
@@ -60,6 +61,7 @@ SCENARIOS: dict[str, Scenario] = {
     "metrics": metrics.run,
     "events": events.run,
     "memwatch": memwatch.run,
+    "output_flood": output_flood.run,
 }
 
 

@@ -11,7 +11,15 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nvpair.api import Api, browser_refusal, local_host, log_query, read_log, split_authority
+from nvpair.api import (
+    LOG_PAGE_BYTES,
+    Api,
+    browser_refusal,
+    local_host,
+    log_query,
+    read_log,
+    split_authority,
+)
 from nvpair.logs import EngineLog, Lines
 from nvpair.snapshot import Board, EngineState, Model, ProbeStats
 
@@ -145,6 +153,50 @@ async def test_bad_log_queries_say_what_is_wrong(query: str, message: str) -> No
     with pytest.raises(ValueError) as info:
         await read_log(EngineLog(None), log_query(parse_qs(query)))
     assert str(info.value) == message
+
+
+class Logs:
+    """A controller with one engine's log (``x``)."""
+
+    def __init__(self, log: EngineLog) -> None:
+        self.engine_log = log
+
+    async def command(self, name: str, action: str) -> tuple[int, dict[str, object]]:
+        raise AssertionError("no commands here")
+
+    def log(self, name: str) -> EngineLog | None:
+        return self.engine_log if name == "x" else None
+
+
+async def test_a_large_log_read_comes_in_pages_of_at_most_4_mb() -> None:
+    """Before: one answer of 32 MB (2,000 lines of 8,000 two-byte characters), encoded
+    in one step. Now pages: every line once, in order, following ``next``."""
+    log = EngineLog(None)
+    for i in range(2000):
+        log.write(f"{i:04d}" + "é" * 7996)
+    api = Api(board_with(engine("x", "ready")), node="n", controller=Logs(log))
+    got: list[str] = []
+    pages = 0
+    async with client(api) as c:
+        r = await c.get("/v1/engines/x/logs?tail=100000")
+        while True:
+            assert r.status_code == 200
+            assert len(r.content) <= LOG_PAGE_BYTES + 200
+            doc = r.json()
+            assert doc["first"] == len(got) and doc["missed"] == 0
+            got += doc["lines"]
+            pages += 1
+            if not doc["more"]:
+                break
+            assert doc["next"] == len(got)
+            r = await c.get(f"/v1/engines/x/logs?after={doc['next']}")
+        assert doc["next"] == 2000
+        assert got == log.tail(2000).lines
+        assert pages >= 8  # 32 MB in pages of 4 MB at most
+        # a follower at the end waits for the next line, as before
+        r = await c.get("/v1/engines/x/logs?after=2000")
+        assert r.json() == {"engine": "x", "lines": [], "first": 2000, "next": 2000,
+                            "missed": 0, "more": False}
 
 
 class Recorder:

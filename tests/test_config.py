@@ -181,3 +181,13 @@ def test_a_nul_from_the_api_key_file_in_the_command_is_one_line(write) -> None:
     assert message.endswith("nvpair.toml: engines[0]: the command built for this engine "
                             "contains a NUL byte (from the manifest's start template or "
                             "api_key_file)"), message
+
+
+def test_the_log_rate_cap_defaults_to_the_pumps_and_is_checked(write) -> None:
+    from nvpair import logs
+    default = settings_for(write, 'listen = "127.0.0.1:14322"\n')
+    assert (default.log_lines_per_s, default.log_bytes_per_s) == logs.DEFAULT_RATE
+    given = settings_for(write, "log_lines_per_s = 200\nlog_bytes_per_s = 65536\n")
+    assert (given.log_lines_per_s, given.log_bytes_per_s) == (200, 65536)
+    assert error_for(write, "log_lines_per_s = 0\n").endswith(
+        "nvpair.toml: log_lines_per_s: expected int >= 10")

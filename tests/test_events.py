@@ -173,3 +173,22 @@ def test_content_key_moves_with_every_field_the_content_shows() -> None:
         if engine_content(changed, 1.0) != engine_content(base, 1.0):
             assert content_key(changed, 1.0) != content_key(base, 1.0), field
     assert checked > 20
+
+
+async def test_an_episode_of_dropped_output_is_an_event_its_count_is_not(
+        autojump_clock) -> None:
+    """The count moves every second of a flood (status and /metrics have it); the
+    episode's start, in words, and its end are one event each."""
+    board = Board((engine("a"),))
+    journal = Journal(board, node="n")
+    stream, _ = journal.subscribe()
+    words = "engine a wrote 180,000 lines/s (1.1 MB/s); 171,200 dropped; the newest kept"
+    for dropped, dropping in ((171_200, words), (351_200, words), (530_000, words),
+                              (530_000, None)):
+        board.update("a", lambda e, d=dropped, w=dropping: msgspec.structs.replace(
+            e, log_dropped=d, log_dropping=w))
+        journal.refresh(trio.current_time())
+    assert journal.seq == 2
+    assert [msgspec.json.decode(e.data)["log"] for e in stream.take()] == [{"dropping": None}]
+    assert [msgspec.json.decode(e.data)["log"] for e in journal.ring] == [
+        {"dropping": words}, {"dropping": None}]

@@ -656,3 +656,29 @@ async def test_a_start_request_ends_the_runners_backoff(nursery, autojump_clock,
     assert runner.request("start") == Accepted("start")
     await trio.testing.wait_all_tasks_blocked()
     assert len(tries) == 5 and tries[-1] == asked
+
+
+async def test_an_engine_that_floods_its_output_is_capped_and_said_so(nursery,
+                                                                      tmp_path) -> None:
+    """``yes`` as a managed engine: its lines above the cap are dropped and counted, in its
+    status, its event and /metrics, while nvpair answers at once."""
+    settings = msgspec.structs.replace(
+        managed_config(tmp_path, "e", free_port(), ["yes", "flood"]), log_lines_per_s=100)
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, settings)
+        await wait_state(running.board, "e", "starting", where=lambda e: e.log_dropping)
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            for _ in range(20):
+                with trio.fail_after(READ_BOUND_S):
+                    assert (await client.get("/healthz")).status_code == 200
+            status = (await client.get("/v1/engines/e")).json()
+            metrics = (await client.get("/metrics")).text
+            lines = (await client.get("/v1/engines/e/logs?tail=100000")).json()["lines"]
+    assert status["log"]["dropped"] > 0
+    assert status["log"]["dropping"].startswith("engine e wrote ")
+    assert status["log"]["dropping"].endswith(" dropped; the newest kept")
+    dropped = next(int(float(line.split()[-1])) for line in metrics.splitlines()
+                   if line.startswith('nvpair_engine_log_dropped_lines_total{engine="e"}'))
+    assert dropped > 0
+    assert sum(1 for line in lines if line.startswith("[nvpair] engine e wrote ")) == 1
+    assert len(lines) <= 2000

@@ -171,6 +171,12 @@ async def test_about_twenty_series_per_engine() -> None:
     text = Metrics(Board((engine("x", checked_at=now, probes=probes),)), traffic,
                    node="n").body().decode()
     assert series_per_engine(text, "x") == 27  # (7 states)
+    # a managed engine: one more, the lines of its output dropped above the rate cap
+    flooded = msgspec.structs.replace(engine("m"), managed=True, log_dropped=171_200)
+    text = Metrics(Board((flooded,)), node="n").body().decode()
+    assert value(text, "nvpair_engine_log_dropped_lines_total", engine="m") == "171200"
+    assert series_per_engine(text, "m") == series_per_engine(
+        Metrics(Board((engine("m"),)), node="n").body().decode(), "m") + 1
 
 
 @given(st.text(max_size=40))

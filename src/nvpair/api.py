@@ -362,8 +362,7 @@ class Api:
         except ValueError as exc:
             await send_error(send, 400, str(exc))
             return
-        await send_json(send, 200, {"engine": name, "lines": lines.lines, "first": lines.first,
-                                    "next": lines.next, "missed": lines.missed})
+        await send_chunks(send, 200, await log_page(name, lines))
 
     def _authorized(self, scope: Scope, mount: Mount | None) -> bool:
         assert self.token is not None
@@ -512,3 +511,40 @@ async def read_log(log: EngineLog, query: LogQuery) -> Lines:
             await log.changes.wait_changed(log.changes.version)
         lines = log.after(query.after)
     return lines
+
+
+#: The most bytes of lines one log answer holds (2,000 lines of 8,192 wide characters
+#: are 32 MB); a client asks for the rest with ``after=`` the answer's ``next``.
+LOG_PAGE_BYTES = 4 * 1024 * 1024
+#: Encoded lines between two checkpoints while an answer is built, sent as one piece:
+#: ~0.6 ms of encoding (2-byte characters: ~40 us a line of 8,000).
+LOG_STEP_BYTES = 64 * 1024
+
+
+async def log_page(name: str, lines: Lines, max_bytes: int = LOG_PAGE_BYTES) -> list[bytes]:
+    """The answer to a log read, in pieces for ``send_chunks`` (never joined whole: a copy
+    of 4 MB is ~2 ms): the first of ``lines`` that fit in ``max_bytes`` (one at least),
+    encoded a line at a time, a checkpoint every ``LOG_STEP_BYTES``. ``next`` is the
+    number of the first line left out when ``more`` (else the log's next line)."""
+    pieces = [b'{"engine":' + encoder.encode(name) + b',"lines":[']
+    group: list[bytes] = []
+    size = step = count = 0
+    for line in lines.lines:
+        part = encoder.encode(line)
+        if count and size + len(part) + 1 > max_bytes:
+            break
+        group.append(part)
+        count += 1
+        size += len(part) + 1
+        step += len(part) + 1
+        if step >= LOG_STEP_BYTES:
+            pieces.append((b"," if len(pieces) > 1 else b"") + b",".join(group))
+            group, step = [], 0
+            await trio.lowlevel.checkpoint()
+    if group:
+        pieces.append((b"," if len(pieces) > 1 else b"") + b",".join(group))
+    more = count < len(lines.lines)
+    following = lines.first + count if more else lines.next
+    pieces.append(b'],"first":%d,"next":%d,"missed":%d,"more":%s}' % (
+        lines.first, following, lines.missed, b"true" if more else b"false"))
+    return pieces

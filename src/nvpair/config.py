@@ -159,6 +159,10 @@ class Config(Base, frozen=True):
     body_timeout_s: Seconds = 60.0
     #: where managed engines' log files go (default: a per-user state directory).
     log_dir: str | None = None
+    #: a managed engine's output kept at most: lines above either rate are dropped and
+    #: counted (docs/lifecycle.md); the defaults are nvpair.logs.LINES_PER_S, BYTES_PER_S.
+    log_lines_per_s: Annotated[int, msgspec.Meta(ge=10, le=10_000_000)] = 5000
+    log_bytes_per_s: Annotated[int, msgspec.Meta(ge=4096, le=1 << 34)] = 2 * 1024 * 1024
     #: where nvpair keeps a state file per managed engine process (docs/deploy.md).
     state_dir: str | None = None
     router: RouterConfig = RouterConfig()
@@ -230,6 +234,8 @@ class Settings(msgspec.Struct, frozen=True):
     keep_alive_s: float
     log_dir: Path
     router: RouterConfig = RouterConfig()
+    log_lines_per_s: int = 5000
+    log_bytes_per_s: int = 2 * 1024 * 1024
     #: None: peers are not enabled.
     cluster: ClusterSettings | None = None
     allowed_hosts: tuple[str, ...] = ()
@@ -370,6 +376,8 @@ def resolve(config: Config, source: str, base: Path, *, listen: str | None = Non
         sweep_deadline_s=config.sweep_deadline_s,
         keep_alive_s=config.keep_alive_s,
         log_dir=log_dir,
+        log_lines_per_s=config.log_lines_per_s,
+        log_bytes_per_s=config.log_bytes_per_s,
         router=config.router,
         cluster=cluster,
         allowed_hosts=tuple(h.lower() for h in config.allowed_hosts),

@@ -118,7 +118,9 @@ class Event(msgspec.Struct, frozen=True):
 
 def engine_content(e: EngineState, now: float) -> dict[str, Any]:
     """What an ``engine`` event shows: state, models, error, restarts; no probe counters,
-    ages or times, so a probe that changes nothing changes nothing here."""
+    ages or times, so a probe that changes nothing changes nothing here. Of its output's
+    drops only the episode (its start, in words with its numbers, and its end): the count
+    moves every second of a flood."""
     return {"name": e.name, "kind": e.kind, "url": e.url, "managed": e.managed,
             "state": shown_state(e, now), "models": [m.id for m in e.models],
             "models_stale": e.models_stale, "aliases": list(e.aliases),
@@ -127,14 +129,14 @@ def engine_content(e: EngineState, now: float) -> dict[str, Any]:
             "error": "; ".join(x for x in (e.error, e.notice) if x) or None,
             "restarts": e.restarts, "pid": e.pid, "exit_code": e.exit_code,
             "admitting": e.admitting, "queued": e.queued, "activity": e.activity,
-            "memory": event_doc(e.memory)}
+            "memory": event_doc(e.memory), "log": {"dropping": e.log_dropping}}
 
 
 def content_key(e: EngineState, now: float) -> tuple[object, ...]:
     """What ``engine_content`` is built from: equal keys, equal content."""
     return (shown_state(e, now), e.models, e.models_stale, e.aliases, e.identity, e.error,
             e.notice, e.restarts, e.pid, e.exit_code, e.admitting, e.queued, e.activity,
-            e.memory, e.kind, e.url, e.managed)
+            e.memory, e.kind, e.url, e.managed, e.log_dropping)
 
 
 def parse_event_id(text: str) -> tuple[str, int] | None:

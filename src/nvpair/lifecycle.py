@@ -40,7 +40,7 @@ from nvpair.changes import Changes
 from nvpair.command import build_command, engine_env
 from nvpair.config import EngineSpec, placeholder_values
 from nvpair.errors import ProbeError
-from nvpair.logs import EngineLog
+from nvpair.logs import DEFAULT_RATE, Drops, EngineLog, RateCap
 from nvpair.orphans import EngineProcs
 from nvpair.prober import Enrolment, ProbeMemory, open_client, run_probes
 from nvpair.process import (
@@ -119,7 +119,7 @@ class EngineRunner:
                  log_dir: Path | None, traffic: Traffic | None = None,
                  procs: EngineProcs | None = None, *,
                  transport: httpx2.AsyncBaseTransport | None = None,
-                 spawn: Spawn = spawn_process) -> None:
+                 spawn: Spawn = spawn_process, log_rate: RateCap = DEFAULT_RATE) -> None:
         self.spec = spec
         self.transport = transport  # the probes' (tests use a mock engine)
         self._spawn = spawn  # how its process starts (tests use a fake process)
@@ -160,7 +160,9 @@ class EngineRunner:
         self.log = None
         if spec.managed:
             path = None if log_dir is None else log_dir / f"{spec.name}.log"
-            self.log = EngineLog(path, redact=(spec.api_key or "",))
+            self.log = EngineLog(path, redact=(spec.api_key or "",), rate=log_rate,
+                                 name=spec.name)
+            self.log.on_drops = self._publish_drops
 
     # -- the write API (sync: it only records what is wanted and wakes the task) ----------
 
@@ -295,6 +297,10 @@ class EngineRunner:
         notice = None if reason is None else f"engine output is not logged: {reason}"
         self.board.update(self.spec.name,
                           lambda e: msgspec.structs.replace(e, notice=notice))
+
+    def _publish_drops(self, drops: Drops) -> None:
+        self.board.update(self.spec.name, lambda e: msgspec.structs.replace(
+            e, log_dropped=drops.dropped, log_dropping=drops.episode))
 
     # -- the task ------------------------------------------------------------------------
 

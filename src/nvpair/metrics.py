@@ -138,6 +138,9 @@ class Metrics:
         family("nvpair_engine_restarts_total", "counter",
                "Times nvpair restarted the engine's process.")
         out += [f.restarts for f in parts]
+        family("nvpair_engine_log_dropped_lines_total", "counter",
+               "Lines of a managed engine's output dropped above the log rate cap.")
+        out += [f.dropped for f in parts]
         family("nvpair_probe_requests_total", "counter",
                "Probe requests nvpair sent the engine, by probe and outcome "
                "(ok, error, timeout; error and timeout once they happened).")
@@ -220,6 +223,7 @@ class _Engine(NamedTuple):
     states: str
     last_ok: str
     restarts: str
+    dropped: str
     probes: str
     #: ((kind, probe), latency ms in total, requests) per probe
     durations: tuple[tuple[tuple[str, str], float, int], ...]
@@ -243,6 +247,7 @@ def _lines(e: EngineState, state: str, offset: float) -> _Engine:
         "" if e.checked_at is None else
         f"nvpair_engine_last_ok_timestamp_seconds{{{lbl}}} {e.checked_at + offset:.3f}\n",
         f"nvpair_engine_restarts_total{{{lbl}}} {e.restarts}\n",
+        f"nvpair_engine_log_dropped_lines_total{{{lbl}}} {e.log_dropped}\n" if e.managed else "",
         "".join(probes),
         tuple(((e.kind, p), st.latency_ms_total, st.requests) for p, st in e.probes))
 

@@ -22,6 +22,7 @@ from nvpair.events import Journal
 from nvpair.group.link import Groups
 from nvpair.history import History
 from nvpair.lifecycle import EngineRunner
+from nvpair.logs import RateCap
 from nvpair.memwatch import MemoryWatch
 from nvpair.metrics import Metrics
 from nvpair.peers.broker import Broker
@@ -107,7 +108,9 @@ async def run(settings: Settings, *,
     sweep = Sweep(board, settings.sweep_deadline_s)
     traffic = Traffic(settings.router)
     procs = orphans.EngineProcs(settings.state_dir)
-    runners = {spec.name: EngineRunner(spec, board, sweep, settings.log_dir, traffic, procs)
+    log_rate = RateCap(settings.log_lines_per_s, settings.log_bytes_per_s)
+    runners = {spec.name: EngineRunner(spec, board, sweep, settings.log_dir, traffic, procs,
+                                       log_rate=log_rate)
                for spec in settings.engines}
     memory = MemoryWatch(settings.memory, board, settings.engines, traffic=traffic,
                          runners=runners)

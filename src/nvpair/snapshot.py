@@ -122,6 +122,10 @@ class EngineState(msgspec.Struct, frozen=True, gc=False):
     activity: str | None = None
     #: the head of a multi-node group: its group, for its models' nvpair.group (docs/groups.md)
     group: GroupTag | None = None
+    #: a managed engine's output lines dropped above the log rate cap since nvpair began
+    #: its log, and the episode of drops in progress, in words (None: none); nvpair.logs
+    log_dropped: int = 0
+    log_dropping: str | None = None
 
     def probe(self, name: str) -> ProbeStats | None:
         for n, stats in self.probes:

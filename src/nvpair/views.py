@@ -65,6 +65,7 @@ def engine_status(e: EngineState, snap: Snapshot, now: float, node: str) -> dict
             "name": e.group.name, "role": "head", "rank": 0, "epoch": e.group.epoch,
             "ranks_ready": e.group.ranks_ready, "ranks": e.group.ranks},
         "memory": engine_doc(e.memory),
+        "log": {"dropped": e.log_dropped, "dropping": e.log_dropping},
         "version": snap.version,
     }
 

@@ -133,6 +133,9 @@ FOLLOW_WAIT_S = 10
 def follow_logs(args: argparse.Namespace) -> int:
     doc = call(args, "GET", f"/v1/engines/{args.name}/logs?tail={max(1, args.tail)}")
     _print_lines(doc)
+    while doc.get("more"):  # an answer holds at most 4 MB: the next page
+        doc = call(args, "GET", f"/v1/engines/{args.name}/logs?after={doc['next']}")
+        _print_lines(doc)
     if not args.follow:
         return 0
     try:

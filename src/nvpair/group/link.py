@@ -14,6 +14,7 @@ from nvpair.config import Settings
 from nvpair.group.epochkey import EpochKey, EpochWatch
 from nvpair.group.runner import GroupRunner, Heard, Reports, Status
 from nvpair.group.view import PREFIX, GroupsView, doc
+from nvpair.logs import RateCap
 from nvpair.orphans import EngineProcs
 from nvpair.peers.advert import Advertiser
 from nvpair.peers.broker import Broker
@@ -97,7 +98,8 @@ class Groups:
         for spec in self.specs:
             runner = self.runners[spec.name] = GroupRunner(
                 spec, board, link, self.reports, self.settings.node, self.settings.log_dir,
-                procs, self.settings.state_dir)
+                procs, self.settings.state_dir,
+                RateCap(self.settings.log_lines_per_s, self.settings.log_bytes_per_s))
             if broker.etcd is not None and runner.group.rank == 0:
                 runner.claim = EpochKey(broker.etcd, spec.name, self.settings.node).claim
             elif broker.etcd is not None:  # a rank runs only the epoch held under the key

@@ -33,7 +33,7 @@ from nvpair.config import EngineSpec, placeholder_values
 from nvpair.group import machine
 from nvpair.group.machine import GroupTag, Head, KeyView, Member, Policy, Proc, Report
 from nvpair.group.spec import GroupSettings, role_manifest, role_values
-from nvpair.logs import EngineLog
+from nvpair.logs import DEFAULT_RATE, EngineLog, RateCap
 from nvpair.memproc import MemorySourceError, read_status
 from nvpair.orphans import EngineProcs
 from nvpair.process import EngineProcess, Stopping, describe_exit, run_engine_process
@@ -235,7 +235,7 @@ class GroupRunner:
 
     def __init__(self, spec: EngineSpec, board: Board, peers: GroupPeers, reports: Reports,
                  node: str, log_dir: Path | None, procs: EngineProcs,
-                 state_dir: Path | None) -> None:
+                 state_dir: Path | None, log_rate: RateCap = DEFAULT_RATE) -> None:
         assert spec.group is not None
         self.spec = spec
         self.group: GroupSettings = spec.group
@@ -244,6 +244,7 @@ class GroupRunner:
         self.reports = reports
         self.node = node
         self.log_dir = log_dir
+        self.log_rate = log_rate  # (the config's log_lines_per_s, log_bytes_per_s)
         self.procs = procs
         self.state_dir = state_dir
         g = self.group
@@ -629,9 +630,10 @@ class GroupRunner:
         if self.log is not None:
             self.log.close()
         if self.log_dir is None:
-            return EngineLog(None)
+            return EngineLog(None, rate=self.log_rate, name=self.spec.name)
         prune_logs(self.log_dir, self.spec.name, LOGS_KEPT - 1)
-        return EngineLog(self.log_dir / f"{self.spec.name}.e{epoch}.log")
+        return EngineLog(self.log_dir / f"{self.spec.name}.e{epoch}.log", rate=self.log_rate,
+                         name=self.spec.name)
 
     def _epoch_path(self) -> Path | None:
         return None if self.state_dir is None else self.state_dir / f"group-{self.spec.name}.epoch"
