@@ -186,11 +186,17 @@ class Nvpair:
             self.popen.wait(10)
 
     def stop(self) -> None:
+        """One SIGTERM (a second would be a fault of its own), then up to 30 s."""
         if self.alive():
             assert self.popen is not None
             self.popen.terminate()
+        self.wait_exit()
+
+    def wait_exit(self, within: float = 30.0) -> None:
+        """Wait for the exit a signal asked for; SIGKILL after ``within``."""
+        if self.popen is not None and self.popen.poll() is None:
             try:
-                self.popen.wait(30)
+                self.popen.wait(within)
             except subprocess.TimeoutExpired:
                 self.popen.kill()
                 self.popen.wait(5)
@@ -1232,8 +1238,12 @@ class Suite:
             if n.alive():
                 assert n.popen is not None
                 n.popen.terminate()
+        began = time.monotonic()
         for n in self.group_nodes:
-            n.stop()
+            n.wait_exit()
+        codes = [n.popen.returncode if n.popen else None for n in self.group_nodes]
+        print(f"   (the group's nodes exited {codes} within "
+              f"{time.monotonic() - began:.1f} s of SIGTERM)", flush=True)
         self._stop_own("group")
 
     # -- signals ---------------------------------------------------------------------------------
