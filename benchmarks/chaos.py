@@ -1302,7 +1302,7 @@ class Suite:
         except subprocess.TimeoutExpired:
             code = None
         took = round(time.monotonic() - start + 1.0, 1)
-        engine_alive = bool(pid) and _alive(pid)
+        engine_alive = bool(pid) and _alive(int(pid))
         why = []
         if not pid:
             why.append("the engine had no pid before the signals")
@@ -1365,7 +1365,9 @@ class Suite:
         return out
 
     def close(self) -> None:
-        for n in (getattr(self, "main", None), getattr(self, "etcdn", None)):
+        nvpairs = [getattr(self, "main", None), getattr(self, "etcdn", None),
+                   *(t.nvpair for t in self.targets.values()), *self.group_nodes]
+        for n in dict.fromkeys(nvpairs):
             if n is not None:
                 with contextlib.suppress(Exception):
                     n.stop()
@@ -1374,6 +1376,9 @@ class Suite:
         for pid in self.orphans:  # an engine our killed nvpair left behind
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
+        for pid in left_behind(set(), set(), set()):  # whatever else of this run is left
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _alive(pid: int) -> bool:
