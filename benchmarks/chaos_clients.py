@@ -11,7 +11,9 @@ import contextlib
 import http.client
 import json
 import resource
+import secrets
 import socket
+import threading
 import time
 from typing import Any
 
@@ -263,6 +265,153 @@ def browser(host: str, port: int, engine: str) -> dict[str, Any]:
     why = "; ".join([f"{k}: {seen[k]} (403 expected)" for k in refused]
                     + [f"{k}: {seen[k]} (200 expected)" for k in allowed])
     return {"answers": seen, "tried": len(seen), "ok": ok, "why": why}
+
+
+def chat_body(model: str, *, stream: bool = False, max_tokens: int | None = None) -> bytes:
+    doc: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+    if stream:
+        doc["stream"] = True
+    if max_tokens is not None:
+        doc["max_tokens"] = max_tokens
+    return json.dumps(doc).encode()
+
+
+def burst(host: str, port: int, model: str, n: int, timeout: float) -> list[tuple[float, int]]:
+    """``n`` non-streaming chats for ``model`` at once, each on its own connection:
+    (seconds from the start to its answer, status; 0 for no answer), in finishing order."""
+    out: list[tuple[float, int]] = []
+    lock = threading.Lock()
+    t0 = time.monotonic()
+
+    def one() -> None:
+        try:
+            status, _ = get(host, port, "/v1/chat/completions", method="POST",
+                            body=chat_body(model), timeout=timeout,
+                            headers={"Content-Type": "application/json"})
+        except (OSError, http.client.HTTPException):
+            status = 0
+        with lock:
+            out.append((round(time.monotonic() - t0, 2), status))
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 5)
+    return sorted(out)
+
+
+class Stream(threading.Thread):
+    """One streamed chat, read line by line in a thread: its status, its ``data:`` events
+    (with when each came) and how it ended."""
+
+    def __init__(self, host: str, port: int, model: str, max_tokens: int,
+                 timeout: float = 60.0) -> None:
+        super().__init__(daemon=True)
+        self.host, self.port, self.model = host, port, model
+        self.max_tokens, self.timeout = max_tokens, timeout
+        self.status = 0
+        self.events: list[tuple[float, str]] = []
+        self.failure = ""  # the exception that ended the reading, if one did
+        self.ended_at: float | None = None
+        self.chunk = threading.Event()  # set at the first content chunk
+
+    def run(self) -> None:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+        try:
+            conn.request("POST", "/v1/chat/completions",
+                         body=chat_body(self.model, stream=True, max_tokens=self.max_tokens),
+                         headers={"Content-Type": "application/json", "Connection": "close"})
+            r = conn.getresponse()
+            self.status = r.status
+            while line := r.readline():
+                text = line.decode(errors="replace").strip()
+                if text.startswith("data:"):
+                    self.events.append((time.monotonic(), text[5:].strip()))
+                    if '"content"' in text:
+                        self.chunk.set()
+        except (OSError, http.client.HTTPException) as exc:
+            self.failure = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.ended_at = time.monotonic()
+            conn.close()
+            self.chunk.set()
+
+    @property
+    def done(self) -> bool:
+        """Ended with ``data: [DONE]`` (the whole answer)."""
+        return bool(self.events) and self.events[-1][1] == "[DONE]"
+
+    @property
+    def error(self) -> str:
+        """The message of an error event in the stream ('' when none)."""
+        for _, data in self.events:
+            if data.startswith("{") and '"error"' in data:
+                with contextlib.suppress(ValueError):
+                    err = json.loads(data).get("error")
+                    return str(err.get("message") if isinstance(err, dict) else err)
+        return ""
+
+    @property
+    def contents(self) -> int:
+        return sum('"content"' in data for _, data in self.events)
+
+
+def silent_events(host: str, port: int) -> socket.socket:
+    """``GET /v1/events`` from a client that never reads: a receive buffer of 4 KiB
+    (set before connecting, so the window stays small), then nothing."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.settimeout(5)
+    s.connect((host, port))
+    s.sendall(f"GET /v1/events HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode())
+    return s
+
+
+class Flapper(threading.Thread):
+    """A peer whose adverts flap: every ``every_s`` an advert alternately with ``models``
+    models and with none, a new boot (as a restart) every tenth; a leaving advert at the
+    end. Each model id is long, so that each advert is tens of KiB."""
+
+    def __init__(self, host: str, port: int, token: str, node: str, url: str,
+                 every_s: float = 0.1, models: int = 120) -> None:
+        super().__init__(daemon=True)
+        self.host, self.port, self.node, self.url = host, port, node, url
+        self.headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+        self.every_s = every_s
+        self.ids = [f"{node}-model-{i:03d}-" + "x" * 150 for i in range(models)]
+        self.stop = threading.Event()
+        self.sent = 0
+        self.answers: dict[int, int] = {}
+
+    def advert(self, boot: str, seq: int, leaving: bool = False) -> bytes:
+        ids = self.ids if seq % 2 else []
+        return json.dumps({
+            "node": self.node, "boot_id": boot, "seq": seq, "ttl_s": 10, "url": self.url,
+            "leaving": leaving,
+            "engines": [{"name": "e", "kind": "openai", "state": "ready", "models": ids}],
+            "models": [{"id": m, "engine": "e", "kind": "openai"} for m in ids],
+        }).encode()
+
+    def post(self, body: bytes) -> None:
+        try:
+            status = get(self.host, self.port, "/v1/peers/adverts", method="POST", body=body,
+                         headers=self.headers)[0]
+        except (OSError, http.client.HTTPException):
+            status = 0
+        self.answers[status] = self.answers.get(status, 0) + 1
+        self.sent += 1
+
+    def run(self) -> None:
+        boot, seq = secrets.token_hex(8), 1
+        while not self.stop.is_set():
+            started = time.monotonic()
+            self.post(self.advert(boot, seq))
+            seq += 1
+            if seq % 10 == 0:
+                boot, seq = secrets.token_hex(8), 1
+            self.stop.wait(max(0.0, self.every_s - (time.monotonic() - started)))
+        self.post(self.advert(boot, seq, leaving=True))
 
 
 class Polite:
