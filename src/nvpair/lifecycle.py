@@ -572,13 +572,20 @@ _TELLING = ("error", "fail", "fatal", "exception", "cannot", "can't", "unable", 
             "no such", "denied", "abort", "killed", "out of memory")
 
 
+#: words of a line that says only that the engine is going (llama-server's last line is
+#: "exiting due to model loading error"; the line before names the model)
+_GOING = ("exiting", "cleaning up", "shutting down")
+
+
 def last_said(lines: list[str]) -> str | None:
     """The engine's own line that best says why it ended: the last one with an error word
-    in it, else its last line; never nvpair's ``[nvpair] ...`` bookkeeping nor a blank."""
+    in it (passing over lines that only say it is exiting), else its last line; never
+    nvpair's ``[nvpair] ...`` bookkeeping nor a blank."""
     own = [line.strip() for line in lines
            if line.strip() and not line.startswith("[nvpair]")]
     telling = [line for line in own if any(w in line.lower() for w in _TELLING)]
-    return (telling or own or [None])[-1]
+    causes = [line for line in telling if not any(w in line.lower() for w in _GOING)]
+    return (causes or telling or own or [None])[-1]
 
 
 def _shown(argv: list[str], secret: str | None) -> str:

@@ -139,6 +139,11 @@ def dispatch(args: argparse.Namespace) -> int:
         from nvpair.deploy import unit_text
 
         sys.stdout.write(unit_text(config=args.config, user=args.user))
+        config = args.config or "/etc/nvpair/nvpair.toml"
+        if not os.path.isfile(config):  # the unit is still printed: it may be written later
+            print(f"nvpair: warning: {config} does not exist yet; write it, then run "
+                  f"`nvpair check --config {config} --show-commands` as the unit's user",
+                  file=sys.stderr)
         return 0
     if args.command == "demo":
         from nvpair.cli.demo import run_demo
