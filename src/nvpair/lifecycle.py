@@ -478,7 +478,9 @@ class EngineRunner:
             cause = None if self.explain_exit is None else self.explain_exit(code)
             if cause is not None:
                 error = f"engine process {describe_exit(code)}: {cause}"
-            elif (said := last_said(self.log.tail(LAST_SAID_LINES).lines if self.log else [])):
+            # (killed by a signal: the signal is the cause, not what it said before)
+            elif code is not None and code >= 0 and self.log is not None and (
+                    said := last_said(self.log.tail(LAST_SAID_LINES).lines)):
                 error = f"{error} (its last line: {said})"
         if stuck is not None:
             error = f"{error}; {stuck}"
@@ -585,7 +587,8 @@ def last_said(lines: list[str]) -> str | None:
            if line.strip() and not line.startswith("[nvpair]")]
     telling = [line for line in own if any(w in line.lower() for w in _TELLING)]
     causes = [line for line in telling if not any(w in line.lower() for w in _GOING)]
-    return (causes or telling or own or [None])[-1]
+    best = causes or telling or own
+    return best[-1] if best else None
 
 
 def _shown(argv: list[str], secret: str | None) -> str:
