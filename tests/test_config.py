@@ -243,3 +243,21 @@ def test_a_whole_size_reads_back_exactly(number: int, unit: str, space: str,
 def test_any_text_is_a_size_or_none_never_an_exception(text: str) -> None:
     value = parse_size(text)
     assert value is None or (isinstance(value, int) and value >= 0)
+
+
+@given(st.text(alphabet="0123456789_. kKmMgGtTiIbBx", max_size=12))
+@example("90GB")
+@example("80 MiB")
+def test_the_schema_takes_every_size_nvpair_takes(text: str) -> None:
+    """An editor that checks the config against `nvpair schema config` never refuses a size
+    that nvpair reads."""
+    import re
+
+    from nvpair.decoding import SIZE_PATTERN
+    from nvpair.schema import schema
+
+    if parse_size(text) is not None:
+        assert re.match(SIZE_PATTERN, text), text
+    field = schema("config")["$defs"]["ActivationConfig"]["properties"]["memory_budget_bytes"]
+    assert {"type": "string", "pattern": SIZE_PATTERN} in [
+        {k: v for k, v in f.items() if k != "description"} for f in field["anyOf"]]

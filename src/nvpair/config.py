@@ -290,6 +290,13 @@ _SIZE_KEYS = (("activation", "memory_budget_bytes", "auto"), ("memory", "reserve
 _ENGINE_SIZE_KEYS = (("memory_bytes", "measured"),)
 
 
+def size_keys() -> list[tuple[str, str]]:
+    """(struct name, key) of each size in the config, for its JSON Schema."""
+    tables = {"activation": "ActivationConfig", "memory": "MemoryConfig"}
+    return ([(tables[section], key) for section, key, _word in _SIZE_KEYS]
+            + [("EngineConfig", key) for key, _word in _ENGINE_SIZE_KEYS])
+
+
 def _sizes(raw: dict[str, object], source: str) -> dict[str, object]:
     """``raw`` with sizes written with a unit ("90GB", "80 MiB") turned into bytes."""
     def size(table: object, key: str, word: str, where: str) -> None:

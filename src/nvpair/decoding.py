@@ -49,6 +49,8 @@ SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 SIZE_HELP = ('a number of bytes, or a size with a unit such as "90GB" or "80 MiB" '
              "(kB, MB, GB, TB: powers of 1000; KiB, MiB, GiB, TiB: powers of 1024)")
 _SIZE = re.compile(r"\s*(?P<number>[0-9][0-9_]*(?:\.[0-9]+)?)\s*(?P<unit>[A-Za-z]*)\s*")
+#: what a size with a unit looks like, for the JSON Schema (parse_size decides)
+SIZE_PATTERN = r"^\s*[0-9][0-9_]*(\.[0-9]+)?\s*([kKmMgGtT][iI]?[bB]|[bB])?\s*$"
 
 
 def parse_size(text: str) -> int | None:
