@@ -110,11 +110,38 @@ async def test_a_draining_engine_shows_draining_and_a_waiting_request_its_queue(
 
             async with trio.open_nursery() as n:
                 n.start_soon(stream)
-                await wait_state(board, "e", "starting", where=lambda e: e.queued == 1)
+                # the sim's port refuses while it loads (1 s): the probe says so
+                await wait_state(board, "e", "starting", where=lambda e: e.queued == 1 and (
+                    e.error or "").startswith("cannot connect"))
                 row = await status(running.url)
                 assert row["STATE"] == "starting" and row["QUEUE"].startswith("1 ("), row
+                assert row["ERROR"] == "not listening yet (loading)", row
                 await streaming.wait()
                 assert (await client.post("/v1/engines/e/drain")).status_code == 202
                 row = await status(running.url)
                 assert row["STATE"] == "draining" and row["QUEUE"] == "-", row
             await wait_state(board, "e", "cold")
+
+
+async def test_a_failed_on_demand_start_keeps_its_reason_while_cold(nursery, tmp_path) -> None:
+    """The 503 and then the status table (cold) say why the start failed, in the engine's
+    own words (newuser-3.md findings 6 and 10)."""
+    settings = managed_config(
+        tmp_path, "broken", free_port(),
+        sim_command("vllm", "--fail-on-load", "3", "--load-s", "0.2"),
+        extra="activation = 'on_demand'\n")
+    payload = b'{"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}'
+    with trio.fail_after(60):
+        running = await nursery.start(service.run, settings)
+        await wait_state(running.board, "broken", "cold")
+        async with httpx2.AsyncClient(headers=JSON, base_url=running.url, timeout=30) as client:
+            r = await client.post("/v1/chat/completions", content=payload)
+        assert r.status_code == 503
+        assert ("engine broken failed to start: engine process exited with code 3 (its last "
+                "line: ") in r.text and "sim vllm: exit 3)" in r.text, r.text
+        cold = await wait_state(running.board, "broken", "cold")
+        row = await status(running.url)
+    assert cold.restarts == 0
+    assert (row["STATE"], row["RESTARTS"]) == ("cold", "0")
+    assert row["ERROR"].startswith("engine process exited with code 3 (its last line: ")
+    assert row["ERROR"].endswith("sim vllm: exit 3)"), row

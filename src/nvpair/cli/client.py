@@ -72,6 +72,15 @@ def shown_state(e: dict[str, Any]) -> str:
     return str(e["state"])
 
 
+def shown_error(e: dict[str, Any]) -> str:
+    """The ERROR cell: a refused probe while an engine starts is how a loading engine looks
+    (vLLM and SGLang open their port once the model is loaded), not an error."""
+    error = str(e["error"] or "")
+    if e["state"] == "starting" and error.startswith("cannot connect"):
+        return "not listening yet (loading)"
+    return error
+
+
 def _queue(e: dict[str, Any]) -> str:
     """Requests waiting for this engine (to start, or to finish its drain), and the oldest
     one's wait."""
@@ -90,7 +99,7 @@ def print_status(engines: list[dict[str, Any]]) -> None:
         rows.append((e["name"], e["kind"], state, ", ".join(e["models"]) or "-",
                      _age(e["checked_age_s"]), str(health.get("requests", 0)),
                      str(e["restarts"]), _queue(e), trend_cell(e.get("memory")),
-                     e["error"] or ""))
+                     shown_error(e)))
         colours.append([None, None, STATE_COLOURS.get(state), None, None, None, None, None,
                         TREND_COLOURS.get(trend_cell(e.get("memory"))), "dim"])
     print(render(STATUS_HEADER, rows, colours=colours))
