@@ -184,3 +184,33 @@ def test_nvpair_unit_for_a_config_that_does_not_exist_says_so(tmp_path: Path) ->
     assert r.stderr == (f"nvpair: warning: {missing} does not exist yet; write it, then run "
                         f"`nvpair check --config {missing} --show-commands` as the unit's "
                         "user\n")
+
+
+async def test_serve_logs_what_check_finds_as_it_starts(tmp_path: Path) -> None:
+    import trio
+
+    port = free_port()
+    config = tmp_path / "c.toml"
+    config.write_text(f"listen = '127.0.0.1:{port}'\nstate_dir = '{tmp_path / 'state'}'\n"
+                      "[[engines]]\nname = 'small'\nkind = 'vllm'\nmanaged = true\n"
+                      f"model = 'm'\nport = {port}\ncommand = ['/nonexistent/engine']\n")
+    proc = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "nvpair", "serve", "--config", str(config)],
+        stderr=subprocess.PIPE, env={**os.environ, "NO_COLOR": "1"})
+    said = b""
+    try:
+        assert proc.stderr is not None
+        with trio.fail_after(20):
+            while b"nvpair listening on" not in said:
+                chunk = await proc.stderr.receive_some()
+                assert chunk, said
+                said += chunk
+    finally:
+        proc.terminate()
+        with trio.move_on_after(10, shield=True):
+            await proc.wait()
+    text = said.decode()
+    assert (f"ERROR nvpair.check: {config}: engines[0] (small): would start on port {port}, "
+            f"nvpair's own listen address (127.0.0.1:{port})") in text
+    assert (f"ERROR nvpair.check: {config}: engines[0] (small): /nonexistent/engine does not "
+            "exist (the program of its command)") in text

@@ -37,6 +37,9 @@ def findings(settings: Settings, *, now: bool = True) -> list[Finding]:
     """Everything found wrong with the engines of ``settings``, errors first. ``now``:
     also look at what listens on the managed engines' ports at this moment (``check``;
     ``serve`` leaves it to each engine's own port check)."""
+    from nvpair.group.link import Groups
+
+    settings = Groups(settings).local(settings)  # what this node runs (a rank: no engine)
     found = _clashes(settings)
     for i, e in enumerate(settings.engines):
         if not e.managed or e.group is not None:  # a group's process is its runner's
