@@ -58,8 +58,8 @@ def test_the_last_meaningful_line_is_the_engines_not_nvpairs() -> None:
 
 
 async def test_the_error_column_names_the_engines_own_cause(nursery, tmp_path) -> None:
-    settings = managed_config(tmp_path, "small", free_port(),
-                              [sys.executable, "-c", LLAMA_NO_MODEL])
+    settings = managed_config(tmp_path, "small", free_port(),  # down long enough to read
+                              [sys.executable, "-c", LLAMA_NO_MODEL], initial_s=60, max_s=60)
     with trio.fail_after(30):
         running = await nursery.start(service.run, settings)
         await wait_state(running.board, "small", "down")
@@ -91,9 +91,9 @@ async def test_restarts_count_only_restarts_nvpair_made(nursery, tmp_path) -> No
 async def test_a_draining_engine_shows_draining_and_a_waiting_request_its_queue(
         nursery, tmp_path) -> None:
     settings = managed_config(
-        tmp_path, "e", free_port(), sim_command("vllm", "--token-rate", "20", "--load-s", "1"),
+        tmp_path, "e", free_port(), sim_command("vllm", "--token-rate", "20", "--load-s", "4"),
         extra="activation = 'on_demand'\n")
-    payload = (b'{"model": "sim-model", "max_tokens": 40, "stream": true, '
+    payload = (b'{"model": "sim-model", "max_tokens": 120, "stream": true, '
                b'"messages": [{"role": "user", "content": "hi"}]}')
     with trio.fail_after(60):
         running = await nursery.start(service.run, settings)
@@ -102,7 +102,7 @@ async def test_a_draining_engine_shows_draining_and_a_waiting_request_its_queue(
         streaming = trio.Event()
         async with httpx2.AsyncClient(headers=JSON, base_url=running.url, timeout=30) as client:
 
-            async def stream() -> None:  # 40 tokens at 20 a second: 2 s
+            async def stream() -> None:  # 120 tokens at 20 a second: 6 s (time to read)
                 async with client.stream("POST", "/v1/chat/completions", content=payload) as r:
                     assert r.status_code == 200
                     async for _chunk in r.aiter_bytes():
@@ -110,7 +110,7 @@ async def test_a_draining_engine_shows_draining_and_a_waiting_request_its_queue(
 
             async with trio.open_nursery() as n:
                 n.start_soon(stream)
-                # the sim's port refuses while it loads (1 s): the probe says so
+                # the sim's port refuses while it loads (4 s): the probe says so
                 await wait_state(board, "e", "starting", where=lambda e: e.queued == 1 and (
                     e.error or "").startswith("cannot connect"))
                 row = await status(running.url)
