@@ -1,8 +1,11 @@
 from pathlib import Path
 
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from nvpair.config import load_settings
+from nvpair.decoding import SIZE_UNITS, parse_size
 from nvpair.errors import ConfigError, InputError
 
 GOOD = """
@@ -191,3 +194,80 @@ def test_the_log_rate_cap_defaults_to_the_pumps_and_is_checked(write) -> None:
     assert (given.log_lines_per_s, given.log_bytes_per_s) == (200, 65536)
     assert error_for(write, "log_lines_per_s = 0\n").endswith(
         "nvpair.toml: log_lines_per_s: expected int >= 10")
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("[[engines]]\nname = 'a'\nkind = 'vllm'\nmanaged = true\nactivation = 'on-demand'\n",
+     "engines[0].activation: invalid enum value 'on-demand' (expected 'always', 'on_demand'; "
+     "did you mean 'on_demand'?)"),
+    ("[memory]\naction = 'restart'\n",
+     "memory.action: invalid enum value 'restart' (expected 'restart_when_quiet', 'warn')"),
+    ("[[engines]]\nname = 'a'\nkind = 'vllm'\n[engines.probes.ready]\ncost = 'free'\n",
+     "engines[0].probes.ready.cost: invalid enum value 'free' (expected 'cheap', "
+     "'generating', 'queued')"),
+])
+def test_an_enum_error_lists_the_allowed_words(write, text: str, expected: str) -> None:
+    message = error_for(write, text)
+    assert message.endswith(f"nvpair.toml: {expected}"), message
+
+
+def test_sizes_take_units(write) -> None:
+    s = settings_for(write, "[activation]\nmemory_budget_bytes = '90GB'\n[memory]\n"
+                            "reserve_bytes = '2 GiB'\n[[engines]]\nname = 'a'\nkind = 'vllm'\n"
+                            "managed = true\nmodel = 'm'\nactivation = 'on_demand'\n"
+                            "memory_bytes = '80 MiB'\n[[engines]]\nname = 'b'\nkind = 'vllm'\n"
+                            "port = 8001\nmanaged = true\nmodel = 'm'\nmemory_bytes = 1_000\n")
+    assert s.activation.memory_budget_bytes == 90 * 10**9
+    assert s.memory.reserve_bytes == 2 * 2**30
+    assert [e.memory_bytes for e in s.engines] == [80 * 2**20, 1000]
+    s = settings_for(write, "[activation]\nmemory_budget_bytes = 'auto'\n")
+    assert s.activation.memory_budget_bytes == "auto"
+
+
+@pytest.mark.parametrize(("where", "text"), [
+    ("activation.memory_budget_bytes", "[activation]\nmemory_budget_bytes = '90 GX'\n"),
+    ("engines[0].memory_bytes", "[[engines]]\nname = 'a'\nkind = 'vllm'\nmanaged = true\n"
+                                "model = 'm'\nmemory_bytes = 'lots'\n"),
+    ("memory.reserve_bytes", "[memory]\nreserve_bytes = '0.5 B'\n"),
+])
+def test_a_size_that_is_not_one_says_what_a_size_is(write, where: str, text: str) -> None:
+    message = error_for(write, text)
+    assert f"nvpair.toml: {where}: expected a number of bytes, or a size with a unit such as " \
+           '"90GB" or "80 MiB" (kB, MB, GB, TB: powers of 1000; KiB, MiB, GiB, TiB: powers ' \
+           "of 1024), or " in message, message
+    assert "enum" not in message
+
+
+@given(st.integers(0, 10**15), st.sampled_from(sorted(SIZE_UNITS)),
+       st.sampled_from(["", " ", "  "]), st.booleans())
+def test_a_whole_size_reads_back_exactly(number: int, unit: str, space: str,
+                                         upper: bool) -> None:
+    text = f"{number}{space}{unit.upper() if upper else unit}"
+    assert parse_size(text) == number * SIZE_UNITS[unit]
+
+
+@given(st.text(max_size=20))
+@example("1.5.5GB")
+@example("1__0")
+@example("")
+def test_any_text_is_a_size_or_none_never_an_exception(text: str) -> None:
+    value = parse_size(text)
+    assert value is None or (isinstance(value, int) and value >= 0)
+
+
+@given(st.text(alphabet="0123456789_. kKmMgGtTiIbBx", max_size=12))
+@example("90GB")
+@example("80 MiB")
+def test_the_schema_takes_every_size_nvpair_takes(text: str) -> None:
+    """An editor that checks the config against `nvpair schema config` never refuses a size
+    that nvpair reads."""
+    import re
+
+    from nvpair.decoding import SIZE_PATTERN
+    from nvpair.schema import schema
+
+    if parse_size(text) is not None:
+        assert re.match(SIZE_PATTERN, text), text
+    field = schema("config")["$defs"]["ActivationConfig"]["properties"]["memory_budget_bytes"]
+    assert {"type": "string", "pattern": SIZE_PATTERN} in [
+        {k: v for k, v in f.items() if k != "description"} for f in field["anyOf"]]

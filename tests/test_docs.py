@@ -217,3 +217,147 @@ def test_every_startable_says_its_started_value_cancellation_and_raises() -> Non
         if lacks:
             missing.append(f"{where}: no {', '.join(lacks)} in its docstring")
     assert missing == []
+
+
+README = ROOT / "README.md"
+
+
+def _readme_section(title: str) -> str:
+    return README.read_text().split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_readme_command_table_lists_every_command_of_the_cli() -> None:
+    """Each of the CLI's commands has a row of the README's table (and no row names a
+    command the CLI does not have)."""
+    from nvpair.cli.main import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    commands = set(sub.choices)  # type: ignore[arg-type]
+    listed = set()
+    for line in _readme_section("Commands").splitlines():
+        if line.startswith("| `nvpair "):
+            cell = re.split(r"(?<!\\)\|", line)[1]  # (not at an escaped \| in the cell)
+            for words in re.findall(r"`nvpair ([a-z]+(?:\\\|[a-z]+)*)", cell):
+                listed.update(words.split("\\|"))  # start\|stop\|restart: three
+    assert sorted(commands - listed) == [], "commands missing from README.md's table"
+    assert sorted(listed - commands) == [], "README.md's table names no such command"
+
+
+def test_the_readme_documentation_list_names_every_page_of_docs() -> None:
+    listed = set(re.findall(r"\(docs/([\w-]+\.md)\)", _readme_section("Documentation")))
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")}
+    assert sorted(pages - listed) == [], "pages missing from README.md's Documentation list"
+
+
+def test_the_readme_status_example_has_the_real_header() -> None:
+    from nvpair.cli.client import STATUS_HEADER
+
+    example = _readme_section("A real example")
+    header = next(line for line in example.splitlines() if line.startswith("ENGINE "))
+    assert tuple(header.split()) == STATUS_HEADER
+
+
+def test_the_default_log_directory_is_stated_once() -> None:
+    """docs/config.md says where engine logs go by default; no other page says otherwise
+    (docs/lifecycle.md once gave $XDG_STATE_HOME/nvpair/logs, not <state_dir>/logs)."""
+    config = (ROOT / "docs" / "config.md").read_text()
+    assert "(default: <state_dir>/logs)" in config
+    for doc in docs():
+        text = doc.read_text()
+        for other in ("$XDG_STATE_HOME/nvpair/logs", "~/.local/state/nvpair/logs"):
+            assert other not in text, f"{doc.name} gives {other} as the log directory"
+
+
+def _alert_rules() -> str:
+    text = (ROOT / "docs" / "metrics.md").read_text()
+    section = text.split("## Example alerts\n", 1)[1].split("\n## ", 1)[0]
+    return section.split("```yaml\n", 1)[1].split("```", 1)[0]
+
+
+_SAMPLE = re.compile(r"^(?P<series>[a-zA-Z_:][\w:]*(?:\{.*\})?) (?P<value>\S+)$")
+
+
+def _series(exposition: str) -> list[dict[str, str]]:
+    """Each sample of a /metrics answer as a promtool input series, constant for an hour."""
+    out = []
+    for line in exposition.splitlines():
+        m = _SAMPLE.match(line)
+        if m is None or line.startswith("#"):
+            continue
+        value = float(m["value"])
+        if value == value and abs(value) != float("inf"):
+            out.append({"series": m["series"], "values": f"{value!r}+0x60"})
+    return out
+
+
+async def _metrics_of(tmp_path: Path, command: list[str], extra: str, state: str) -> str:
+    import httpx2
+    import trio
+    from tests.managed import free_port, managed_config, wait_state
+
+    from nvpair import service
+
+    settings = managed_config(tmp_path, "e", free_port(), command, extra=extra)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            running = await nursery.start(service.run, settings)
+            await wait_state(running.board, "e", state)
+            async with httpx2.AsyncClient(base_url=running.url) as client:
+                text = (await client.get("/metrics")).text
+            nursery.cancel_scope.cancel()
+    return text
+
+
+def _promtool_test(tmp_path: Path, exposition: str, expected: list[dict[str, object]]) -> None:
+    import json
+    import shutil
+    import subprocess
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (Debian: apt-get install prometheus)")
+    (tmp_path / "rules.yml").write_text(_alert_rules())
+    names = re.findall(r"- alert: (\w+)", _alert_rules())
+    assert len(names) >= 4
+    tests = [{"interval": "1m", "input_series": _series(exposition),
+              "alert_rule_test": [
+                  {"eval_time": "59m", "alertname": name,
+                   "exp_alerts": [{k: v for k, v in e.items() if k != "alertname"}
+                                  for e in expected if e["alertname"] == name]}
+                  for name in names]}]
+    test_file = tmp_path / "alerts.test.yml"  # JSON is YAML
+    test_file.write_text(json.dumps({"rule_files": ["rules.yml"],
+                                     "evaluation_interval": "1m", "tests": tests}))
+    r = subprocess.run([promtool, "test", "rules", str(test_file)], capture_output=True,
+                       text=True, timeout=60, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+async def test_the_example_alerts_stay_quiet_on_an_on_demand_node_at_rest(tmp_path) -> None:
+    """docs/metrics.md's alerts in a real Prometheus rule engine (promtool) over an hour of
+    a real nvpair's metrics with a cold on-demand engine: none fires. (The doc's former
+    "not up" query, nvpair_engine_up == 0, would: newuser-3.md finding 8.)"""
+    import sys
+
+    from tests.managed import sim_command
+
+    exposition = await _metrics_of(tmp_path, sim_command("vllm"),
+                                   "activation = 'on_demand'\n", "cold")
+    assert 'nvpair_engine_state{engine="e",kind="vllm",state="cold"} 1' in exposition
+    assert 'nvpair_engine_up{engine="e"} 0' in exposition
+    _promtool_test(tmp_path, exposition, [])
+    assert sys.executable  # (the sim ran from this interpreter)
+
+
+async def test_the_example_alerts_fire_for_an_engine_that_is_down(tmp_path) -> None:
+    """The same rules over an nvpair whose engine exits at once: NvpairEngineDown fires
+    (so the quiet test above is not quiet because nothing can fire)."""
+    import sys
+
+    exposition = await _metrics_of(tmp_path, [sys.executable, "-c", "raise SystemExit(1)"],
+                                   "", "down")
+    _promtool_test(tmp_path, exposition, [{
+        "alertname": "NvpairEngineDown",
+        "exp_labels": {"engine": "e", "kind": "vllm", "state": "down"},
+        "exp_annotations": {"summary": "engine e is down (nvpair status says why)"}}])

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from nvpair.cluster import ClusterConfig, ClusterSettings, resolve_cluster
-from nvpair.decoding import convert, one_line
+from nvpair.decoding import SIZE_HELP, convert, one_line, parse_size
 from nvpair.errors import ConfigError, ManifestError
 from nvpair.group.spec import GroupConfig, GroupSettings, resolve_group
 from nvpair.manifest import (
@@ -288,7 +288,43 @@ def decode_config(data: bytes, source: str) -> Config:
     except RecursionError:  # tomllib recurses per nested array or inline table
         raise ConfigError(f"{source}: not valid TOML: arrays or tables nested too deeply"
                           ) from None
-    return convert(raw, Config, source, ConfigError)
+    return convert(_sizes(raw, source), Config, source, ConfigError)
+
+
+#: the keys that hold a number of bytes (each also takes one word: "auto" or "measured")
+_SIZE_KEYS = (("activation", "memory_budget_bytes", "auto"), ("memory", "reserve_bytes", "auto"))
+_ENGINE_SIZE_KEYS = (("memory_bytes", "measured"),)
+
+
+def size_keys() -> list[tuple[str, str]]:
+    """(struct name, key) of each size in the config, for its JSON Schema."""
+    tables = {"activation": "ActivationConfig", "memory": "MemoryConfig"}
+    return ([(tables[section], key) for section, key, _word in _SIZE_KEYS]
+            + [("EngineConfig", key) for key, _word in _ENGINE_SIZE_KEYS])
+
+
+def _sizes(raw: dict[str, object], source: str) -> dict[str, object]:
+    """``raw`` with sizes written with a unit ("90GB", "80 MiB") turned into bytes."""
+    def size(table: object, key: str, word: str, where: str) -> None:
+        if not isinstance(table, dict) or not isinstance(table.get(key), str):
+            return
+        text = table[key]
+        if text == word:
+            return
+        value = parse_size(text)
+        if value is None:
+            raise ConfigError(f"{source}: {where}{key}: expected {SIZE_HELP}, or "
+                              f"{word!r}; got {text!r}")
+        table[key] = value
+
+    for section, key, word in _SIZE_KEYS:
+        size(raw.get(section), key, word, f"{section}.")
+    engines = raw.get("engines")
+    if isinstance(engines, list):
+        for i, table in enumerate(engines):
+            for key, word in _ENGINE_SIZE_KEYS:
+                size(table, key, word, f"engines[{i}].")
+    return raw
 
 
 def default_config() -> Config:
@@ -349,7 +385,9 @@ def resolve(config: Config, source: str, base: Path, *, listen: str | None = Non
         names.add(eng.name)
         spec = _resolve_engine(eng, where, base)
         twin = next((e for e in engines if (e.host, e.port) == (spec.host, spec.port)), None)
-        if twin is not None:  # a mistake as a rule; a load test may mean it
+        # two adopted engines at one address: a mistake as a rule; a load test may mean it.
+        # (With a managed one it is two processes on one port: nvpair.cli.preflight's error.)
+        if twin is not None and not (spec.managed or twin.managed):
             log.warning("%s: %s:%d is engine %r already: one engine, probed twice", where,
                         spec.host, spec.port, twin.name)
         engines.append(spec)

@@ -43,6 +43,33 @@ def describe(exc: Exception) -> tuple[str, str]:
     return path, what[:1].lower() + what[1:]
 
 
+#: size units: SI (powers of 1000) and IEC (powers of 1024), matched without case
+SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+SIZE_HELP = ('a number of bytes, or a size with a unit such as "90GB" or "80 MiB" '
+             "(kB, MB, GB, TB: powers of 1000; KiB, MiB, GiB, TiB: powers of 1024)")
+_SIZE = re.compile(r"\s*(?P<number>[0-9][0-9_]*(?:\.[0-9]+)?)\s*(?P<unit>[A-Za-z]*)\s*")
+#: what a size with a unit looks like, for the JSON Schema (parse_size decides)
+SIZE_PATTERN = r"^\s*[0-9][0-9_]*(\.[0-9]+)?\s*([kKmMgGtT][iI]?[bB]|[bB])?\s*$"
+
+
+def parse_size(text: str) -> int | None:
+    """Bytes in ``text`` ("90GB", "80 MiB", "1.5 GB", "512"), or None when it is not a size
+    (an unknown unit, no number, a fraction of a byte)."""
+    m = _SIZE.fullmatch(text)
+    if m is None or "__" in m["number"] or m["number"].endswith("_"):
+        return None
+    unit = SIZE_UNITS.get(m["unit"].lower() if m["unit"] else "b")
+    if unit is None:
+        return None
+    whole, _, fraction = m["number"].replace("_", "").partition(".")
+    # exact: a float would turn "1.1 GB" into 1,100,000,000.0000002
+    scaled = int(whole) * unit + (int(fraction) * unit // 10 ** len(fraction) if fraction else 0)
+    if fraction and int(fraction) * unit % 10 ** len(fraction):
+        return None  # not a whole number of bytes
+    return scaled
+
+
 def _type(name: str) -> str:
     return name.removesuffix(" | null")
 
@@ -58,11 +85,82 @@ def one_line(source: str, exc: Exception) -> str:
 
 
 def convert(obj: object, type_: type[T], source: str, error: type[Exception]) -> T:
-    """Validate already-parsed data against ``type_``; raise ``error`` with one line on failure."""
+    """Validate already-parsed data against ``type_``; raise ``error`` with one line on failure
+    (a value outside a set of words lists the words)."""
     try:
         return msgspec.convert(obj, type_, strict=True)
     except msgspec.ValidationError as exc:
-        raise error(one_line(source, exc)) from None
+        message = one_line(source, exc)
+        if _ENUM.search(message):
+            message += _allowed_words(type_, describe(exc)[0], _ENUM.search(message))
+        raise error(message) from None
+
+
+_ENUM = re.compile(r"invalid enum value '(?P<value>[^']*)'$")
+
+
+def _allowed_words(type_: Any, path: str, found: re.Match[str] | None) -> str:
+    """`` (expected one of 'a', 'b'; did you mean 'b'?)`` for the enum at ``path``."""
+    words = allowed_values(type_, path)
+    if not words:
+        return ""
+    said = ", ".join(repr(w) for w in words)
+    others = [t for t in _numeric(type_, path)]
+    if others:
+        said += f", or {' or '.join(others)}"
+    value = found["value"] if found else ""
+    folded = value.strip().lower().replace("-", "_").replace(" ", "_")
+    guess = next((w for w in words if isinstance(w, str) and w == folded), None)
+    hint = f"; did you mean {guess!r}?" if guess is not None and guess != value else ""
+    return f" (expected {said}{hint})"
+
+
+def _field_type(type_: Any, path: str) -> Any:
+    """The msgspec type info of the field at ``path`` (``engines[0].activation``) of
+    ``type_``, or None when the path leads nowhere."""
+    info: Any = msgspec.inspect.type_info(type_)
+    for token in re.findall(r"\[\d+\]|[^.\[\]]+", path):
+        info = _container(info)
+        if token.startswith("["):
+            info = getattr(info, "item_type", None)
+        elif isinstance(info, msgspec.inspect.StructType):
+            info = next((f.type for f in info.fields if f.encode_name == token), None)
+        elif isinstance(info, msgspec.inspect.DictType):
+            info = info.value_type
+        else:
+            return None
+        if info is None:
+            return None
+    return info
+
+
+def _container(info: Any) -> Any:
+    """A union's member that holds fields or items (``Struct | None``: the struct)."""
+    if isinstance(info, msgspec.inspect.UnionType):
+        return next((t for t in info.types if not isinstance(
+            t, (msgspec.inspect.NoneType, msgspec.inspect.LiteralType))), info)
+    return info
+
+
+def _members(info: Any) -> tuple[Any, ...]:
+    return info.types if isinstance(info, msgspec.inspect.UnionType) else (info,)
+
+
+def allowed_values(type_: Any, path: str) -> tuple[object, ...]:
+    """The words (Literal values) the field at ``path`` of ``type_`` takes, in order."""
+    info = _field_type(type_, path)
+    if info is None:
+        return ()
+    return tuple(v for t in _members(info) if isinstance(t, msgspec.inspect.LiteralType)
+                 for v in t.values)
+
+
+def _numeric(type_: Any, path: str) -> list[str]:
+    info = _field_type(type_, path)
+    if info is None:
+        return []
+    kinds = {msgspec.inspect.IntType: "a whole number", msgspec.inspect.FloatType: "a number"}
+    return [kinds[type(t)] for t in _members(info) if type(t) in kinds]
 
 
 #: msgspec raises RecursionError near this depth (Python's recursion limit, less the stack

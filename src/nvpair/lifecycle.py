@@ -156,6 +156,10 @@ class EngineRunner:
         restart = spec.manifest.restart
         self.backoff = restart.initial_s
         self.starts = 0
+        #: restarts nvpair made: a start after a crash, a failed start or a restart asked
+        #: for (``nvpair restart``, a memory restart); a start from stopped or cold is none
+        self.restarts = 0
+        self._again = False  # the next start is a restart
         self._ready_at: float | None = None  # when the current process first became ready
         self.log = None
         if spec.managed:
@@ -336,8 +340,12 @@ class EngineRunner:
             # The last model list stays (unlisted while stopped): a request for it
             # gets "not ready" (503), not "no such model" (404).
             self._drain_done()
-            self._set(state=self.rest, pid=None, error=self.stuck, admitting=True)
+            # cold after a failed start: the reason stays in sight until the next start
+            was = self.board.current.engine(self.spec.name)
+            kept = was.error if self.rest == "cold" and was and was.state == "down" else None
+            self._set(state=self.rest, pid=None, error=self.stuck or kept, admitting=True)
             self.operation = None
+            self._again = False
             await self._until(lambda: self.desired == "running")
             return
         self._restart = False
@@ -400,9 +408,11 @@ class EngineRunner:
         self._spawn_part.ok()
         self._proc = proc
         self.starts += 1
+        self.restarts += self._again
+        self._again = False
         self._ready_at = None
         self._set(state="starting", pid=proc.pid, error=None, exit_code=None,
-                  exited_at=None, restarts=self.starts - 1, admitting=True)
+                  exited_at=None, restarts=self.restarts, admitting=True)
         self.operation = None
         async with trio.open_nursery() as probing:
             await probing.start(self._probes())
@@ -457,6 +467,7 @@ class EngineRunner:
     async def _after_exit(self, code: int | None, why: Why) -> None:
         spec = self.spec
         stuck = self.stuck
+        self._again = why != "stop"
         if why in ("stop", "restart"):
             self._drain_done()
             self._set(state=self.rest if why == "stop" else "starting", pid=None,
@@ -473,20 +484,30 @@ class EngineRunner:
             cause = None if self.explain_exit is None else self.explain_exit(code)
             if cause is not None:
                 error = f"engine process {describe_exit(code)}: {cause}"
+            # (killed by a signal: the signal is the cause, not what it said before)
+            elif code is not None and code >= 0 and self.log is not None and (
+                    said := last_said(self.log.tail(LAST_SAID_LINES).lines)):
+                error = f"{error} (its last line: {said})"
         if stuck is not None:
             error = f"{error}; {stuck}"
         if self._ready_for() >= spec.manifest.restart.reset_after_s:
             self.backoff = spec.manifest.restart.initial_s
         self._set(state="down", pid=None, exit_code=code, exited_at=_wall(),
                   error=error)
-        log.warning("%s: %s; restarting in %.1f s", spec.name, error, self.backoff)
+        log.warning("%s: %s", spec.name, error)  # whether it restarts is said once it does
         await self._back_off()
 
     async def _back_off(self) -> None:
-        """Wait the backoff (a stop or restart request ends it early), then double it."""
+        """Wait the backoff (a stop or restart request ends it early), then double it.
+        Still wanted running then, it is started again: that is logged, and counted."""
+        began = trio.current_time()
         with trio.move_on_after(self.backoff):
             await self._until(self._wanted_off)
         self.backoff = min(self.backoff * 2, self.spec.manifest.restart.max_s)
+        self._again = self.desired == "running"
+        if self._again:
+            log.info("%s: starting it again after %.1f s", self.spec.name,
+                     trio.current_time() - began)
 
     async def _until_ready(self) -> None:
         version = -1
@@ -550,6 +571,30 @@ async def _identify(spec: EngineSpec) -> str:
                     pass
     serving = f" serving {', '.join(names)}" if names else ""
     return f"another {name}{serving}"
+
+
+#: how far back the engine's last meaningful line is looked for in its log
+LAST_SAID_LINES = 40
+#: words that make an engine's line the one that says why it ended
+_TELLING = ("error", "fail", "fatal", "exception", "cannot", "can't", "unable", "not found",
+            "no such", "denied", "abort", "killed", "out of memory")
+
+
+#: words of a line that says only that the engine is going (llama-server's last line is
+#: "exiting due to model loading error"; the line before names the model)
+_GOING = ("exiting", "cleaning up", "shutting down")
+
+
+def last_said(lines: list[str]) -> str | None:
+    """The engine's own line that best says why it ended: the last one with an error word
+    in it (passing over lines that only say it is exiting), else its last line; never
+    nvpair's ``[nvpair] ...`` bookkeeping nor a blank."""
+    own = [line.strip() for line in lines
+           if line.strip() and not line.startswith("[nvpair]")]
+    telling = [line for line in own if any(w in line.lower() for w in _TELLING)]
+    causes = [line for line in telling if not any(w in line.lower() for w in _GOING)]
+    best = causes or telling or own
+    return best[-1] if best else None
 
 
 def _shown(argv: list[str], secret: str | None) -> str:

@@ -268,18 +268,39 @@ def builtin_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "engines"
 
 
+#: other names people give the built-in kinds (the engine's program, its project's name)
+_OTHER_NAMES = {"llamaserver": "llamacpp", "llama": "llamacpp",
+                "textgenerationinference": "tgi", "openaicompatible": "openai"}
+
+
+def kind_meant(kind: str) -> str | None:
+    """The built-in kind that ``kind`` is another spelling of (``llama.cpp``, ``vLLM``,
+    ``llama-server``: case, dots, dashes and spaces aside), else None."""
+    folded = re.sub(r"[^a-z0-9]", "", kind.lower())
+    if folded in BUILTIN_KINDS and folded != kind:
+        return folded
+    return _OTHER_NAMES.get(folded)
+
+
 def load_manifest(kind_or_path: str, *, base: Path | None = None) -> Manifest:
     """A built-in kind's manifest, or the manifest JSON file at a path (relative to ``base``)."""
-    if _KIND.match(kind_or_path) and not kind_or_path.endswith(".json"):
+    named = Path(kind_or_path).expanduser()
+    if base is not None and not named.is_absolute():
+        named = base / named
+    # a word that is no file is a kind: "vLLM" and "llama.cpp" get "did you mean", not
+    # "cannot read manifest"
+    if not kind_or_path.endswith(".json") and (
+            _KIND.match(kind_or_path) or ("/" not in kind_or_path and not named.is_file())):
         path = builtin_dir() / f"{kind_or_path}.json"
-        if not path.is_file():
+        if not _KIND.match(kind_or_path) or not path.is_file():
             known = ", ".join(sorted(p.stem for p in builtin_dir().glob("*.json")))
-            raise ManifestError(f"unknown engine kind {kind_or_path!r} (built-in: {known})")
+            guess = kind_meant(kind_or_path)
+            hint = f": did you mean {guess!r}?" if guess else ""
+            raise ManifestError(f"unknown engine kind {kind_or_path!r}{hint} (built-in: "
+                                f"{known}; a manifest of your own is a path to a .json file)")
         source = f"engines/{kind_or_path}.json"
     else:
-        path = Path(kind_or_path).expanduser()
-        if base is not None and not path.is_absolute():
-            path = base / path
+        path = named
         source = str(path)
     try:
         data = path.read_bytes()

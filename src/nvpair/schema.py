@@ -6,13 +6,19 @@ from typing import Any
 
 import msgspec
 
-from nvpair.config import Config
+from nvpair.config import Config, size_keys
+from nvpair.decoding import SIZE_HELP, SIZE_PATTERN
 from nvpair.manifest import Manifest
 
 
 def schema(what: str) -> dict[str, Any]:
     target = {"config": Config, "manifest": Manifest}[what]
     doc = msgspec.json.schema(target)
+    if what == "config":  # sizes also take a unit ("90GB"), read before the types are
+        for struct, key in size_keys():
+            field = doc["$defs"][struct]["properties"][key]
+            field["anyOf"].append({"type": "string", "pattern": SIZE_PATTERN,
+                                   "description": SIZE_HELP})
     doc["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     doc["title"] = f"nvpair {what}"
     return doc

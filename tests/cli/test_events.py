@@ -107,3 +107,28 @@ async def test_status_watch_redraws_on_events(nursery, tmp_path) -> None:
                 with trio.move_on_after(5, shield=True):
                     await proc.wait()
             running.stop()
+
+
+async def test_each_event_line_starts_with_the_time_it_came(nursery, tmp_path) -> None:
+    """A person reads when it happened first (newuser-3.md finding 22), the id for resuming
+    last."""
+    import re
+
+    sim = await nursery.start(serve_sim, SimOptions(kind="vllm", model="m0"))
+    with trio.fail_after(30):
+        running = await start(nursery, tmp_path, free_port(), sim.port)
+        proc = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "nvpair", "events", "--types", "engine", "--url",
+             running.url], stdout=subprocess.PIPE, env={**os.environ})
+        try:
+            out = Lines(proc)
+            snap = (await out.until(b"\n")).decode()
+            bump(running)
+            engine = (await out.until(b"\n")).decode()
+        finally:
+            proc.kill()
+            with trio.move_on_after(5, shield=True):
+                await proc.wait()
+    assert re.fullmatch(r"\d\d:\d\d:\d\d snapshot node n1: e0=ready  \[\w+\.\d+\]\n", snap), snap
+    assert re.fullmatch(r"\d\d:\d\d:\d\d engine e0 ready models=m0 restarts=1  \[\w+\.\d+\]\n",
+                        engine), engine

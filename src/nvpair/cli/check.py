@@ -2,18 +2,47 @@
 
 from __future__ import annotations
 
+import os
+import re
+import shlex
 import sys
 
 import msgspec
 
+from nvpair.cli.memory import size
+from nvpair.cli.preflight import findings
 from nvpair.cli.table import render
 from nvpair.cluster import PeerTarget
-from nvpair.config import EngineSpec, Settings
+from nvpair.command import SECRET_ENV, build_command
+from nvpair.config import EngineSpec, Settings, placeholder_values
+
+#: environment names whose values ``check`` never prints
+_SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASS|CREDENTIAL|AUTH", re.IGNORECASE)
 
 
 def steady_rate_per_hour(engine: EngineSpec) -> float:
     """Requests per hour an engine gets from nvpair once ready (``ready`` stops then)."""
     return sum(3600.0 / p.interval_s for n, p in engine.probes.named() if n != "ready")
+
+
+def command_of(e: EngineSpec) -> dict[str, object] | None:
+    """A managed engine's exact argv and the environment set on top of nvpair's own, with
+    secrets shown as ``***`` (None for an adopted engine)."""
+    if not e.managed:
+        return None
+    argv, extra = build_command(e.manifest, e.command, placeholder_values(e))
+    secret = e.api_key
+    shown = ["***" if secret and secret in part else part for part in argv]
+    env = {**extra, **e.env}
+    masked = {k: "***" if _SECRET_NAME.search(k) or (secret and secret in v) else v
+              for k, v in sorted(env.items())}
+    return {"argv": shown, "env": masked, "cwd": os.getcwd()}
+
+
+def activation_of(e: EngineSpec) -> dict[str, object]:
+    return {"activation": e.activation, "priority": e.priority,
+            "memory_bytes": "measured" if e.memory_bytes is None else e.memory_bytes,
+            "idle_unload_s": e.idle_unload_s}
 
 
 def report(settings: Settings) -> dict[str, object]:
@@ -24,6 +53,8 @@ def report(settings: Settings) -> dict[str, object]:
                 "name": e.name,
                 "kind": e.kind,
                 "managed": e.managed,
+                "command": command_of(e),
+                **activation_of(e),
                 "group": None if e.group is None else e.group.name,
                 "url": e.url,
                 "model": e.model,
@@ -50,6 +81,8 @@ def report(settings: Settings) -> dict[str, object]:
         "peers": [p.url for p in _peers(settings)],
         "engines": engines,
         "groups": [group_part(e) for e in settings.engines if e.group is not None],
+        "memory_budget_bytes": settings.activation.memory_budget_bytes,
+        "findings": [{"level": f.level, "text": f.text} for f in findings(settings)],
     }
 
 
@@ -99,10 +132,23 @@ def _peers(settings: Settings) -> tuple[PeerTarget, ...]:
     return settings.cluster.peers if settings.cluster is not None else ()
 
 
-def run(settings: Settings, *, as_json: bool) -> int:
+def run(settings: Settings, *, as_json: bool, show_commands: bool = False) -> int:
+    """Print the report; 2 when something would fail at ``serve`` (an ``error:`` line)."""
     if as_json:
-        sys.stdout.write(msgspec.json.encode(report(settings)).decode() + "\n")
-        return 0
+        doc = report(settings)
+        sys.stdout.write(msgspec.json.encode(doc).decode() + "\n")
+        found = doc["findings"]
+        assert isinstance(found, list)
+        return 2 if any(f["level"] == "error" for f in found) else 0
+    _print_report(settings, show_commands=show_commands)
+    found = findings(settings)
+    sys.stdout.flush()
+    for f in found:
+        print(f, file=sys.stderr)
+    return 2 if any(f.level == "error" for f in found) else 0
+
+
+def _print_report(settings: Settings, *, show_commands: bool) -> None:
     auth = "bearer token required" if settings.token else "no token (loopback only)"
     print(f"config   {settings.source}")
     print(f"listen   http://{settings.listen_host}:{settings.listen_port}  ({auth})")
@@ -118,15 +164,20 @@ def run(settings: Settings, *, as_json: bool) -> int:
     settings = _local(settings)
     if not settings.engines:
         print("no engines run here" if parts else "no engines configured")
-        return 0
+        return
     rows = []
     for e in settings.engines:
         mode = "managed" if e.managed else ("adopt if found" if e.optional else "adopted")
+        if e.activation == "on_demand":
+            mode = "managed, on demand"
         if e.group is not None:
             mode = f"head of group {e.group.name}"
         rows.append((e.name, e.kind, mode, e.url, e.model or "(as served)"))
     print(render(("ENGINE", "KIND", "MODE", "URL", "MODEL"), rows))
     print()
+    _print_on_demand(settings)
+    if show_commands:
+        _print_commands(settings)
     prow: list[tuple[object, ...]] = []
     colours: list[list[str | None]] = []
     for e in settings.engines:
@@ -143,4 +194,50 @@ def run(settings: Settings, *, as_json: bool) -> int:
     print()
     for e in settings.engines:
         print(f"{e.name}: about {steady_rate_per_hour(e):.0f} probe requests per hour once ready")
-    return 0
+
+
+def _print_on_demand(settings: Settings) -> None:
+    """The on-demand engines: the budget they share, and each one's priority, footprint
+    and idle unload (docs/on-demand.md)."""
+    on_demand = [e for e in settings.engines if e.activation == "on_demand"]
+    if not on_demand:
+        return
+    a = settings.activation
+    budget = a.memory_budget_bytes
+    shown = ("auto (free memory less the reserve)" if budget == "auto"
+             else f"{size(budget)} ({budget:,} bytes)")
+    print(f"on demand: started by a request, memory budget {shown}, queue {a.queue_max} "
+          f"requests per model for up to {a.queue_wait_s:g} s")
+    for e in on_demand:
+        footprint = ("measured once it runs" if e.memory_bytes is None
+                     else f"{size(e.memory_bytes)} ({e.memory_bytes:,} bytes)")
+        idle = (f"unloaded after {e.idle_unload_s:g} s idle" if e.idle_unload_s
+                else "never unloaded for idleness")
+        print(f"  {e.name}: priority {e.priority}, footprint {footprint}, {idle}")
+    print()
+
+
+def _print_commands(settings: Settings) -> None:
+    managed = [(e, command_of(e)) for e in settings.engines if e.managed]
+    if not managed:
+        print("no managed engines: nvpair starts no program")
+        print()
+        return
+    hidden = ", ".join(sorted(SECRET_ENV))
+    print(f"commands (run without a shell in {os.getcwd()}; the environment is nvpair's own "
+          f"without {hidden}, plus the keys shown)")
+    for e, cmd in managed:
+        assert cmd is not None
+        argv, env = cmd["argv"], cmd["env"]
+        assert isinstance(argv, list) and isinstance(env, dict)
+        print(f"  {e.name}: {' '.join(_quoted(a) for a in argv)}")
+        if env:
+            print(f"  {' ' * len(e.name)}  env: "
+                  + ", ".join(f"{k}={v}" for k, v in env.items()))
+    print()
+
+
+def _quoted(arg: str) -> str:
+    """An argument as a shell would need it to be one word (for reading; nvpair runs no
+    shell)."""
+    return shlex.quote(arg)

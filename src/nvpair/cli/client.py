@@ -58,17 +58,51 @@ def _age(value: float | None) -> str:
     return f"{value / 60:.0f}m"
 
 
+#: the header of ``nvpair status`` (README.md shows it; tests/test_docs.py holds the two
+#: together)
+STATUS_HEADER = ("ENGINE", "KIND", "STATE", "MODELS", "CHECKED", "PROBES", "RESTARTS", "QUEUE",
+                 "MEMORY", "ERROR")
+
+
+def shown_state(e: dict[str, Any]) -> str:
+    """The STATE cell: ``draining`` while an up engine admits no new request (its drain,
+    then stop or restart), else the engine's state."""
+    if e.get("admitting") is False and e["state"] in ("ready", "stale", "starting"):
+        return "draining"
+    return str(e["state"])
+
+
+def shown_error(e: dict[str, Any]) -> str:
+    """The ERROR cell: a refused probe while an engine starts is how a loading engine looks
+    (vLLM and SGLang open their port once the model is loaded), not an error."""
+    error = str(e["error"] or "")
+    if e["state"] == "starting" and error.startswith("cannot connect"):
+        return "not listening yet (loading)"
+    return error
+
+
+def _queue(e: dict[str, Any]) -> str:
+    """Requests waiting for this engine (to start, or to finish its drain), and the oldest
+    one's wait."""
+    queued = e.get("queued") or 0
+    if not queued:
+        return "-"
+    oldest = e.get("queued_oldest_s")
+    return f"{queued} ({_age(oldest)})" if oldest is not None else str(queued)
+
+
 def print_status(engines: list[dict[str, Any]]) -> None:
     rows, colours = [], []
     for e in engines:
         health = e["probes"].get("health") or e["probes"].get("ready") or {}
-        rows.append((e["name"], e["kind"], e["state"], ", ".join(e["models"]) or "-",
+        state = shown_state(e)
+        rows.append((e["name"], e["kind"], state, ", ".join(e["models"]) or "-",
                      _age(e["checked_age_s"]), str(health.get("requests", 0)),
-                     str(e["restarts"]), trend_cell(e.get("memory")), e["error"] or ""))
-        colours.append([None, None, STATE_COLOURS.get(e["state"]), None, None, None, None,
+                     str(e["restarts"]), _queue(e), trend_cell(e.get("memory")),
+                     shown_error(e)))
+        colours.append([None, None, STATE_COLOURS.get(state), None, None, None, None, None,
                         TREND_COLOURS.get(trend_cell(e.get("memory"))), "dim"])
-    print(render(("ENGINE", "KIND", "STATE", "MODELS", "CHECKED", "PROBES", "RESTARTS",
-                  "MEMORY", "ERROR"), rows, colours=colours))
+    print(render(STATUS_HEADER, rows, colours=colours))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -133,7 +133,9 @@ def run_events(args: argparse.Namespace) -> int:
             line = msgspec.json.encode({"id": event.id, "event": event.event, "data": data})
             print(line.decode())
         else:
-            print(f"{event.id or '-'} {event.event} {summary(event)}")
+            # the time it came first (the id, for resuming, last: it means nothing to a reader)
+            print(f"{time.strftime('%H:%M:%S')} {event.event} {summary(event)}"
+                  f"  [{event.id or '-'}]")
         sys.stdout.flush()
 
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -34,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="validate the config and manifests; show what nvpair would do")
     config_arg(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--show-commands", action="store_true",
+                   help="also print each managed engine's exact argv and environment")
 
     p = sub.add_parser("schema", help="print the JSON Schema of the config or of a manifest")
     p.add_argument("what", choices=("config", "manifest"))
@@ -118,7 +121,11 @@ def dispatch(args: argparse.Namespace) -> int:
     if args.command == "check":
         from nvpair.cli import check
 
-        return check.run(load_settings(args.config), as_json=args.json)
+        # a warning while the config is read gets its prefix, like check's own
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
+        logging.addLevelName(logging.WARNING, "warning")
+        return check.run(load_settings(args.config), as_json=args.json,
+                         show_commands=args.show_commands)
     if args.command == "schema":
         from nvpair.schema import schema_json
 
@@ -132,6 +139,11 @@ def dispatch(args: argparse.Namespace) -> int:
         from nvpair.deploy import unit_text
 
         sys.stdout.write(unit_text(config=args.config, user=args.user))
+        config = args.config or "/etc/nvpair/nvpair.toml"
+        if not os.path.isfile(config):  # the unit is still printed: it may be written later
+            print(f"nvpair: warning: {config} does not exist yet; write it, then run "
+                  f"`nvpair check --config {config} --show-commands` as the unit's user",
+                  file=sys.stderr)
         return 0
     if args.command == "demo":
         from nvpair.cli.demo import run_demo

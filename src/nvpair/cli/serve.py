@@ -20,6 +20,11 @@ def run_serve(settings: Settings) -> int:
     logging.getLogger("httpx2").setLevel(logging.WARNING)
     logging.getLogger("httpcore2").setLevel(logging.WARNING)
     raise_fd_limit()  # client connections and engines' pipes; the cap fits under it
+    from nvpair.cli.preflight import findings
+
+    for found in findings(settings, now=False):  # what `nvpair check` fails on, said once
+        logging.getLogger("nvpair.check").log(
+            logging.ERROR if found.level == "error" else logging.WARNING, "%s", found.text)
 
     def announce(url: str) -> None:
         auth = " (bearer token required)" if settings.token else ""

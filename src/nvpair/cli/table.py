@@ -16,6 +16,7 @@ STATE_COLOURS = {
     "unhealthy": "red",
     "down": "red",
     "stopped": "dim",
+    "draining": "yellow",
 }
 
 
