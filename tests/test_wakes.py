@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from tests.fakes import FakeEngine, engine_spec, vllm_routes
 
 from nvpair import wakes
-from nvpair.prober import run_probes, steady_probe_rate
+from nvpair.prober import node_probe_rate, run_probes, steady_probe_rate
 from nvpair.snapshot import Board
 from nvpair.state import initial_state
 
@@ -186,13 +186,27 @@ async def test_a_sleep_makes_a_fraction_of_the_objects_of_a_trio_sleep(
     assert ours <= 4 and trios >= 2 * ours, (ours, trios)
 
 
-async def test_probing_counts_an_engines_rate_while_its_probes_run() -> None:
-    assert wakes.probe_rate() == 0
-    with wakes.probing(0.25):
-        with wakes.probing(0.5):
-            assert wakes.probe_rate() == 0.75
-        assert wakes.probe_rate() == 0.25
-    assert wakes.probe_rate() == 0
+def test_the_node_probe_rate_is_its_configured_engines_steady_rates() -> None:
+    specs = [engine_spec("vllm", name=f"e{i}") for i in range(3)]
+    assert node_probe_rate(specs) == pytest.approx(3 * steady_probe_rate(specs[0]))
+    assert node_probe_rate([]) == 0
+
+
+async def test_a_probe_loop_wakes_on_the_grid_of_the_rate_passed_in(
+        nursery, autojump_clock) -> None:
+    """One engine whose node probes 256 times a second (1,024 engines' worth): its 5 s
+    health probes come on the 1/64 s grid, not the 0.5 s grid of an engine alone."""
+    spec = engine_spec("vllm")
+    board = Board((initial_state(spec),))
+    transport = _Timed(FakeEngine(vllm_routes()).transport(), "/health")
+    prober = await nursery.start(lambda task_status: run_probes(
+        spec, board, transport=transport, probe_rate=256.0, task_status=task_status))
+    assert prober.probe_rate == 256.0
+    await trio.sleep(300)
+    times = transport.times[2:]
+    assert len(times) > 40
+    assert all(t * 64 == math.floor(t * 64) for t in times)
+    assert any(t / 0.5 != math.floor(t / 0.5) for t in times)
 
 
 class _Timed(httpx2.AsyncBaseTransport):
@@ -218,9 +232,8 @@ async def test_the_health_probes_of_several_engines_share_wake_ups(
         transport = _Timed(FakeEngine(vllm_routes()).transport(), "/health")
         timed.append(transport)
         await nursery.start(lambda task_status, s=spec, b=board, t=transport: run_probes(
-            s, b, transport=t, task_status=task_status))
+            s, b, transport=t, probe_rate=6 * steady_probe_rate(s), task_status=task_status))
         await trio.sleep(0.3)  # different phases
-    assert wakes.probe_rate() == 6 * steady_probe_rate(engine_spec("vllm"))
     started = trio.current_time()
     await trio.sleep(600)
     times = [t for tr in timed for t in tr.times if t > started + 10]

@@ -28,6 +28,7 @@ from nvpair.peers.broker import Broker
 from nvpair.peers.feed import PeerFeed
 from nvpair.peers.push import keep_alive_for
 from nvpair.peers.receiver import ADVERTS_PATH
+from nvpair.prober import node_probe_rate
 from nvpair.router import ROUTED_PATHS, Router, Traffic
 from nvpair.router.activation import Activator
 from nvpair.router.view import TrafficView
@@ -107,7 +108,9 @@ async def run(settings: Settings, *,
     sweep = Sweep(board, settings.sweep_deadline_s)
     traffic = Traffic(settings.router)
     procs = orphans.EngineProcs(settings.state_dir)
-    runners = {spec.name: EngineRunner(spec, board, sweep, settings.log_dir, traffic, procs)
+    rate = node_probe_rate(settings.engines)  # (the probes' wake grid: nvpair.wakes)
+    runners = {spec.name: EngineRunner(spec, board, sweep, settings.log_dir, traffic, procs,
+                                       probe_rate=rate)
                for spec in settings.engines}
     memory = MemoryWatch(settings.memory, board, settings.engines, traffic=traffic,
                          runners=runners)
