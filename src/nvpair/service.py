@@ -14,7 +14,7 @@ from nvpair import looplag, orphans
 from nvpair.api import Api
 from nvpair.asgi import Mount
 from nvpair.boundary import Part
-from nvpair.collector import Collector
+from nvpair.collector import Collector, left_alone
 from nvpair.config import Settings, url_host
 from nvpair.control import Control
 from nvpair.dashboard import Dashboard, HistoryView
@@ -238,9 +238,13 @@ async def main(settings: Settings, *, announce: Callable[[str], None] = print,
         # What is alive is frozen out of the cyclic collector's walk, now and after each
         # collection of the young generations, which are held to a size, so that every
         # collection stays short at any size of the node (nvpair.collector)
-        with collector_part.guard():
-            collector.begin()
-        nursery.start_soon(keep_collecting)
+        why_not = left_alone()
+        if why_not is None:
+            with collector_part.guard():
+                collector.begin()
+            nursery.start_soon(keep_collecting)
+        else:
+            log.info("the garbage collector runs as Python's default: %s", why_not)
         announce(running.url)
         if watch is not None:
             nursery.start_soon(watch_board, running.board)
