@@ -369,7 +369,8 @@ async def test_a_cross_site_stop_over_the_network_stops_nothing(nursery, tmp_pat
 
 
 async def test_a_large_model_list_is_sent_in_pieces_with_the_same_bytes(autojump_clock) -> None:
-    from nvpair import views
+    from tests.listing_oracle import models_doc
+
     from nvpair.asgi import encoder
     big = tuple(f"org/model-{i:05d}-" + "x" * 60 for i in range(3000))  # > 256 KiB
     board = board_with(engine("a", "ready", ("m1",)), engine("big", "ready", big),
@@ -377,7 +378,7 @@ async def test_a_large_model_list_is_sent_in_pieces_with_the_same_bytes(autojump
     api = Api(board, node="n1")
     chunks = await api.models_chunks(False)
     assert len(chunks) == 3 and len(chunks[1]) > 256 * 1024  # the big part is not copied
-    want = encoder.encode(views.models_doc(board.current, trio.current_time(), "n1"))
+    want = encoder.encode(models_doc(board.current, trio.current_time(), "n1"))
     async with client(api) as c:
         r = await c.get("/v1/models")
     assert r.content == want and r.headers["content-length"] == str(len(want))
@@ -430,14 +431,15 @@ async def test_a_models_answer_built_across_checkpoints_is_of_the_version_it_too
     """The listing moves (a big engine unlisted) while a /v1/models build waits at a
     checkpoint: that answer is the listing it started from, whole, byte for byte; the
     next answer is the new listing (the old build does not take the cache's place)."""
-    from nvpair import views
+    from tests.listing_oracle import models_doc
+
     from nvpair.asgi import encoder
     from nvpair.listing import catalog
     big = tuple(f"org/model-{i:05d}-" + "x" * 60 for i in range(3000))  # > 256 KiB
     board = board_with(engine("a", "ready", big), engine("b", "ready", ("m1",)),
                        engine("c", "ready", tuple(f"c/{m}" for m in big)))
     api = Api(board, node="n1")
-    before = encoder.encode(views.models_doc(board.current, trio.current_time(), "n1"))
+    before = encoder.encode(models_doc(board.current, trio.current_time(), "n1"))
 
     class Between(trio.abc.Instrument):
         """After the reader's first step (it ended at the checkpoint after "a")."""
@@ -459,5 +461,5 @@ async def test_a_models_answer_built_across_checkpoints_is_of_the_version_it_too
     finally:
         trio.lowlevel.remove_instrument(between)
     assert between.done and b"".join(first) == before
-    after = encoder.encode(views.models_doc(board.current, trio.current_time(), "n1"))
+    after = encoder.encode(models_doc(board.current, trio.current_time(), "n1"))
     assert after != before and b"".join(await api.models_chunks(False)) == after

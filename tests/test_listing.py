@@ -1,5 +1,6 @@
-"""The listing built engine by engine is the one views.models_doc defines, byte for byte,
-after any sequence of changes (hypothesis), and it rebuilds only what changed."""
+"""The listing built engine by engine is the one tests/listing_oracle.models_doc defines,
+byte for byte, after any sequence of changes (hypothesis), and it rebuilds only what
+changed."""
 
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -9,8 +10,8 @@ import trio
 import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.listing_oracle import models_doc
 
-from nvpair import views
 from nvpair.asgi import encoder
 from nvpair.listing import ModelsBody, catalog
 from nvpair.snapshot import Board, EngineState, Model
@@ -95,7 +96,7 @@ def test_the_listing_is_models_doc_after_any_changes(steps: list) -> None:
             at = change["checked_at"]
             fields = {**change, "checked_at": None if at is None else now + at}
             board.update(name, lambda e, fields=fields: msgspec.structs.replace(e, **fields))
-            want = encoder.encode(views.models_doc(board.current, now, "node1"))
+            want = encoder.encode(models_doc(board.current, now, "node1"))
             assert body(built, board, now) == want
             items = {m["id"]: m for m in msgspec.json.decode(want)["data"]}
             for model_id in (*IDS, "fast", "nope"):
@@ -195,7 +196,7 @@ async def test_a_stepwise_walk_returns_the_one_version_it_took_while_the_listing
     board = big_board()
     walking, other = ModelsBody("n"), ModelsBody("n")
     now = trio.current_time()
-    want_before = encoder.encode(views.models_doc(board.current, now, "n"))
+    want_before = encoder.encode(models_doc(board.current, now, "n"))
     seen_by_other: list[bytes] = []
 
     class Between(trio.abc.Instrument):
@@ -223,7 +224,7 @@ async def test_a_stepwise_walk_returns_the_one_version_it_took_while_the_listing
     assert b'{"object":"list","data":[' + b",".join(got) + b"]}" == want_before
     ids = listed_ids(got)
     assert len(ids) == len(set(ids)) == 6000 * 2 + 3 + 3
-    want_after = encoder.encode(views.models_doc(board.current, now, "n"))
+    want_after = encoder.encode(models_doc(board.current, now, "n"))
     new = listed_ids(seen_by_other)
     assert len(new) == len(set(new)) == 6000 + 3 + 3
     for parts in (seen_by_other, walking.parts(board, now)):

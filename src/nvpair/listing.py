@@ -10,9 +10,10 @@ re-encodes one engine and an age re-encodes nothing. Each listing version is a
 ``Catalog`` of its own, never changed: a reader that takes one keeps reading that version
 across its checkpoints, as it keeps the ``board.current`` it took.
 
-The order is the one ``views.models_doc`` defines (and the tests hold this to it, byte for
-byte): engines listed ready first, then stale, each in the board's order; a model id is
-one item, owned by the first engine that lists it, its ``engines`` every engine that does.
+The order is the one ``models_doc`` of tests/listing_oracle.py defines (the tests hold
+this to it, byte for byte): engines listed ready first, then stale, each in the board's
+order; a model id is one item, owned by the first engine that lists it, its ``engines``
+every engine that does.
 """
 
 from __future__ import annotations
