@@ -421,7 +421,8 @@ async def test_a_cross_site_stop_over_the_network_stops_nothing(nursery, tmp_pat
 
 
 async def test_a_large_model_list_is_sent_in_pieces_with_the_same_bytes(autojump_clock) -> None:
-    from nvpair import views
+    from tests.listing_oracle import models_doc
+
     from nvpair.asgi import encoder
     big = tuple(f"org/model-{i:05d}-" + "x" * 60 for i in range(3000))  # > 256 KiB
     board = board_with(engine("a", "ready", ("m1",)), engine("big", "ready", big),
@@ -429,7 +430,7 @@ async def test_a_large_model_list_is_sent_in_pieces_with_the_same_bytes(autojump
     api = Api(board, node="n1")
     chunks = await api.models_chunks(False)
     assert len(chunks) == 3 and len(chunks[1]) > 256 * 1024  # the big part is not copied
-    want = encoder.encode(views.models_doc(board.current, trio.current_time(), "n1"))
+    want = encoder.encode(models_doc(board.current, trio.current_time(), "n1"))
     async with client(api) as c:
         r = await c.get("/v1/models")
     assert r.content == want and r.headers["content-length"] == str(len(want))
@@ -448,59 +449,69 @@ def test_chunked_models_are_the_list_and_large_parts_are_pieces_of_their_own(
     assert sum(1 for c in chunks if c is big) == kinds.count(b"big")
 
 
-class Builds:
-    """``api``'s /v1/models builds, counted and each held until ``release`` is set;
-    ``read`` is one reader, what it got in ``got``."""
-
-    def __init__(self, api: Api) -> None:
-        self.api, self.count, self.release = api, 0, trio.Event()
-        self.got: list[tuple[bytes, ...]] = []
-        real = api._models.parts_stepwise
-
-        async def held(*args: Any, **kw: Any) -> list[bytes]:
-            self.count += 1
-            await self.release.wait()
-            return await real(*args, **kw)
-
-        api._models.parts_stepwise = held  # type: ignore[method-assign]
-
-    async def read(self) -> None:
-        self.got.append(await self.api.models_chunks(False))
-
-
-async def test_readers_that_come_while_the_list_is_built_take_that_build() -> None:
+async def test_a_reader_never_waits_for_another_readers_models_build() -> None:
+    """A reader whose /v1/models build is held (here before its first step) holds no one
+    else: a second reader of the same version and bucket builds its own and answers."""
     board = board_with(*(engine(f"e{i}", "ready", (f"m{i}",)) for i in range(5)))
-    builds = Builds(Api(board, node="n1"))
+    api = Api(board, node="n1")
+    real, release, held = api._models.parts_stepwise, trio.Event(), []
+
+    async def first_held(*args: Any, **kw: Any) -> list[bytes]:
+        if not held:
+            held.append(True)
+            await release.wait()
+        return await real(*args, **kw)
+
+    api._models.parts_stepwise = first_held  # type: ignore[method-assign]
+    got: list[tuple[bytes, ...]] = []
+
+    async def read() -> None:
+        got.append(await api.models_chunks(False))
+
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery:
-            for _ in range(4):
-                nursery.start_soon(builds.read)
-            await trio.testing.wait_all_tasks_blocked()
-            builds.release.set()
-    got = builds.got
-    assert builds.count == 1 and len(got) == 4 and all(g is got[0] for g in got)
-    assert b'"m4"' in b"".join(got[0])
+            nursery.start_soon(read)
+            await trio.testing.wait_all_tasks_blocked()  # (the first build is held)
+            second = await api.models_chunks(False)
+            assert not got  # (answered while the first is still held)
+            release.set()
+    assert len(got) == 1 and got[0] == second and b'"m4"' in b"".join(second)
 
 
-async def test_a_build_cancelled_under_waiting_readers_is_built_again_once() -> None:
-    builds = Builds(Api(board_with(engine("a", "ready", ("m1",))), node="n1"))
-    with trio.fail_after(5):
-        async with trio.open_nursery() as nursery:
-            first = trio.CancelScope()
+async def test_a_models_answer_built_across_checkpoints_is_of_the_version_it_took(
+        autojump_clock) -> None:
+    """The listing moves (a big engine unlisted) while a /v1/models build waits at a
+    checkpoint: that answer is the listing it started from, whole, byte for byte; the
+    next answer is the new listing (the old build does not take the cache's place)."""
+    from tests.listing_oracle import models_doc
 
-            async def cancelled_read() -> None:
-                with first:
-                    await builds.read()
+    from nvpair.asgi import encoder
+    from nvpair.listing import catalog
+    big = tuple(f"org/model-{i:05d}-" + "x" * 60 for i in range(3000))  # > 256 KiB
+    board = board_with(engine("a", "ready", big), engine("b", "ready", ("m1",)),
+                       engine("c", "ready", tuple(f"c/{m}" for m in big)))
+    api = Api(board, node="n1")
+    before = encoder.encode(models_doc(board.current, trio.current_time(), "n1"))
 
-            nursery.start_soon(cancelled_read)
-            await trio.testing.wait_all_tasks_blocked()  # (the first build under way)
-            nursery.start_soon(builds.read)
-            nursery.start_soon(builds.read)
-            await trio.testing.wait_all_tasks_blocked()  # (the two wait for it)
-            assert builds.count == 1
-            first.cancel()  # (its client gone: the build ends without a body)
-            await trio.testing.wait_all_tasks_blocked()
-            builds.release.set()
-    got = builds.got
-    assert builds.count == 2  # (one of the two built it again, the other took that)
-    assert len(got) == 2 and got[0] is got[1] and b'"m1"' in b"".join(got[0])
+    class Between(trio.abc.Instrument):
+        """After the reader's first step (it ended at the checkpoint after "a")."""
+
+        reader: trio.lowlevel.Task | None = None
+        done = False
+
+        def after_task_step(self, task: trio.lowlevel.Task) -> None:
+            if task is self.reader and not self.done:
+                self.done = True
+                board.update("c", lambda e: msgspec.structs.replace(e, state="down"))
+                catalog(board, trio.current_time())  # (the advertiser's look meanwhile)
+
+    between = Between()
+    between.reader = trio.lowlevel.current_task()
+    trio.lowlevel.add_instrument(between)
+    try:
+        first = await api.models_chunks(False)
+    finally:
+        trio.lowlevel.remove_instrument(between)
+    assert between.done and b"".join(first) == before
+    after = encoder.encode(models_doc(board.current, trio.current_time(), "n1"))
+    assert after != before and b"".join(await api.models_chunks(False)) == after

@@ -4,6 +4,7 @@ memory grew."""
 from __future__ import annotations
 
 import gc
+import sys
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -11,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import trio
 
-from nvpair.collector import Collector, Policy, resident_bytes
+from nvpair.collector import Collector, Policy, left_alone, resident_bytes
 
 # A full run finds what earlier tests in this process left (an unclosed socket's cycle,
 # say) and its finalizer warns here: other tests' leftovers, not this module's.
@@ -133,3 +134,17 @@ def test_the_next_look_comes_when_the_young_will_hold_half_the_limit() -> None:
 def test_a_young_generation_under_its_limit_is_left_to_the_automatic_runs() -> None:
     collector = Collector(Policy(young_limit=1_000_000))
     assert collector.trim() < 1_000_000 and collector.trims == 0
+
+
+def test_the_tuning_is_for_cpython_before_3_14_only() -> None:
+    """3.14's incremental collector has no generation 1 (the one every rule here is
+    about): there, and on another interpreter, the collector is left alone, said why."""
+    assert left_alone((3, 11), "cpython") is None
+    assert left_alone((3, 13, 7), "cpython") is None
+    newer = left_alone((3, 14), "cpython")
+    assert newer is not None and "3.14" in newer and "generation 1" in newer
+    assert left_alone((3, 15, 0), "cpython") is not None
+    other = left_alone((3, 11), "pypy")
+    assert other is not None and "pypy" in other
+    here = sys.implementation.name == "cpython" and sys.version_info < (3, 14)
+    assert (left_alone() is None) == here

@@ -1,5 +1,6 @@
-"""The listing built engine by engine is the one views.models_doc defines, byte for byte,
-after any sequence of changes (hypothesis), and it rebuilds only what changed."""
+"""The listing built engine by engine is the one tests/listing_oracle.models_doc defines,
+byte for byte, after any sequence of changes (hypothesis), and it rebuilds only what
+changed."""
 
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -9,8 +10,8 @@ import trio
 import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.listing_oracle import models_doc
 
-from nvpair import views
 from nvpair.asgi import encoder
 from nvpair.listing import ModelsBody, catalog
 from nvpair.snapshot import Board, EngineState, Model
@@ -95,7 +96,7 @@ def test_the_listing_is_models_doc_after_any_changes(steps: list) -> None:
             at = change["checked_at"]
             fields = {**change, "checked_at": None if at is None else now + at}
             board.update(name, lambda e, fields=fields: msgspec.structs.replace(e, **fields))
-            want = encoder.encode(views.models_doc(board.current, now, "node1"))
+            want = encoder.encode(models_doc(board.current, now, "node1"))
             assert body(built, board, now) == want
             items = {m["id"]: m for m in msgspec.json.decode(want)["data"]}
             for model_id in (*IDS, "fast", "nope"):
@@ -134,10 +135,12 @@ async def test_one_engine_changed_re_encodes_that_engine_only() -> None:
     built = ModelsBody("n")
     now = trio.current_time()
     built.data(board, now)
-    before = dict(built._parts)
+    assert built._encoded is not None
+    before = built._encoded.parts
     board.update("b", lambda e: msgspec.structs.replace(e, models_stale=True))
     built.data(board, now)
-    assert [p for p in built._parts if built._parts[p] is not before[p]] == [1]
+    after = built._encoded.parts
+    assert [p for p, part in enumerate(after) if part is not before[p]] == [1]
 
 
 async def test_stepwise_parts_are_the_same_bytes_and_yield_after_each_big_join(
@@ -174,17 +177,27 @@ async def test_a_board_left_with_no_engines_lists_nothing() -> None:
     now = trio.current_time()
     assert built.data(board, now).count(b'"id"') == len(NAMES)
     board.publish(())
-    assert catalog(board, now).order == [] and built.data(board, now) == b""
+    assert catalog(board, now).order == () and built.data(board, now) == b""
 
 
-async def test_a_catalog_moved_during_a_stepwise_walk_is_not_mixed_into_it(
+def listed_ids(parts: list[bytes]) -> list[str]:
+    """The model ids of a body's parts, in order (the parts must make valid JSON)."""
+    return [m["id"] for m in msgspec.json.decode(
+        b'{"object":"list","data":[' + b",".join(parts) + b"]}")["data"]]
+
+
+async def test_a_stepwise_walk_returns_the_one_version_it_took_while_the_listing_moves(
         autojump_clock) -> None:
-    """Another reader brings the catalog up to date while a walk waits at a checkpoint
-    (engine "b", big, no longer listed): the walk starts again and returns the new
-    listing whole, never an empty part (a ",," in the body) or a model twice."""
+    """The listing moves while a walk waits at a checkpoint (engine "b", big, no longer
+    listed, and another reader takes the new version): the walk returns the version it
+    took, whole and byte for byte (never an empty part, a ",," in the body, nor a model
+    twice or missing); the other reader has the new one; and the next walk, after the
+    old walk ended, is the new one too (the old walk's parts do not replace the newer)."""
     board = big_board()
-    walking, other, plain = ModelsBody("n"), ModelsBody("n"), ModelsBody("n")
+    walking, other = ModelsBody("n"), ModelsBody("n")
     now = trio.current_time()
+    want_before = encoder.encode(models_doc(board.current, now, "n"))
+    seen_by_other: list[bytes] = []
 
     class Between(trio.abc.Instrument):
         """After the walker's first step (it ended at the checkpoint after "a")."""
@@ -196,7 +209,8 @@ async def test_a_catalog_moved_during_a_stepwise_walk_is_not_mixed_into_it(
             if task is self.walker and not self.done:
                 self.done = True
                 board.update("b", lambda e: msgspec.structs.replace(e, state="down"))
-                other.parts(board, now)  # (another reader: the catalog brought up to date)
+                seen_by_other.extend(other.parts(board, now))
+                walking.parts(board, now)  # (a reader of the same body, of the new one)
 
     between = Between()
     between.walker = trio.lowlevel.current_task()  # (its next step ends at the checkpoint)
@@ -206,10 +220,15 @@ async def test_a_catalog_moved_during_a_stepwise_walk_is_not_mixed_into_it(
     finally:
         trio.lowlevel.remove_instrument(between)
     assert between.done
-    assert all(got) and got == plain.parts(board, now)
-    ids = [m["id"] for m in msgspec.json.decode(
-        b'{"object":"list","data":[' + b",".join(got) + b"]}")["data"]]
-    assert len(ids) == len(set(ids)) == 6000 + 3 + 3
+    assert all(got) and b",," not in b",".join(got)
+    assert b'{"object":"list","data":[' + b",".join(got) + b"]}" == want_before
+    ids = listed_ids(got)
+    assert len(ids) == len(set(ids)) == 6000 * 2 + 3 + 3
+    want_after = encoder.encode(models_doc(board.current, now, "n"))
+    new = listed_ids(seen_by_other)
+    assert len(new) == len(set(new)) == 6000 + 3 + 3
+    for parts in (seen_by_other, walking.parts(board, now)):
+        assert b'{"object":"list","data":[' + b",".join(parts) + b"]}" == want_after
 
 
 async def test_a_stepwise_walk_of_many_small_engines_ends_a_step_every_few_hundred(

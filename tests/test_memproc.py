@@ -48,6 +48,7 @@ def test_every_parser_takes_any_text_as_values_or_one_line(text: str) -> None:
         text).startswith("/")  # type: ignore[union-attr]
     assert all(isinstance(i, int) for i in memproc.parse_net_tcp(text, 80))
     assert all(p in (80, 443) for p in memproc.parse_listeners(text, {80, 443}).values())
+    assert all(isinstance(s.port, int) for s in memproc.parse_listening(text))
     memproc.parse_gpu_model(text)
 
 
@@ -143,6 +144,21 @@ def test_net_tcp_gives_the_listeners_of_a_port(rows: list[tuple[int, str, int]],
         assert {i for i, p in both.items() if p == q} <= {
             inode for p, state, inode in rows if p == q and state == "0A"}
     assert set(both) == {inode for p, state, inode in rows if p in ports and state == "0A"}
+
+
+@given(st.lists(st.tuples(st.sampled_from(["0100007F", "00000000", "0200007F"]),
+                          st.integers(1, 65535), st.sampled_from(["0A", "01"]),
+                          st.integers(0, 2**32)), max_size=8))
+def test_net_tcp_gives_each_listeners_address_port_and_inode(
+        rows: list[tuple[str, int, str, int]]) -> None:
+    """What both the memory watch and the group runner read of the table (one parser)."""
+    text = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   " \
+           "uid  timeout inode\n"
+    for i, (address, p, state, inode) in enumerate(rows):
+        text += (f"   {i}: {address}:{p:04X} 00000000:0000 {state} 00000000:00000000 "
+                 f"00:00000000 00000000  1000        0 {inode} 1 0000000000000000 100 0 0 10 0\n")
+    assert list(memproc.parse_listening(text)) == [
+        (address, p, inode) for address, p, state, inode in rows if state == "0A"]
 
 
 def test_the_cgroup_v2_line() -> None:

@@ -9,7 +9,7 @@ import httpx2
 import pytest
 import trio
 import trio.testing
-from tests.fakes import FakeEngine, engine_spec, vllm_routes
+from tests.fakes import FakeEngine, engine_spec, served, vllm_routes
 from tests.managed import states_during, wait_state
 
 from nvpair.prober import ProbeMemory, run_probes
@@ -20,9 +20,11 @@ from nvpair.sweep import Sweep
 
 
 async def start(nursery: trio.Nursery, spec, fake: FakeEngine) -> Board:
+    """``spec``'s probes of ``fake``, served on 127.0.0.1 (as production probes: a probe
+    slower than 4 s on a connection of its own)."""
+    spec = await served(nursery, fake, spec)
     board = Board((initial_state(spec),))
-    await nursery.start(lambda task_status: run_probes(spec, board, transport=fake.transport(),
-                                                      task_status=task_status))
+    await nursery.start(lambda task_status: run_probes(spec, board, task_status=task_status))
     return board
 
 
@@ -40,15 +42,39 @@ async def test_ready_then_health_at_the_manifest_rate(nursery, autojump_clock) -
     assert fake.max_in_flight <= 2  # liveness and identity may overlap; never doubled
 
 
+async def test_probes_slower_than_keep_alive_go_on_connections_of_their_own(
+        nursery, autojump_clock) -> None:
+    """As in production: the identity (60 s), model list (30 s) and health (5 s) probes,
+    slower than the 4 s keep-alive, each go on a connection of their own, closed after the
+    answer (nvpair.oneshot); only the ready probe (2 s) reuses a kept connection."""
+    fake = FakeEngine(vllm_routes())
+    spec = await served(nursery, fake, engine_spec("vllm"))
+    board = Board((initial_state(spec),))
+    sweep = Sweep(board, 5.0)
+    prober = await nursery.start(lambda task_status: run_probes(
+        spec, board, sweep, task_status=task_status))
+    await nursery.start(sweep.run)
+    assert prober.client.target is not None  # (a MockTransport has none: all pooled)
+    await wait_state(board, "e", "ready")
+    ready_requests = fake.counts["/health"]
+    await trio.sleep(300)
+    health = fake.counts["/health"] - ready_requests
+    assert health >= 50 and fake.counts["/version"] >= 5 and fake.counts["/v1/models"] >= 10
+    for path in ("/version", "/v1/models"):
+        assert fake.closing[path] == fake.counts[path], (path, fake.closing, fake.counts)
+    assert fake.closing["/health"] >= health
+    one_shot = sum(fake.closing.values())
+    assert one_shot <= fake.connections <= one_shot + 2  # (+ the ready probe's kept one)
+
+
 async def test_a_ready_tick_publishes_once_with_its_identity_check(nursery, autojump_clock) -> None:
     """The ready probe, the identity check it asks for and the outcome: one new snapshot
     (each publish wakes every reader that waits for a change)."""
-    spec = engine_spec("vllm")
     fake = FakeEngine(vllm_routes())
+    spec = await served(nursery, fake, engine_spec("vllm"))
     board = Board((initial_state(spec),))
     before = board.current.version
-    await nursery.start(lambda task_status: run_probes(spec, board, transport=fake.transport(),
-                                                      task_status=task_status))
+    await nursery.start(lambda task_status: run_probes(spec, board, task_status=task_status))
     await trio.testing.wait_all_tasks_blocked()
     e = board.current.engines[0]
     assert e.state == "ready" and e.identity is not None and fake.counts["/version"] == 1
@@ -96,7 +122,7 @@ async def test_refused_engine_is_down_and_comes_back(nursery, autojump_clock) ->
 
 
 async def test_identity_mismatch_is_reported_not_listed(nursery, autojump_clock) -> None:
-    spec = engine_spec("llamacpp", model="deepseek-v4.1-flash", port=30000)
+    spec = engine_spec("llamacpp", model="deepseek-v4.1-flash")
     fake = FakeEngine({
         "/health": (200, {"status": "ok"}),
         "/props": (200, {"model_alias": "qwen3-8b", "model_path": "/m/qwen3-8b.gguf",
@@ -106,7 +132,7 @@ async def test_identity_mismatch_is_reported_not_listed(nursery, autojump_clock)
     await trio.sleep(2)
     e = board.current.engines[0]
     assert e.state == "unhealthy"
-    assert e.error == "127.0.0.1:30000 serves qwen3-8b, expected deepseek-v4.1-flash"
+    assert e.error == f"127.0.0.1:{fake.port} serves qwen3-8b, expected deepseek-v4.1-flash"
 
 
 async def test_wrong_kind_is_reported(nursery, autojump_clock) -> None:
@@ -157,12 +183,12 @@ async def test_generating_fallback_with_opt_in_runs_at_a_low_rate(nursery, autoj
 
 async def test_an_oversized_answer_is_an_error_not_a_crash(nursery, autojump_clock) -> None:
     """A models list over the 4 MiB cap: the probe fails with a clear error; nothing else."""
-    spec = engine_spec("vllm")
     fake = FakeEngine(vllm_routes())
     fake.routes["/v1/models"] = (200, "x" * (MAX_BODY + 1))
+    spec = await served(nursery, fake, engine_spec("vllm"))
     board = Board((initial_state(spec),))
     prober = await nursery.start(lambda task_status: run_probes(
-        spec, board, transport=fake.transport(), task_status=task_status))
+        spec, board, task_status=task_status))
     outcome, answer = await prober.probe("models")
     assert answer is None and not outcome.ok
     assert outcome.error == "GET /v1/models answered more than 4 MiB"
@@ -186,11 +212,13 @@ async def test_another_kind_of_server_on_the_port_is_never_listed(
         nursery, autojump_clock) -> None:
     # llama.cpp configured, vLLM answering: /health is fine, /props is 404.
     spec = engine_spec("llamacpp")
-    board = await start(nursery, spec, FakeEngine(vllm_routes()))
+    fake = FakeEngine(vllm_routes())
+    board = await start(nursery, spec, fake)
     states = await watch_states(board, 120)
     e = board.current.engines[0]
     assert "ready" not in states and e.state == "unhealthy"
-    assert e.error == "127.0.0.1:8080 does not look like llamacpp: GET /props answered 404"
+    assert e.error == (f"127.0.0.1:{fake.port} does not look like llamacpp: "
+                       "GET /props answered 404")
 
 
 async def test_a_web_page_on_the_port_is_never_listed(nursery, autojump_clock) -> None:
@@ -224,12 +252,12 @@ async def test_not_listed_until_its_identity_answers(nursery, autojump_clock) ->
 async def test_a_vllm_serving_another_model_stays_unlisted(nursery, autojump_clock) -> None:
     """The model check of a vLLM is the sweep's (its /version names no model); the identity
     probe must not clear what the sweep found."""
-    spec = engine_spec("vllm", model="expected-model")
     fake = FakeEngine(vllm_routes("wrong-model"))
+    spec = await served(nursery, fake, engine_spec("vllm", model="expected-model"))
     board = Board((initial_state(spec),))
     sweep = Sweep(board, 5.0)
     await nursery.start(lambda task_status: run_probes(
-        spec, board, sweep, transport=fake.transport(), task_status=task_status))
+        spec, board, sweep, task_status=task_status))
     await nursery.start(sweep.run)
     await watch_states(board, 30)
     assert board.current.engines[0].state == "unhealthy"
@@ -238,11 +266,17 @@ async def test_a_vllm_serving_another_model_stays_unlisted(nursery, autojump_clo
     assert "serves wrong-model, expected expected-model" in (board.current.engines[0].error or "")
 
 
-async def start_with_sweep(nursery: trio.Nursery, spec, fake: FakeEngine) -> Board:
+async def start_with_sweep(nursery: trio.Nursery, spec, fake: FakeEngine, *,
+                           mocked: bool = False) -> Board:
+    """``start``, with the sweep; ``mocked``: through ``fake.transport()`` (every probe
+    pooled), not a socket."""
+    if not mocked:
+        spec = await served(nursery, fake, spec)
     board = Board((initial_state(spec),))
     sweep = Sweep(board, 5.0)
     await nursery.start(lambda task_status: run_probes(
-        spec, board, sweep, transport=fake.transport(), task_status=task_status))
+        spec, board, sweep, transport=fake.transport() if mocked else None,
+        task_status=task_status))
     await nursery.start(sweep.run)
     return board
 
@@ -385,7 +419,9 @@ async def test_requests_per_hour_stay_within_the_schedule(
         kind: str, state: str, nursery, autojump_clock) -> None:
     fake, want = hostile_routes(kind, state)
     spec = engine_spec(kind)
-    board = await start_with_sweep(nursery, spec, fake)
+    # (an hour of probes each, 25 times: over a socket these took 35 s in all, not 14, and
+    # what they count is the schedule, which is the same on either path)
+    board = await start_with_sweep(nursery, spec, fake, mocked=True)
     await trio.sleep(3600)
     sent = sum(fake.counts.values())
     limit = SCHEDULE[kind][STATES.index(state)]
@@ -447,14 +483,13 @@ async def test_the_prober_is_enrolled_in_the_sweep_while_its_probes_run(
         nursery, autojump_clock) -> None:
     """Enrolled from ``started`` until run_probes ends; a later prober of the same engine
     (a restart) is not removed when the earlier one ends."""
-    spec = engine_spec("vllm")
+    spec = await served(nursery, FakeEngine(vllm_routes()), engine_spec("vllm"))
     board = Board((initial_state(spec),))
     sweep = Sweep(board, 5.0)
 
     async def probing(task_status) -> None:  # run_probes in a nursery the test can cancel
         async with trio.open_nursery() as own:
-            prober = await own.start(partial(run_probes, spec, board, sweep,
-                                             transport=FakeEngine(vllm_routes()).transport()))
+            prober = await own.start(partial(run_probes, spec, board, sweep))
             task_status.started((prober, own.cancel_scope))
 
     probers, scopes = [], []
@@ -477,17 +512,16 @@ async def test_a_generating_request_cut_short_still_counts_against_the_budget(
     """A generating request cancelled in flight (the engine's probes restart) may have
     reached the engine: the restarted probes send none for 30 s after it (before, the cut
     request was never recorded and the restarted prober sent the next one at once)."""
-    spec = engine_spec("sglang", allow_generating_probes=True)
     fake = FakeEngine({"/health": (200, ""), "/model_info": (200, {
         "model_path": "m", "is_generation": True})})
     fake.hang.add("/health")  # it generates, slowly
+    spec = await served(nursery, fake, engine_spec("sglang", allow_generating_probes=True))
     board = Board((initial_state(spec),))
     memory = ProbeMemory()
 
     async def probing(task_status) -> None:
         async with trio.open_nursery() as own:
-            await own.start(partial(run_probes, spec, board, transport=fake.transport(),
-                                    memory=memory))
+            await own.start(partial(run_probes, spec, board, memory=memory))
             task_status.started(own.cancel_scope)
 
     scope = await nursery.start(probing)

@@ -1,15 +1,18 @@
 """The engine state machine: pure transitions, no I/O."""
 
+import math
+
 import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from tests.fakes import engine_spec
 
-from nvpair.manifest import ProbeSpec
+from nvpair.manifest import GENERATING_MIN_INTERVAL_S, ProbeSpec
 from nvpair.probes import Listing
-from nvpair.snapshot import EngineState, Identity, Model
+from nvpair.snapshot import EngineState, Identity, Model, ProbeStats
 from nvpair.state import (
+    AWAITED_READY_INTERVAL_S,
     Outcome,
     after_identity,
     after_liveness,
@@ -19,10 +22,12 @@ from nvpair.state import (
     listing_failed,
     liveness_probe,
     models_missed,
+    next_interval,
     overdue_after,
     part_failed,
     rescheduled,
     steady_models,
+    with_probe,
 )
 
 HEALTH = ProbeSpec(path="/health", failure_threshold=3, success_threshold=2)
@@ -307,3 +312,76 @@ def test_steady_models_lists_what_the_engine_listed(old: list, new: list) -> Non
     for m, n in zip(kept, after, strict=True):
         earlier = {x.created for x in before if (x.id, x.owned_by) == (n.id, n.owned_by)}
         assert m.created in earlier if earlier else m is n
+
+
+# -- the liveness loop's next tick (next_interval): the policy without the loop ---------------
+
+VLLM_SPEC = engine_spec("vllm")  # ready every 2 s, health every 5 s, an identity probe
+
+
+def ready_answered(e: EngineState, times: int = 1) -> EngineState:
+    """``e`` after ``times`` good ready probes in a row (its counters, not its state)."""
+    return with_probe(e, "ready", ProbeStats(path="/health", ok=True,
+                                             consecutive_successes=times))
+
+
+def test_the_next_tick_follows_the_probe_that_runs_next() -> None:
+    starting = next_interval(engine("starting"), VLLM_SPEC, probe="ready", outcome=FAIL)
+    ready = next_interval(engine("ready"), VLLM_SPEC, probe="ready", outcome=OK)
+    assert (starting.probe, starting.interval) == ("ready", 2.0)
+    assert (ready.probe, ready.interval) == ("health", 5.0)
+    assert starting.not_before == ready.not_before == -math.inf
+    assert not starting.awaited and not ready.awaited
+
+
+def test_requests_waiting_for_a_start_shorten_a_cheap_ready_probe_only() -> None:
+    waited = msgspec.structs.replace(engine("starting"), queued=3)
+    cheap = next_interval(waited, VLLM_SPEC, probe="ready", outcome=FAIL)
+    assert cheap.interval == AWAITED_READY_INTERVAL_S
+    generating = next_interval(waited, VLLM_SPEC, probe="ready", outcome=FAIL,
+                               generating=("ready",))
+    assert generating.interval == GENERATING_MIN_INTERVAL_S  # (never sooner for waiters)
+    ready = msgspec.structs.replace(engine("ready"), queued=3)
+    assert next_interval(ready, VLLM_SPEC, probe="health", outcome=OK).interval == 5.0
+
+
+def test_an_engine_that_only_awaits_its_identity_is_asked_at_the_health_interval() -> None:
+    answers = ready_answered(engine("starting"))
+    awaiting = next_interval(answers, VLLM_SPEC, probe="ready", outcome=OK)
+    assert (awaiting.probe, awaiting.interval) == ("ready", 5.0)
+    # not enough good answers yet, or the answer failed, or no identity probe: its own
+    unsure = next_interval(ready_answered(engine("starting"), 0), VLLM_SPEC, probe="ready",
+                           outcome=OK)
+    failed = next_interval(answers, VLLM_SPEC, probe="ready", outcome=FAIL)
+    no_identity = msgspec.structs.replace(
+        VLLM_SPEC, probes=msgspec.structs.replace(VLLM_SPEC.probes, identity=None))
+    alone = next_interval(answers, no_identity, probe="ready", outcome=OK)
+    assert unsure.interval == failed.interval == alone.interval == 2.0
+    known = msgspec.structs.replace(answers, identity=Identity(version="0.33.0"))
+    assert next_interval(known, VLLM_SPEC, probe="ready", outcome=OK).interval == 2.0
+
+
+def test_a_generating_probe_comes_no_sooner_than_its_minimum_after_the_last() -> None:
+    ready = engine("ready")
+    capped = next_interval(ready, VLLM_SPEC, probe="health", outcome=OK,
+                           generating=("health",), generated_at=100.0)
+    assert capped.interval == GENERATING_MIN_INTERVAL_S
+    assert capped.not_before == 100.0 + GENERATING_MIN_INTERVAL_S
+    # the next probe's path does not generate (another one's does): no bound
+    free = next_interval(ready, VLLM_SPEC, probe="health", outcome=OK,
+                         generating=("ready",), generated_at=100.0)
+    assert (free.interval, free.not_before) == (5.0, -math.inf)
+    never = next_interval(ready, VLLM_SPEC, probe="health", outcome=OK,
+                          generating=("health",))
+    assert never.not_before == -math.inf
+
+
+def test_a_starting_on_demand_engine_nobody_waits_for_sleeps_until_a_request_waits() -> None:
+    on_demand = msgspec.structs.replace(VLLM_SPEC, activation="on_demand")
+    starting = engine("starting", managed=True)
+    assert next_interval(starting, on_demand, probe="ready", outcome=FAIL).awaited
+    waited = msgspec.structs.replace(starting, queued=1)
+    assert not next_interval(waited, on_demand, probe="ready", outcome=FAIL).awaited
+    assert not next_interval(starting, VLLM_SPEC, probe="ready", outcome=FAIL).awaited
+    ready = engine("ready", managed=True)
+    assert not next_interval(ready, on_demand, probe="ready", outcome=OK).awaited

@@ -6,7 +6,7 @@ import httpx2
 import msgspec
 import pytest
 import trio
-from tests.fakes import FakeEngine, engine_spec, vllm_routes
+from tests.fakes import FakeEngine, engine_spec, served, vllm_routes
 from tests.managed import states_during, wait_state
 from tests.stub_http import serve_stub
 
@@ -20,13 +20,14 @@ from nvpair.sweep import Sweep
 
 
 async def start_all(nursery, fakes: dict[str, FakeEngine], deadline: float = 5.0):
-    specs = [engine_spec("vllm", name=name, port=8000 + i) for i, name in enumerate(fakes)]
+    """The engines, each ``fakes[name]`` on a port of 127.0.0.1, probed and swept."""
+    specs = [await served(nursery, fake, engine_spec("vllm", name=name))
+             for name, fake in fakes.items()]
     board = Board(tuple(initial_state(s) for s in specs))
     sweep = Sweep(board, deadline)
     for spec in specs:
-        transport = fakes[spec.name].transport()
-        await nursery.start(lambda task_status, spec=spec, transport=transport: run_probes(
-            spec, board, sweep, transport=transport, task_status=task_status))
+        await nursery.start(lambda task_status, spec=spec: run_probes(
+            spec, board, sweep, task_status=task_status))
     await nursery.start(sweep.run)
     return board, sweep
 
@@ -79,13 +80,12 @@ async def test_model_list_is_refreshed_on_its_interval(nursery, autojump_clock) 
 async def test_an_engine_without_a_models_probe_is_never_due(nursery, autojump_clock) -> None:
     """Such a manifest is allowed; its engine must not leave a due time in the past, which
     would wake the sweep at once, forever (a busy loop)."""
-    spec = engine_spec("vllm", name="e")
+    spec = await served(nursery, FakeEngine(vllm_routes()), engine_spec("vllm", name="e"))
     spec = msgspec.structs.replace(spec, probes=msgspec.structs.replace(spec.probes, models=None))
     board = Board((initial_state(spec),))
     sweep = Sweep(board, 5.0)
     await nursery.start(lambda task_status: run_probes(
-        spec, board, sweep, transport=FakeEngine(vllm_routes()).transport(),
-        task_status=task_status))
+        spec, board, sweep, task_status=task_status))
     await trio.sleep(1)
     assert board.current.engines[0].state == "ready"
     assert sweep.due(trio.current_time()) == []

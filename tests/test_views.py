@@ -1,7 +1,9 @@
 """The API's documents from one snapshot: pure functions, no I/O."""
 
+from tests.listing_oracle import models_doc
+
 from nvpair.snapshot import EngineState, Model, Snapshot
-from nvpair.views import engine_status, engines_doc, models_doc
+from nvpair.views import engine_status, engines_doc
 
 
 def engine(name: str, state: str, **kw: object) -> EngineState:

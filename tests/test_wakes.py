@@ -5,15 +5,14 @@ import gc
 import itertools
 import math
 
-import httpx2
 import pytest
 import trio
 from hypothesis import given
 from hypothesis import strategies as st
-from tests.fakes import FakeEngine, engine_spec, vllm_routes
+from tests.fakes import FakeEngine, engine_spec, served, vllm_routes
 
 from nvpair import wakes
-from nvpair.prober import run_probes, steady_probe_rate
+from nvpair.prober import node_probe_rate, run_probes, steady_probe_rate
 from nvpair.snapshot import Board
 from nvpair.state import initial_state
 
@@ -186,45 +185,47 @@ async def test_a_sleep_makes_a_fraction_of_the_objects_of_a_trio_sleep(
     assert ours <= 4 and trios >= 2 * ours, (ours, trios)
 
 
-async def test_probing_counts_an_engines_rate_while_its_probes_run() -> None:
-    assert wakes.probe_rate() == 0
-    with wakes.probing(0.25):
-        with wakes.probing(0.5):
-            assert wakes.probe_rate() == 0.75
-        assert wakes.probe_rate() == 0.25
-    assert wakes.probe_rate() == 0
+def test_the_node_probe_rate_is_its_configured_engines_steady_rates() -> None:
+    specs = [engine_spec("vllm", name=f"e{i}") for i in range(3)]
+    assert node_probe_rate(specs) == pytest.approx(3 * steady_probe_rate(specs[0]))
+    assert node_probe_rate([]) == 0
 
 
-class _Timed(httpx2.AsyncBaseTransport):
-    """Notes the Trio time of each request to a path, then answers as ``inner`` does."""
-
-    def __init__(self, inner: httpx2.AsyncBaseTransport, path: str) -> None:
-        self.inner, self.path, self.times = inner, path, []
-
-    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
-        if request.url.path == self.path:
-            self.times.append(trio.current_time())
-        return await self.inner.handle_async_request(request)
+async def test_a_probe_loop_wakes_on_the_grid_of_the_rate_passed_in(
+        nursery, autojump_clock) -> None:
+    """One engine whose node probes 256 times a second (1,024 engines' worth): its 5 s
+    health probes come on the 1/64 s grid, not the 0.5 s grid of an engine alone."""
+    fake = FakeEngine(vllm_routes())
+    spec = await served(nursery, fake, engine_spec("vllm"))
+    board = Board((initial_state(spec),))
+    prober = await nursery.start(lambda task_status: run_probes(
+        spec, board, probe_rate=256.0, task_status=task_status))
+    assert prober.probe_rate == 256.0
+    await trio.sleep(300)
+    times = fake.times["/health"][2:]
+    assert len(times) > 40
+    assert all(t * 64 == math.floor(t * 64) for t in times)
+    assert any(t / 0.5 != math.floor(t / 0.5) for t in times)
 
 
 async def test_the_health_probes_of_several_engines_share_wake_ups(
         nursery, autojump_clock) -> None:
     """Six engines, each at its own 5 s schedule with its own jitter: their health probes
     come on the 0.5 s grid, at the manifest's rate, at fewer instants than probes."""
-    timed = []
+    fakes = []
     for i in range(6):
-        spec = engine_spec("vllm", name=f"e{i}")
+        fake = FakeEngine(vllm_routes())
+        fakes.append(fake)
+        spec = await served(nursery, fake, engine_spec("vllm", name=f"e{i}"))
         board = Board((initial_state(spec),))
-        transport = _Timed(FakeEngine(vllm_routes()).transport(), "/health")
-        timed.append(transport)
-        await nursery.start(lambda task_status, s=spec, b=board, t=transport: run_probes(
-            s, b, transport=t, task_status=task_status))
+        await nursery.start(lambda task_status, s=spec, b=board: run_probes(
+            s, b, probe_rate=6 * steady_probe_rate(s), task_status=task_status))
         await trio.sleep(0.3)  # different phases
-    assert wakes.probe_rate() == 6 * steady_probe_rate(engine_spec("vllm"))
     started = trio.current_time()
     await trio.sleep(600)
-    times = [t for tr in timed for t in tr.times if t > started + 10]
+    times = [t for fake in fakes for t in fake.times["/health"] if t > started + 10]
     assert all(t / 0.5 == math.floor(t / 0.5) for t in times)
-    per_engine = [len([t for t in tr.times if t > started + 10]) for tr in timed]
+    per_engine = [len([t for t in fake.times["/health"] if t > started + 10])
+                  for fake in fakes]
     assert all(110 <= n <= 119 for n in per_engine), per_engine
     assert len(set(times)) < 0.8 * len(times)

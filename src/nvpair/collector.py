@@ -43,6 +43,13 @@ to it; the collector's automatic runs then walk only what was made since.
   ``growth`` (a quarter) or more it unfreezes and runs one full collection (logged, with
   its length and what it freed). A node that leaks no cycles never pays that pause.
 
+All of this is written for CPython's collector of three generations (``gc.get_objects(1)``,
+``gc.collect(1)``, a callback at generation 1, the thresholds above). CPython 3.14's
+incremental collector has no generation 1: ``get_objects(1)`` returns nothing there and
+``collect(1)`` is one increment. So ``nvpair serve`` tunes nothing on another interpreter
+(``left_alone`` says why, and the log says so once at start), and Python's own
+collector runs as it would without nvpair.
+
 ``run`` is started once per process by ``nvpair serve`` (``nvpair.service.main``).
 """
 
@@ -51,6 +58,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -71,6 +79,19 @@ def resident_bytes() -> int | None:
             return int(f.read().split()[1]) * _PAGE
     except (OSError, ValueError, IndexError):
         return None
+
+
+def left_alone(version: tuple[int, ...] = tuple(sys.version_info[:2]),
+               implementation: str = sys.implementation.name) -> str | None:
+    """Why the collector is not tuned on this interpreter (the running one by default),
+    in words; None when the policy here is for it: CPython before 3.14."""
+    if implementation != "cpython":
+        return (f"{implementation} is not CPython, whose collector of three generations "
+                "nvpair's tuning is written for")
+    if tuple(version[:2]) >= (3, 14):
+        return (f"CPython {version[0]}.{version[1]}'s incremental collector has no "
+                "generation 1, which nvpair's tuning is written for")
+    return None
 
 
 @dataclass(frozen=True)

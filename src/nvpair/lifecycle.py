@@ -119,8 +119,11 @@ class EngineRunner:
                  log_dir: Path | None, traffic: Traffic | None = None,
                  procs: EngineProcs | None = None, *,
                  transport: httpx2.AsyncBaseTransport | None = None,
-                 spawn: Spawn = spawn_process, log_rate: RateCap = DEFAULT_RATE) -> None:
+                 spawn: Spawn = spawn_process, log_rate: RateCap = DEFAULT_RATE,
+                 probe_rate: float | None = None) -> None:
         self.spec = spec
+        #: the node's probes a second, for the probes' wake grid (``prober.node_probe_rate``)
+        self.probe_rate = probe_rate
         self.transport = transport  # the probes' (tests use a mock engine)
         self._spawn = spawn  # how its process starts (tests use a fake process)
         #: what the probes remember across probe and engine restarts (the generating budget)
@@ -356,7 +359,8 @@ class EngineRunner:
 
     def _probes(self) -> partial[Any]:
         return partial(run_probes, self.spec, self.board, self.sweep, traffic=self.traffic,
-                       transport=self.transport, memory=self.memory)
+                       transport=self.transport, memory=self.memory,
+                       probe_rate=self.probe_rate)
 
     async def _adopt(self) -> None:
         """Probe an engine nvpair does not own; never signal it."""

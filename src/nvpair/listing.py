@@ -6,19 +6,22 @@ fields changed gets its model items (``ModelItem``) rebuilt, and so do the engin
 items name it (a model several engines serve lists them all); nothing else is touched.
 ``ModelsBody`` keeps each engine's part of the ``/v1/models`` body encoded, and joins
 the parts with each engine's ``checked_age_s`` at read time, so a change to one engine
-re-encodes one engine and an age re-encodes nothing.
+re-encodes one engine and an age re-encodes nothing. Each listing version is a
+``Catalog`` of its own, never changed: a reader that takes one keeps reading that version
+across its checkpoints, as it keeps the ``board.current`` it took.
 
-The order is the one ``views.models_doc`` defines (and the tests hold this to it, byte for
-byte): engines listed ready first, then stale, each in the board's order; a model id is
-one item, owned by the first engine that lists it, its ``engines`` every engine that does.
+The order is the one ``models_doc`` of tests/listing_oracle.py defines (the tests hold
+this to it, byte for byte): engines listed ready first, then stale, each in the board's
+order; a model id is one item, owned by the first engine that lists it, its ``engines``
+every engine that does.
 """
 
 from __future__ import annotations
 
 import bisect
 import weakref
-from collections.abc import Iterator
-from typing import Annotated
+from collections.abc import Iterator, Mapping
+from typing import Annotated, NamedTuple
 
 import msgspec
 import trio
@@ -34,8 +37,6 @@ TEXT_MAX = 512
 STEP_BYTES = 256 * 1024
 #: a stepwise walk ends a step after this many engines' parts, joined or not
 STEP_ENGINES = 256
-#: a stepwise walk the catalog moved under this many times is finished in one step
-WALKS = 3
 #: an engine's part in at most this many pieces (items + 1) is joined at every read, not
 #: cached: the check would cost what the join does
 SMALL_PIECES = 9
@@ -79,18 +80,64 @@ def _names(e: EngineState) -> list[Name4]:
 
 
 class Catalog:
-    """The model items of one board, kept current engine by engine (``catalog(board)``)."""
+    """The model items of one board at one listing version (``catalog(board, now)``).
+
+    Never changed once made: when the listing moves, the next call makes a new one (the
+    engines that did not change share their items with the last). A reader takes one, as
+    it takes ``board.current``, and whatever it awaits, what it reads of it is of that one
+    version."""
+
+    __slots__ = ("_items", "changed_at", "layout", "order", "owned", "positions", "shown",
+                 "version")
+
+    def __init__(self, version: int, layout: int, order: tuple[int, ...],
+                 owned: tuple[tuple[ModelItem, ...], ...], changed_at: tuple[int, ...],
+                 shown: tuple[str, ...], positions: Mapping[str, int]) -> None:
+        self.version = version  # the listing version this is
+        self.layout = layout  # the board's layout it was built for
+        #: positions of the listed engines, in listing order
+        self.order = order
+        #: by engine position: the items it owns (in its order), the version they last
+        #: changed at (equal versions in one layout: the same items), its shown state
+        self.owned = owned
+        self.changed_at = changed_at
+        self.shown = shown
+        #: engine name -> position (the same mapping for every catalog of a layout)
+        self.positions = positions
+        self._items: dict[str, ModelItem] | None = None
+
+    @property
+    def items(self) -> Mapping[str, ModelItem]:
+        """Every listed item by model id (made at the first look: the lists do not need
+        it, and 100,000 items would cost milliseconds at every listing change)."""
+        if self._items is None:
+            self._items = {m.id: m for pos in self.order for m in self.owned[pos]}
+        return self._items
+
+    def in_order(self) -> list[ModelItem]:
+        """Every item, as ``/v1/models`` lists them."""
+        return [m for pos in self.order for m in self.owned[pos]]
+
+
+_EMPTY = Catalog(0, 0, (), (), (), (), {})
+
+
+class _Index:
+    """What a board's next catalog is built from, kept current engine by engine: by
+    whom each model id is listed, and the items each engine owns. Only ``catalog`` changes
+    it, in one sync call per listing version, and each call ends in a new ``Catalog``."""
 
     def __init__(self) -> None:
+        self.catalog = _EMPTY  # the last one made
         self.version = 0  # the listing version this reflects
         self.layout = 0  # the board's layout it was built for
         #: by engine position: what it lists (empty when not listed), its shown state, the
-        #: model ids it owns (in its order), the version its owned items last changed
+        #: items it owns (in its order), the version its owned items last changed
         self.names: list[list[Name4]] = []
         #: what the names and rank were built from: (models, aliases, listed, not ready)
         self.basis: list[tuple[object, object, bool, bool] | None] = []
         self.shown: list[str] = []
-        self.owned: list[list[str]] = []
+        self.owned: list[tuple[ModelItem, ...]] = []
         self.changed_at: list[int] = []
         #: model id -> positions of the engines that list it, in listing order (repeats)
         self.listers: dict[str, list[int]] = {}
@@ -107,16 +154,17 @@ class Catalog:
     def sync(self, board: Board, now: float) -> Catalog:
         version = board.listed(now)
         if version == self.version:
-            return self
+            return self.catalog
         engines = board.current.engines
         if board.layout > self.layout or len(engines) != len(self.names):
             n = len(engines)
-            self.names, self.owned = [[] for _ in range(n)], [[] for _ in range(n)]
+            self.names, self.owned = [[] for _ in range(n)], [() for _ in range(n)]
             self.shown, self.changed_at = [""] * n, [version] * n
             self.basis = [None] * n
             self.listers, self.items, self.order = {}, {}, []
             self.layout = board.layout
             self.engine_names = [e.name for e in engines]
+            # (a new dict per layout: the catalogs of the last one keep theirs)
             self.positions = {name: i for i, name in enumerate(self.engine_names)}
             changed = list(range(n))
         else:
@@ -127,7 +175,9 @@ class Catalog:
         except BaseException:  # an engine nothing can list (a bug): all again next time
             self.__init__()  # type: ignore[misc]
             raise
-        return self
+        self.catalog = Catalog(version, self.layout, tuple(self.order), tuple(self.owned),
+                               tuple(self.changed_at), tuple(self.shown), self.positions)
+        return self.catalog
 
     def _update(self, engines: tuple[EngineState, ...], keys: list[tuple[object, ...]],
                 changed: list[int]) -> None:
@@ -186,7 +236,7 @@ class Catalog:
     def _own(self, e: EngineState, pos: int, *, rebuild: bool, affected: set[str]) -> None:
         """Recompute the items ``pos`` owns (all when it changed itself, else the ids
         another engine's change touched)."""
-        owned = []
+        owned: list[ModelItem] = []
         seen: set[str] = set()
         shown = self.shown[pos]
         stale = shown == "stale" or e.models_stale
@@ -197,29 +247,26 @@ class Catalog:
             if ids[0] != pos or model_id in seen:
                 continue  # (another engine's item, or this one's again: listed once)
             seen.add(model_id)
-            owned.append(model_id)
-            if rebuild or model_id in affected or model_id not in items:
-                items[model_id] = ModelItem(  # (positional: 10,000 of them in milliseconds)
+            item = items.get(model_id)
+            if item is None or rebuild or model_id in affected:
+                item = items[model_id] = ModelItem(  # (positional: 10,000 in milliseconds)
                     model_id, name, alone if len(ids) == 1 else tuple(names_of[p] for p in ids),
                     kind, shown, stale, created, owned_by or kind, alias_of, e.group)
-        self.owned[pos] = owned
+            owned.append(item)
+        self.owned[pos] = tuple(owned)
         self.changed_at[pos] = self.version
 
-    def in_order(self) -> list[ModelItem]:
-        """Every item, as ``/v1/models`` lists them."""
-        return [self.items[m] for pos in self.order for m in self.owned[pos]]
-
-
-_catalogs: weakref.WeakKeyDictionary[Board, Catalog] = weakref.WeakKeyDictionary()
+_indexes: weakref.WeakKeyDictionary[Board, _Index] = weakref.WeakKeyDictionary()
 
 
 def catalog(board: Board, now: float) -> Catalog:
-    """The board's catalog, brought up to its listing version at ``now`` (sync; the work
-    is the engines that changed since the last call, by anyone)."""
-    cat = _catalogs.get(board)
-    if cat is None:
-        cat = _catalogs[board] = Catalog()
-    return cat.sync(board, now)
+    """The board's catalog at its listing version at ``now`` (sync; the work is the
+    engines that changed since the last call, by anyone; the same object until the
+    listing moves)."""
+    index = _indexes.get(board)
+    if index is None:
+        index = _indexes[board] = _Index()
+    return index.sync(board, now)
 
 
 class _Nvpair(msgspec.Struct):
@@ -264,17 +311,31 @@ def wire(item: ModelItem, node: str, checked_age_s: float | None) -> _Item:
         item.alias_of))
 
 
+#: an engine's part: the catalog version its items changed at, and its items encoded,
+#: split where each item's checked_age_s goes
+Part = tuple[int, list[bytes]]
+#: a large part joined with its age: (the part, the age, the joined bytes)
+Joined = tuple[Part, bytes, bytes]
+
+
+class _Encoded(NamedTuple):
+    """The parts of one catalog, by engine position, as a walk of it left them (a new one
+    per walk; never changed)."""
+
+    catalog: Catalog
+    parts: tuple[Part | None, ...]
+    joined: tuple[Joined | None, ...]
+
+
 class ModelsBody:
     """This node's ``/v1/models`` data, encoded per engine and joined at read time."""
 
     def __init__(self, node: str) -> None:
         self.node = node
-        self._layout = -1
-        #: by engine position: (the catalog version its items changed at, the encoded
-        #: items split where each item's checked_age_s goes)
-        self._parts: dict[int, tuple[int, list[bytes]]] = {}
-        #: by engine position: the part and age last joined, and the joined bytes
-        self._joined: dict[int, tuple[tuple[int, list[bytes]], bytes, bytes]] = {}
+        #: the newest catalog walked to its end, with its parts (what the next walk
+        #: reuses: an engine's part whose items did not change, a large part's join at
+        #: the same age)
+        self._encoded: _Encoded | None = None
 
     def data(self, board: Board, now: float) -> bytes:
         """The items of ``/v1/models``, encoded and comma-separated (no brackets)."""
@@ -294,68 +355,60 @@ class ModelsBody:
         is large, and after every ``STEP_ENGINES`` engines: when the ages move, ten
         engines of 10,000 models are 20 MB to join, in steps of one engine's instead of
         one step of the loop, and 1,024 engines of one model each are four steps of 1-2
-        ms, not one of 5. What it returns is of one
-        catalog version: when another reader brought the catalog up to date during a
-        checkpoint (an engine unlisted, a model moved), the walk starts again, at most
-        ``WALKS`` times, then ends in one step. Cancellation: at a checkpoint, nothing
-        half made."""
-        for _ in range(WALKS):
-            out, since = [], 0
-            for part, joined in self._walk(board, now, ages_at):
-                out.append(part)
-                since += 1
-                if (joined and len(part) >= STEP_BYTES) or since >= STEP_ENGINES:
-                    since = 0
-                    version = _catalogs[board].version
-                    await trio.lowlevel.checkpoint()
-                    if _catalogs[board].version != version:
-                        break  # (moved under the walk: start again)
-            else:
-                return out
-        return self.parts(board, now, ages_at)
+        ms, not one of 5. What it returns is of the one catalog and snapshot it took at
+        its start, whatever changed while it waited at a checkpoint. Cancellation: at a
+        checkpoint, nothing half made."""
+        out, since = [], 0
+        for part, joined in self._walk(board, now, ages_at):
+            out.append(part)
+            since += 1
+            if (joined and len(part) >= STEP_BYTES) or since >= STEP_ENGINES:
+                since = 0
+                await trio.lowlevel.checkpoint()
+        return out
 
     def _walk(self, board: Board, now: float, ages_at: float | None
               ) -> Iterator[tuple[bytes, bool]]:
         """Each listed engine's part, in order, and whether it is a large part joined
-        now (``parts_stepwise`` ends a step after those). The ages of all engines are
-        encoded in one call (each engine's age moves with every probe); a small part is
-        joined again at each walk (cheaper than checking a cache), a large one only when
-        its items or its age changed."""
+        now (``parts_stepwise`` ends a step after those). The catalog and the snapshot
+        are taken once, before the first part; the ages of all engines are encoded in
+        one call (each engine's age moves with every probe); a small part is joined
+        again at each walk (cheaper than checking a cache), a large one only when its
+        items or its age changed. A walk that ends leaves its parts for the next, unless
+        a walk of a newer catalog already has."""
         cat, engines = catalog(board, now), board.current.engines
-        if cat.layout != self._layout:
-            self._parts, self._layout, self._joined = {}, cat.layout, {}
+        last = self._encoded
+        parts: list[Part | None]
+        joined_last: list[Joined | None]
+        if last is not None and last.catalog.layout == cat.layout:
+            parts, joined_last = list(last.parts), list(last.joined)
+        else:
+            parts, joined_last = [None] * len(cat.owned), [None] * len(cat.owned)
         at = now if ages_at is None else ages_at
-        owned = cat.owned
-        order = [pos for pos in cat.order if owned[pos]]
-        if not order:
-            return
+        order = [pos for pos in cat.order if cat.owned[pos]]
         encoded = _encoder.encode(ages(at, [engines[pos].checked_at for pos in order]))
-        parts, joined_last = self._parts, self._joined
-        for pos, checked in zip(order, encoded[1:-1].split(b","), strict=True):
-            # the caches are written only while they are of the catalog's layout (a walk
-            # that checkpointed may find a newer layout's)
-            mine = cat.layout == self._layout
-            part = parts.get(pos) if mine else None
+        checks = encoded[1:-1].split(b",") if order else []
+        for pos, checked in zip(order, checks, strict=True):
+            part = parts[pos]
             if part is None or part[0] != cat.changed_at[pos]:
-                part = (cat.changed_at[pos], self._encode(cat, pos))
-                if mine:
-                    parts[pos] = part
+                part = parts[pos] = (cat.changed_at[pos], self._encode(cat, pos))
             pieces = part[1]
             if len(pieces) <= SMALL_PIECES:
                 yield (_AGE + checked).join(pieces), False
                 continue
-            joined = joined_last.get(pos) if mine else None
+            joined = joined_last[pos]
             if joined is not None and joined[0] is part and joined[1] == checked:
                 yield joined[2], False
                 continue
-            joined = (part, checked, (_AGE + checked).join(pieces))
-            if mine:
-                joined_last[pos] = joined
+            joined = joined_last[pos] = (part, checked, (_AGE + checked).join(pieces))
             yield joined[2], True
+        newest = self._encoded
+        if newest is None or newest.catalog.version <= cat.version:
+            self._encoded = _Encoded(cat, tuple(parts), tuple(joined_last))
 
     def _encode(self, cat: Catalog, pos: int) -> list[bytes]:
         """Engine ``pos``'s items, encoded and split where each one's age goes."""
-        items = [wire(cat.items[m], self.node, None) for m in cat.owned[pos]]
+        items = [wire(item, self.node, None) for item in cat.owned[pos]]
         return _encoder.encode(items)[1:-1].split(_PLACEHOLDER)
 
     def item(self, board: Board, now: float, model: str) -> _Item | None:
@@ -364,5 +417,5 @@ class ModelsBody:
         found = cat.items.get(model)
         if found is None:
             return None
-        owner = cat.listers[model][0]
-        return wire(found, self.node, age(now, board.current.engines[owner].checked_at))
+        owner = board.current.engines[cat.positions[found.engine]]
+        return wire(found, self.node, age(now, owner.checked_at))

@@ -18,7 +18,7 @@ recovers the engine by the usual rules.
 from __future__ import annotations
 
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from typing import Protocol
@@ -34,18 +34,23 @@ from nvpair.errors import ProbeError
 from nvpair.manifest import GENERATING_MIN_INTERVAL_S, ProbeSpec
 from nvpair.snapshot import Board, EngineState
 from nvpair.state import (
+    AWAITED_READY_INTERVAL_S,
     Finder,
     Outcome,
     after_identity,
     after_liveness,
     liveness_probe,
+    next_interval,
     overdue_after,
     part_failed,
+    probe_interval,
     rescheduled,
 )
 from nvpair.traffic import Traffic
 
-__all__ = ["Enrolment", "ProbeMemory", "Prober", "open_client", "overdue_after", "run_probes"]
+#: (AWAITED_READY_INTERVAL_S: the next-tick policy's, in nvpair.state; named here too)
+__all__ = ["AWAITED_READY_INTERVAL_S", "Enrolment", "ProbeMemory", "Prober", "open_client",
+           "overdue_after", "run_probes"]
 
 Change = Callable[[EngineState], EngineState]
 
@@ -54,10 +59,6 @@ _RNG = random.Random()
 JITTER = 0.05  # fraction of the interval added at random to each tick
 #: health ticks skipped in a row at most while real requests prove the engine healthy.
 PASSIVE_MAX_IN_A_ROW = 3
-#: the ready probe's interval at most while routed requests wait for the engine to start
-#: (``EngineState.queued``, the activation queue's count on the board): a cold request
-#: then waits at most this long after the engine is ready, not the manifest's interval
-AWAITED_READY_INTERVAL_S = 0.25
 
 
 def open_client(
@@ -97,10 +98,14 @@ class Prober:
         self.memory.generated = value
 
     def __init__(self, spec: EngineSpec, board: Board, client: probes.ProbeClient,
-                 traffic: Traffic | None = None, memory: ProbeMemory | None = None) -> None:
+                 traffic: Traffic | None = None, memory: ProbeMemory | None = None,
+                 probe_rate: float | None = None) -> None:
         #: what outlives this prober (kept by the engine's runner across restarts)
         self.memory = memory or ProbeMemory()
         self.spec = spec
+        #: the node's probes a second (``node_probe_rate``), which sets how fine the grid
+        #: its loops wake on is (nvpair.wakes); None: this engine's alone
+        self.probe_rate = steady_probe_rate(spec) if probe_rate is None else probe_rate
         self.traffic = traffic
         self._passive_in_a_row = 0
         self.board = board
@@ -133,9 +138,7 @@ class Prober:
 
     def interval(self, name: str) -> float:
         spec = self._by_name[name]
-        if self._generates(spec, self._paths[name]):
-            return max(spec.interval_s, GENERATING_MIN_INTERVAL_S)
-        return spec.interval_s
+        return probe_interval(spec, self._generates(spec, self._paths[name]))
 
     async def probe(self, name: str) -> tuple[Outcome, probes.Answer | None]:
         """One request of probe ``name`` under its timeout; never raises for engine trouble.
@@ -301,27 +304,22 @@ class Prober:
                                       else partial(_then, identified, liveness))
             if identified is not None:
                 self._identity_tried(after)
-            # The next tick follows the interval of the probe that runs next.
-            following = liveness_probe(after.state)
-            interval = self.interval(following)
-            if following == "ready" and after.queued and not self._generates(
-                    self._by_name["ready"], self._paths["ready"]):
-                interval = min(interval, AWAITED_READY_INTERVAL_S)  # (cheap probes only)
-            if following == "ready" and self._awaits_identity(after, probe, outcome):
-                # It answers ready; only who answers is unknown: no need to ask it more
-                # often than a ready engine's health.
-                interval = max(interval, self.interval("health"))
-            next_tick = self._next(next_tick, interval)
-            wake = next_tick + self._jitter(interval)
-            if self._generated is not None and self._generates(self._by_name[following],
-                                                               self._paths[following]):
-                wake = max(wake, self._generated[0] + GENERATING_MIN_INTERVAL_S)
-            if (following == "ready" and not after.queued and interval > AWAITED_READY_INTERVAL_S
-                    and self.spec.activation == "on_demand"):
-                # (a start not made for a request)
-                await self._sleep_until_awaited(wakes.on_grid(wake, self._grid(interval)))
+            generated = self._generated
+            tick = next_interval(after, self.spec, probe=probe, outcome=outcome,
+                                 generating=self._generating(),
+                                 generated_at=None if generated is None else generated[0])
+            next_tick = self._next(next_tick, tick.interval)
+            wake = max(next_tick + self._jitter(tick.interval), tick.not_before)
+            grid = self._grid(tick.interval)
+            if tick.awaited:  # (a start not made for a request)
+                await self._sleep_until_awaited(wakes.on_grid(wake, grid))
             else:
-                await wakes.sleep_until(wake, self._grid(interval))
+                await wakes.sleep_until(wake, grid)
+
+    def _generating(self) -> tuple[str, ...]:
+        """The liveness probes whose path (the manifest's, or its fallback) generates."""
+        return tuple(name for name in ("ready", "health")
+                     if self._generates(self._by_name[name], self._paths[name]))
 
     async def _sleep_until_awaited(self, wake: float) -> None:
         """Until ``wake``, or the moment requests start waiting for this starting on-demand
@@ -334,14 +332,6 @@ class Prober:
                 e = snap.engine(self.spec.name)
                 if e is not None and e.queued:
                     return
-
-    def _awaits_identity(self, engine: EngineState, probe: str, outcome: Outcome) -> bool:
-        ready = self.spec.probes.ready
-        stats = engine.probe("ready")
-        return (probe == "ready" and outcome.ok and engine.state == "starting"
-                and self.spec.probes.identity is not None and engine.identity is None
-                and ready is not None and stats is not None
-                and stats.consecutive_successes >= ready.success_threshold)
 
     def _passive(self, probe: str, state: str) -> Outcome | None:
         """A health tick that real traffic makes unnecessary: at most 3 in a row."""
@@ -384,11 +374,10 @@ class Prober:
     def _jitter(self, interval: float) -> float:
         return self._rng.uniform(0, JITTER * interval)
 
-    @staticmethod
-    def _grid(interval: float) -> float:
+    def _grid(self, interval: float) -> float:
         """The grid this loop's ticks wake on (nvpair.wakes): shared with the node's other
         probes and housekeeping, so that an idle node wakes up seldom."""
-        return wakes.grid_for(interval, wakes.probe_rate())
+        return wakes.grid_for(interval, self.probe_rate)
 
 
 def _then(first: Change, second: Change, engine: EngineState) -> EngineState:
@@ -472,6 +461,14 @@ def steady_probe_rate(spec: EngineSpec) -> float:
                if p is not None and p.interval_s > 0)
 
 
+def node_probe_rate(specs: Iterable[EngineSpec]) -> float:
+    """The probes a second of a node whose engines are ``specs``, all ready: the most it
+    probes, which sets how fine the probe grid is (nvpair.wakes). Counted from the
+    configuration, not from the engines probed at the moment, so that one engine's start
+    or stop moves no other engine's grid."""
+    return sum(steady_probe_rate(spec) for spec in specs)
+
+
 async def run_probes(
     spec: EngineSpec,
     board: Board,
@@ -480,13 +477,15 @@ async def run_probes(
     transport: httpx2.AsyncBaseTransport | None = None,
     traffic: Traffic | None = None,
     memory: ProbeMemory | None = None,
+    probe_rate: float | None = None,
     task_status: trio.TaskStatus[Prober] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Probe one engine until cancelled, its loops each in its own boundary.
 
     Started value: the engine's ``Prober``, enrolled in ``sweep`` (when given) until this
     returns, so the sweep lists the engine only while its probes run. ``memory`` is what
-    the engine's probes remember across restarts (the runner's).
+    the engine's probes remember across restarts (the runner's); ``probe_rate`` the
+    node's (``node_probe_rate``; None: this engine's alone).
 
     Cancellation: cancel the surrounding scope; the loops end, the prober leaves the
     sweep and the engine's client closes, so no connection outlives the loops. Raises:
@@ -494,9 +493,8 @@ async def run_probes(
     only an error opening the client, before ``started``.
     """
     async with open_client(spec, transport) as client, trio.open_nursery() as nursery:
-        prober = Prober(spec, board, client, traffic, memory)
-        with (sweep.enrolled(prober) if sweep is not None else nullcontext(),
-              wakes.probing(steady_probe_rate(spec))):
+        prober = Prober(spec, board, client, traffic, memory, probe_rate)
+        with sweep.enrolled(prober) if sweep is not None else nullcontext():
             # (the identity loop's failure holds until an identity check clears it: good
             # health probes alone would make the engine ready between its failures)
             loops: list[tuple[str, tuple[str, ...], Finder | None,

@@ -14,7 +14,7 @@ from nvpair import looplag, orphans
 from nvpair.api import Api
 from nvpair.asgi import Mount
 from nvpair.boundary import Part
-from nvpair.collector import Collector
+from nvpair.collector import Collector, left_alone
 from nvpair.config import Settings, url_host
 from nvpair.control import Control
 from nvpair.dashboard import Dashboard, HistoryView
@@ -29,6 +29,7 @@ from nvpair.peers.broker import Broker
 from nvpair.peers.feed import PeerFeed
 from nvpair.peers.push import keep_alive_for
 from nvpair.peers.receiver import ADVERTS_PATH
+from nvpair.prober import node_probe_rate
 from nvpair.router import ROUTED_PATHS, Router, Traffic
 from nvpair.router.activation import Activator
 from nvpair.router.view import TrafficView
@@ -109,8 +110,9 @@ async def run(settings: Settings, *,
     traffic = Traffic(settings.router)
     procs = orphans.EngineProcs(settings.state_dir)
     log_rate = RateCap(settings.log_lines_per_s, settings.log_bytes_per_s)
+    rate = node_probe_rate(settings.engines)  # (the probes' wake grid: nvpair.wakes)
     runners = {spec.name: EngineRunner(spec, board, sweep, settings.log_dir, traffic, procs,
-                                       log_rate=log_rate)
+                                       log_rate=log_rate, probe_rate=rate)
                for spec in settings.engines}
     memory = MemoryWatch(settings.memory, board, settings.engines, traffic=traffic,
                          runners=runners)
@@ -238,9 +240,13 @@ async def main(settings: Settings, *, announce: Callable[[str], None] = print,
         # What is alive is frozen out of the cyclic collector's walk, now and after each
         # collection of the young generations, which are held to a size, so that every
         # collection stays short at any size of the node (nvpair.collector)
-        with collector_part.guard():
-            collector.begin()
-        nursery.start_soon(keep_collecting)
+        why_not = left_alone()
+        if why_not is None:
+            with collector_part.guard():
+                collector.begin()
+            nursery.start_soon(keep_collecting)
+        else:
+            log.info("the garbage collector runs as Python's default: %s", why_not)
         announce(running.url)
         if watch is not None:
             nursery.start_soon(watch_board, running.board)

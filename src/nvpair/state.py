@@ -9,13 +9,15 @@
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+import math
+from collections.abc import Collection
+from typing import Literal, NamedTuple, Protocol
 
 import msgspec
 import trio
 
 from nvpair.config import EngineSpec
-from nvpair.manifest import ProbeSpec
+from nvpair.manifest import GENERATING_MIN_INTERVAL_S, ProbeSpec
 from nvpair.snapshot import EngineState, Identity, Model, ProbeStats, State, shown_state
 
 LivenessProbe = Literal["ready", "health"]
@@ -174,6 +176,71 @@ def liveness_probe(state: State) -> LivenessProbe:
     ready (starting, or down: nothing listened), then ``health``."""
     return "ready" if state in ("starting", "down") else "health"
 
+
+# -- the liveness loop's next tick ----------------------------------------------------------
+
+#: the ready probe's interval at most while routed requests wait for the engine to start
+#: (``EngineState.queued``, the activation queue's count on the board): a cold request
+#: then waits at most this long after the engine is ready, not the manifest's interval
+AWAITED_READY_INTERVAL_S = 0.25
+
+
+class NextTick(NamedTuple):
+    """When the liveness loop probes next, and what (``next_interval``)."""
+
+    #: the probe that runs next
+    probe: LivenessProbe
+    #: its interval: the schedule's step (and the wake grid's, nvpair.wakes)
+    interval: float
+    #: the earliest it may be sent: an engine gets one generating request per
+    #: GENERATING_MIN_INTERVAL_S, whichever probe sends it (-inf: no such bound)
+    not_before: float
+    #: a starting on-demand engine that no request waits for: a request that comes to
+    #: wait for it (its ``queued`` on the board) ends the sleep at once
+    awaited: bool
+
+
+def probe_interval(spec: ProbeSpec, generating: bool) -> float:
+    """A probe's interval: the manifest's, and at least GENERATING_MIN_INTERVAL_S while
+    its path generates (a fallback may move a cheap probe onto a generating path)."""
+    return max(spec.interval_s, GENERATING_MIN_INTERVAL_S) if generating else spec.interval_s
+
+
+def awaits_identity(engine: EngineState, spec: EngineSpec, probe: str,
+                    outcome: Outcome) -> bool:
+    """The engine answers ready, enough times in a row, and only who answers is unknown
+    (its identity probe has not told yet)."""
+    ready, stats = spec.probes.ready, engine.probe("ready")
+    return (probe == "ready" and outcome.ok and engine.state == "starting"
+            and spec.probes.identity is not None and engine.identity is None
+            and stats is not None and stats.consecutive_successes >= ready.success_threshold)
+
+
+def next_interval(after: EngineState, spec: EngineSpec, *, probe: str, outcome: Outcome,
+                  generating: Collection[str] = (), generated_at: float | None = None
+                  ) -> NextTick:
+    """The liveness loop's next tick, after one that sent ``probe``, saw ``outcome`` and
+    left the engine as ``after``. ``generating``: the liveness probes whose path (the
+    manifest's or its fallback) generates now; ``generated_at``: when the engine's last
+    generating request was sent (None: never).
+
+    The next tick follows the interval of the probe that runs next; a ready probe runs at
+    most every AWAITED_READY_INTERVAL_S while requests wait for the engine (a cheap probe
+    only), and no more often than health while only who answers is unknown."""
+    probes = spec.probes
+    following = liveness_probe(after.state)
+    interval = probe_interval(probes.ready if following == "ready" else probes.health,
+                              following in generating)
+    if following == "ready" and after.queued and "ready" not in generating:
+        interval = min(interval, AWAITED_READY_INTERVAL_S)
+    if following == "ready" and awaits_identity(after, spec, probe, outcome):
+        interval = max(interval, probe_interval(probes.health, "health" in generating))
+    not_before = -math.inf
+    if generated_at is not None and following in generating:
+        not_before = generated_at + GENERATING_MIN_INTERVAL_S
+    awaited = (following == "ready" and not after.queued
+               and interval > AWAITED_READY_INTERVAL_S and spec.activation == "on_demand")
+    return NextTick(following, interval, not_before, awaited)
 
 # -- who answers: the mismatch rules --------------------------------------------------------
 

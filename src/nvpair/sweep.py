@@ -213,7 +213,7 @@ class Sweep:
                     assert spec is not None  # due() picks only engines with a models probe
                     self._set_due(name, wakes.on_grid(
                         started + self.interval(name, spec.interval_s),
-                        wakes.grid_for(spec.interval_s, wakes.probe_rate())))
+                        wakes.grid_for(spec.interval_s, probers[name].probe_rate)))
                     if name not in done:
                         self._mark_missed(probers[name], now)
 

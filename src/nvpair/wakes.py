@@ -21,8 +21,8 @@ nominal time: loops with different phases then wake at the same instants.
   ``Cancelled`` through them; here a sleep is one coroutine waiting to be rescheduled
   (at 1,024 engines the sleeps of the probe loops were nearly half of what each young
   collection walked: docs/benchmarks.md, "One timer for the probe loops' sleeps").
-* ``Ticker`` is a periodic loop's schedule on it; ``probing`` counts an engine's probes
-  in the node's rate for as long as its probes run (per Trio run: ``trio.lowlevel.RunVar``).
+* ``Ticker`` is a periodic loop's schedule on it. The probe loops pass the node's probe
+  rate in (``nvpair.prober.node_probe_rate``, from the configured engines).
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ from __future__ import annotations
 import heapq
 import logging
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from functools import partial
 
 import trio
@@ -53,24 +51,6 @@ PER_WAKE = 4.0
 
 #: loops whose lateness may be up to half their period (housekeeping)
 HOUSEKEEPING_SLACK = 0.5
-
-_RATE: trio.lowlevel.RunVar[float] = trio.lowlevel.RunVar("nvpair.wakes.rate", default=0.0)
-
-
-@contextmanager
-def probing(per_s: float) -> Iterator[None]:
-    """Count ``per_s`` probes a second in the node's probe rate while the block runs."""
-    _RATE.set(_RATE.get() + per_s)
-    try:
-        yield
-    finally:
-        _RATE.set(_RATE.get() - per_s)
-
-
-def probe_rate() -> float:
-    """Probes a second of every engine whose probes run now (in this Trio run)."""
-    return max(0.0, _RATE.get())
-
 
 def grid_for(interval_s: float, rate: float = 0.0, slack: float = SLACK) -> float:
     """The grid for a loop of ``interval_s`` (0: none), late by at most ``slack`` of it,

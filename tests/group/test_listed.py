@@ -1,13 +1,14 @@
 """A group's head lists its models only while the group is ready (its engine admitting,
 docs/groups.md): a forming or down group's head is never listed as serving, in both of
-``/v1/models``'s builders (views.models_doc, the definition, and the listing's catalog)."""
+``/v1/models``'s builders (tests/listing_oracle.models_doc, the definition, and the
+listing's catalog)."""
 
 from __future__ import annotations
 
 import msgspec
 import trio
+from tests.listing_oracle import models_doc
 
-from nvpair import views
 from nvpair.asgi import encoder
 from nvpair.group.machine import GroupTag
 from nvpair.listing import ModelsBody
@@ -15,7 +16,7 @@ from nvpair.snapshot import Board, EngineState, Model
 
 
 def listed(board: Board, built: ModelsBody, now: float) -> list[dict[str, object]]:
-    want = encoder.encode(views.models_doc(board.current, now, "n0"))
+    want = encoder.encode(models_doc(board.current, now, "n0"))
     got = b'{"object":"list","data":[' + built.data(board, now) + b"]}"
     assert got == want
     data: list[dict[str, object]] = msgspec.json.decode(want)["data"]

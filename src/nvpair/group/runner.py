@@ -34,7 +34,7 @@ from nvpair.group import machine
 from nvpair.group.machine import GroupTag, Head, KeyView, Member, Policy, Proc, Report
 from nvpair.group.spec import GroupSettings, role_manifest, role_values
 from nvpair.logs import DEFAULT_RATE, EngineLog, RateCap
-from nvpair.memproc import MemorySourceError, read_status
+from nvpair.memproc import MemorySourceError, parse_listening, read_status
 from nvpair.orphans import EngineProcs
 from nvpair.process import EngineProcess, Stopping, describe_exit, run_engine_process
 from nvpair.snapshot import Board
@@ -138,19 +138,15 @@ def listening(port: int, host: str = "0.0.0.0", proc_net: Path = Path("/proc/net
     """Whether a TCP socket listens on ``host:port`` on this machine (``/proc/net/tcp`` and
     ``tcp6``, state 0A; any address for 0.0.0.0, ::, or a host name): an rpc-server is
     never connected to, since it serves one client at a time."""
-    want = f":{port:04X}"
     exact = None if host in ("0.0.0.0", "::") else _ipv4_hex(host)
     for name in ("tcp", "tcp6"):
         try:
             text = (proc_net / name).read_text()
         except OSError:
             continue
-        for line in text.splitlines()[1:]:
-            fields = line.split()
-            if len(fields) <= 3 or fields[3] != "0A" or not fields[1].endswith(want):
-                continue
-            address = fields[1].rsplit(":", 1)[0]
-            if exact is None or address in (exact, "00000000") or name == "tcp6":
+        for found in parse_listening(text):
+            if found.port == port and (exact is None or name == "tcp6"
+                                       or found.address in (exact, "00000000")):
                 return True
     return False
 

@@ -168,11 +168,11 @@ def describe(board: Board, node: str, now: float,
     seen = 0
     total = sum(len(cat.owned[pos]) for pos in cat.order)
     for pos in cat.order:
-        for model_id in cat.owned[pos]:
+        for model in cat.owned[pos]:
             if size > budget:
                 break
             seen += 1
-            model = cat.items[model_id]
+            model_id = model.id
             if (problem := refusal(model, _model_decoder)) is None:
                 models.append(model)
                 size += len(encoder.encode(model)) + len(model_id) + 4  # (+ its engine's list)
