@@ -9,7 +9,8 @@
   an idle gap longer than ``idle_timeout_s`` ends a response, with an OpenAI-shaped error
   event and never ``[DONE]``. An engine that dies mid-stream ends it the same way.
 * Retry on another engine only when the first provably never got the request
-  (connection refused); never once bytes were sent.
+  (connection refused); never once bytes were sent. (A reused connection the engine had
+  closed is sent again on a new one by ``upstream``, when nothing of the answer came.)
 """
 
 from __future__ import annotations
