@@ -283,6 +283,10 @@ class Api:
         """``GET /v1/engines``; with ``?after=SEQ&wait_s=S``, answers when the events' seq
         (the answer's ``seq``) has moved past ``SEQ``, or at ``S`` seconds as it is."""
         journal = self.events
+        if journal is not None:  # the seq of the content answered (its task may not have
+            # run since the board changed: the answer showed a change its seq did not
+            # count, and a long-poll after that seq woke at once for what it had)
+            journal.refresh(trio.current_time())
         if journal is not None and scope.get("query_string"):
             try:
                 after, wait_s = engines_query(
