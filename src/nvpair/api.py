@@ -118,8 +118,10 @@ class Api:
                  controller: Controller | None = None, mounts: Sequence[Mount] = (),
                  cluster: ClusterView | None = None, cluster_token: str | None = None,
                  allowed_hosts: Iterable[str] = (), events: Journal | None = None,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, spec: bytes | None = None) -> None:
         self.board = board
+        #: ``GET /openapi.json``: this API's OpenAPI document (nvpair.openapi; none: 404)
+        self.spec = spec
         #: ``/metrics`` (none: 404); every answer is counted by (route, code) in ``requests``
         self.metrics = metrics
         self.requests: dict[tuple[str, int], int] = metrics.api if metrics else {}
@@ -226,6 +228,12 @@ class Api:
         method: str = scope["method"]
         if path == "/healthz":
             await send_json(send, 200, {"status": "ok", "node": self.node})
+            return
+        if path == "/openapi.json" and self.spec is not None:  # (no data in it: no token)
+            if method != "GET":
+                await send_error(send, 405, "use GET /openapi.json")
+                return
+            await send_bytes(send, 200, self.spec)
             return
         mount = next((m for m in self.mounts if m.matches(path)), None)
         if mount is not None and mount.own_auth:
@@ -388,8 +396,8 @@ class Api:
 
 
 #: routes counted under their own path; others by their shape (``route_label``)
-FIXED_ROUTES = frozenset({"/healthz", "/metrics", "/v1/models", "/v1/cluster/models",
-                          "/v1/engines", "/v1/events"})
+FIXED_ROUTES = frozenset({"/healthz", "/openapi.json", "/metrics", "/v1/models",
+                          "/v1/cluster/models", "/v1/engines", "/v1/events"})
 ENGINE_ACTIONS = frozenset({"start", "stop", "restart", "drain", "logs"})
 
 
