@@ -152,3 +152,14 @@ async def test_a_live_nodes_answers_match_the_document(nursery, tmp_path: Path) 
                                 pytest.fail(f"{where}\n{exc.message} at {list(exc.path)}")
                         checked += 1
             assert checked >= 3 * 20
+            # a method the path does not take: 405, and Allow names what it takes (RFC
+            # 9110, 15.5.6: a 405 must have it). /healthz answers any method, on purpose:
+            # health checkers differ (HAProxy's default check is an OPTIONS).
+            for path, item in doc["paths"].items():
+                if path == "/healthz":
+                    continue
+                url = path.replace("{name}", "e1").replace("{model}", "m1")
+                r = await client.request("DELETE", url)
+                assert r.status_code == 405, (url, r.status_code)
+                allowed = {m.strip() for m in r.headers.get("allow", "").split(",")}
+                assert {m.upper() for m in item} <= allowed, (url, r.headers)

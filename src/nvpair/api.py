@@ -31,6 +31,7 @@ from nvpair.asgi import (
     send_bytes,
     send_error,
     send_json,
+    send_wrong_method,
 )
 from nvpair.decoding import is_digits
 from nvpair.events import Journal
@@ -231,7 +232,7 @@ class Api:
             return
         if path == "/openapi.json" and self.spec is not None:  # (no data in it: no token)
             if method != "GET":
-                await send_error(send, 405, "use GET /openapi.json")
+                await send_wrong_method(send, "GET", "/openapi.json")
                 return
             await send_bytes(send, 200, self.spec)
             return
@@ -254,14 +255,14 @@ class Api:
                 return
         if path == "/metrics" and self.metrics is not None:
             if method != "GET":
-                await send_error(send, 405, "use GET /metrics")
+                await send_wrong_method(send, "GET", "/metrics")
                 return
             await send_bytes(send, 200, self.metrics.body(), [(b"content-type", CONTENT_TYPE)])
             return
         parts = path.rstrip("/").split("/")
         if path in ("/v1/models", "/v1/cluster/models"):
             if method != "GET":
-                await send_error(send, 405, f"use GET {path}")
+                await send_wrong_method(send, "GET", path)
                 return
             query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
             cluster = path == "/v1/cluster/models" or "cluster" in query.get("scope", ())
@@ -272,7 +273,7 @@ class Api:
             return
         if path.rstrip("/") == "/v1/engines":
             if method != "GET":
-                await send_error(send, 405, "use GET /v1/engines")
+                await send_wrong_method(send, "GET", "/v1/engines")
                 return
             await self.engines_route(scope, send)
             return
@@ -315,7 +316,7 @@ class Api:
         """OpenAI's retrieve-model: the item ``GET /v1/models`` lists for ``model`` (ids may
         hold slashes: ``org/name``)."""
         if scope["method"] != "GET":
-            await send_error(send, 405, f"use GET {scope['path']}")
+            await send_wrong_method(send, "GET", scope["path"])
             return
         item = self._models.item(self.board, trio.current_time(), model)
         if item is None:
@@ -334,7 +335,7 @@ class Api:
             return
         if not rest:
             if method != "GET":
-                await send_error(send, 405, f"use GET /v1/engines/{name}")
+                await send_wrong_method(send, "GET", f"/v1/engines/{name}")
                 return
             now = trio.current_time()
             await send_json(send, 200, views.engine_status(engine, snap, now, self.node))
@@ -342,7 +343,7 @@ class Api:
         action = rest[0]
         if action in ("start", "stop", "restart", "drain") and len(rest) == 1:
             if method != "POST":
-                await send_error(send, 405, f"use POST /v1/engines/{name}/{action}")
+                await send_wrong_method(send, "POST", f"/v1/engines/{name}/{action}")
                 return
             if self.controller is None:
                 await send_error(send, 503, "this nvpair has no lifecycle controller")
@@ -352,7 +353,7 @@ class Api:
             return
         if action == "logs" and len(rest) == 1:
             if method != "GET":
-                await send_error(send, 405, f"use GET {scope['path']}")
+                await send_wrong_method(send, "GET", scope["path"])
                 return
             await self.logs_route(scope, send, name)
             return

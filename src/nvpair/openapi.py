@@ -298,8 +298,10 @@ def _paths(parts: frozenset[str], engines: tuple[str, ...], models: tuple[str, .
             {200: ("the text exposition", {"content": {"text/plain": _TEXT}})}, ())}},
         "/v1/models": {"get": {
             "summary": "OpenAI's list of models (ready, stale and cold engines')",
-            "parameters": [_param("scope", "query", {"type": "string", "enum": ["cluster"]},
-                                  "cluster: the peers' models too")],
+            "parameters": [_param("scope", "query", {"type": "string",
+                                                     "examples": ["cluster", "local"]},
+                                  "cluster: the peers' models too; any other value: this "
+                                  "node's only")],
             "responses": _answers({200: ("the list", {"content": {"application/json": {
                 "schema": {"anyOf": [_ref(ModelList), _ref(ClusterModelList)]}}}})}, ())}},
         "/v1/cluster/models": {"get": {
@@ -360,7 +362,8 @@ def _paths(parts: frozenset[str], engines: tuple[str, ...], models: tuple[str, .
                 "summary": "OpenAI's API, routed to an engine serving the model "
                            "(the body passes through untouched; docs/router.md)",
                 "requestBody": {"required": True, "content": {"application/json": {
-                    "schema": {"type": "object", "properties": {"model": model},
+                    "schema": {"type": "object", "required": ["model"], "properties": {
+                        "model": {**model, "minLength": 1}},
                                "additionalProperties": True}}}},
                 "responses": _answers(
                     {200: ("the engine's answer, as it sent it", {"content": {

@@ -37,6 +37,7 @@ from nvpair.asgi import (
     header,
     read_body,
     send_error,
+    send_wrong_method,
 )
 from nvpair.boundary import Part
 from nvpair.config import EngineSpec, RouterConfig
@@ -233,7 +234,7 @@ class Router:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] != "POST":
-            await send_error(send, 405, f"use POST {scope['path']}")
+            await send_wrong_method(send, "POST", scope["path"])
             return
         if not json_body(scope):
             await send_error(send, 415, f"POST {scope['path']} takes a JSON body: send "
