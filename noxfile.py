@@ -72,8 +72,10 @@ def bench(session: nox.Session) -> None:
 @nox.session
 def chaos(session: nox.Session) -> None:
     """Containment: hostile engines, peers, etcd and clients, SIGKILL and restart (minutes)."""
-    session.install("-e", ".[test]")
+    session.install("-e", ".[test]", "schemathesis")
     session.run("python", "-m", "benchmarks.chaos", *session.posargs)
+    # Schemathesis, a fuzzer that is not ours, against the API's own OpenAPI document
+    session.run("python", "-m", "benchmarks.chaos_fuzz")
 
 
 @nox.session

@@ -515,3 +515,26 @@ async def test_a_models_answer_built_across_checkpoints_is_of_the_version_it_too
     assert between.done and b"".join(first) == before
     after = encoder.encode(models_doc(board.current, trio.current_time(), "n1"))
     assert after != before and b"".join(await api.models_chunks(False)) == after
+
+
+async def test_the_long_polls_seq_counts_every_change_its_answer_shows(autojump_clock) -> None:
+    """A change on the board that the journal's task has not yet taken when the answer is
+    made (the task is stepped by hand here, after it): the answer shows it, so its seq
+    must count it, and a long-poll after that seq waits for the next change. Before, the
+    answer carried the older seq, and the poll after it woke at once with nothing new (the
+    flaky long-poll test's early wake, when the engine's models came in just before its
+    first read)."""
+    from nvpair.events import Journal
+
+    board = board_with(engine("a", "ready", ("m",)))
+    journal = Journal(board, node="n")
+    api = Api(board, node="n", events=journal)
+    async with client(api) as c:
+        board.update("a", lambda e: msgspec.structs.replace(e, restarts=1))
+        doc = (await c.get("/v1/engines")).json()
+        assert doc["engines"][0]["restarts"] == 1
+        journal.refresh(trio.current_time())  # the journal's task, late
+        start = trio.current_time()
+        again = (await c.get(f"/v1/engines?after={doc['seq']}&wait_s=5")).json()
+        assert trio.current_time() - start == pytest.approx(5)
+        assert again["seq"] == doc["seq"]

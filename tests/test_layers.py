@@ -51,7 +51,7 @@ RANKS: tuple[tuple[str, tuple[str, ...]], ...] = (
               "nvpair.dashboard")),
     ("router", ("nvpair.router",)),
     ("peers", ("nvpair.peers", "nvpair.group.link", "nvpair.group.epochkey")),
-    ("service", ("nvpair.service",)),
+    ("service", ("nvpair.service", "nvpair.openapi")),
     # nvpair.group is only its package's docstring; its modules are placed above, each in
     # its own layer (a lower rank wins, so the package's name goes last)
     ("cli", ("nvpair.cli", "nvpair.__main__", "nvpair.group")),

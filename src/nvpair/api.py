@@ -32,6 +32,7 @@ from nvpair.asgi import (
     send_bytes,
     send_error,
     send_json,
+    send_wrong_method,
 )
 from nvpair.decoding import is_digits
 from nvpair.events import Journal
@@ -111,8 +112,10 @@ class Api:
                  controller: Controller | None = None, mounts: Sequence[Mount] = (),
                  cluster: ClusterView | None = None, cluster_token: str | None = None,
                  allowed_hosts: Iterable[str] = (), events: Journal | None = None,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, spec: bytes | None = None) -> None:
         self.board = board
+        #: ``GET /openapi.json``: this API's OpenAPI document (nvpair.openapi; none: 404)
+        self.spec = spec
         #: ``/metrics`` (none: 404); every answer is counted by (route, code) in ``requests``
         self.metrics = metrics
         self.requests: dict[tuple[str, int], int] = metrics.api if metrics else {}
@@ -206,6 +209,12 @@ class Api:
         if path == "/healthz":
             await send_json(send, 200, {"status": "ok", "node": self.node})
             return
+        if path == "/openapi.json" and self.spec is not None:  # (no data in it: no token)
+            if method != "GET":
+                await send_wrong_method(send, "GET", "/openapi.json")
+                return
+            await send_bytes(send, 200, self.spec)
+            return
         mount = next((m for m in self.mounts if m.matches(path)), None)
         if mount is not None and mount.own_auth:
             await mount.handler(scope, receive, send)
@@ -225,14 +234,14 @@ class Api:
                 return
         if path == "/metrics" and self.metrics is not None:
             if method != "GET":
-                await send_error(send, 405, "use GET /metrics")
+                await send_wrong_method(send, "GET", "/metrics")
                 return
             await send_bytes(send, 200, self.metrics.body(), [(b"content-type", CONTENT_TYPE)])
             return
         parts = path.rstrip("/").split("/")
         if path in ("/v1/models", "/v1/cluster/models"):
             if method != "GET":
-                await send_error(send, 405, f"use GET {path}")
+                await send_wrong_method(send, "GET", path)
                 return
             query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
             cluster = path == "/v1/cluster/models" or "cluster" in query.get("scope", ())
@@ -243,7 +252,7 @@ class Api:
             return
         if path.rstrip("/") == "/v1/engines":
             if method != "GET":
-                await send_error(send, 405, "use GET /v1/engines")
+                await send_wrong_method(send, "GET", "/v1/engines")
                 return
             await self.engines_route(scope, send)
             return
@@ -262,6 +271,10 @@ class Api:
         """``GET /v1/engines``; with ``?after=SEQ&wait_s=S``, answers when the events' seq
         (the answer's ``seq``) has moved past ``SEQ``, or at ``S`` seconds as it is."""
         journal = self.events
+        if journal is not None:  # the seq of the content answered (its task may not have
+            # run since the board changed: the answer showed a change its seq did not
+            # count, and a long-poll after that seq woke at once for what it had)
+            journal.refresh(trio.current_time())
         if journal is not None and scope.get("query_string"):
             try:
                 after, wait_s = engines_query(
@@ -282,7 +295,7 @@ class Api:
         """OpenAI's retrieve-model: the item ``GET /v1/models`` lists for ``model`` (ids may
         hold slashes: ``org/name``)."""
         if scope["method"] != "GET":
-            await send_error(send, 405, f"use GET {scope['path']}")
+            await send_wrong_method(send, "GET", scope["path"])
             return
         item = self._models.item(self.board, trio.current_time(), model)
         if item is None:
@@ -301,7 +314,7 @@ class Api:
             return
         if not rest:
             if method != "GET":
-                await send_error(send, 405, f"use GET /v1/engines/{name}")
+                await send_wrong_method(send, "GET", f"/v1/engines/{name}")
                 return
             now = trio.current_time()
             await send_json(send, 200, views.engine_status(engine, snap, now, self.node))
@@ -309,7 +322,7 @@ class Api:
         action = rest[0]
         if action in ("start", "stop", "restart", "drain") and len(rest) == 1:
             if method != "POST":
-                await send_error(send, 405, f"use POST /v1/engines/{name}/{action}")
+                await send_wrong_method(send, "POST", f"/v1/engines/{name}/{action}")
                 return
             if self.controller is None:
                 await send_error(send, 503, "this nvpair has no lifecycle controller")
@@ -319,7 +332,7 @@ class Api:
             return
         if action == "logs" and len(rest) == 1:
             if method != "GET":
-                await send_error(send, 405, f"use GET {scope['path']}")
+                await send_wrong_method(send, "GET", scope["path"])
                 return
             await self.logs_route(scope, send, name)
             return
@@ -362,8 +375,8 @@ class Api:
 
 
 #: routes counted under their own path; others by their shape (``route_label``)
-FIXED_ROUTES = frozenset({"/healthz", "/metrics", "/v1/models", "/v1/cluster/models",
-                          "/v1/engines", "/v1/events"})
+FIXED_ROUTES = frozenset({"/healthz", "/openapi.json", "/metrics", "/v1/models",
+                          "/v1/cluster/models", "/v1/engines", "/v1/events"})
 ENGINE_ACTIONS = frozenset({"start", "stop", "restart", "drain", "logs"})
 
 

@@ -90,6 +90,12 @@ async def send_error(send: Send, status: int, message: str, code: str | None = N
     await send_json(send, status, error_doc(status, message, code), extra)
 
 
+async def send_wrong_method(send: Send, allowed: str, path: str) -> None:
+    """The 405 of a request whose method ``path`` does not take: ``Allow`` names the one it
+    does (RFC 9110, 15.5.6: a 405 must have it), and the message says so."""
+    await send_error(send, 405, f"use {allowed} {path}", None, [(b"allow", allowed.encode())])
+
+
 async def read_body(receive: Receive, limit: int) -> bytes:
     chunks = []
     size = 0

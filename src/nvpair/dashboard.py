@@ -27,7 +27,17 @@ import trio
 
 from nvpair import __version__
 from nvpair.api import local_host, split_authority
-from nvpair.asgi import Mount, Receive, Scope, Send, encoder, header, send_bytes, send_error
+from nvpair.asgi import (
+    Mount,
+    Receive,
+    Scope,
+    Send,
+    encoder,
+    header,
+    send_bytes,
+    send_error,
+    send_wrong_method,
+)
 from nvpair.decoding import is_digits
 from nvpair.history import History
 
@@ -81,7 +91,7 @@ class Dashboard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
         if scope["method"] not in ("GET", "HEAD"):
-            await send_error(send, 405, f"use GET {path}")
+            await send_wrong_method(send, "GET, HEAD", path)
             return
         if not self.token_set and (refusal := self._host_refusal(scope)) is not None:
             await send_error(send, 403, refusal, "forbidden_host")
@@ -152,7 +162,7 @@ class HistoryView:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] != "GET":
-            await send_error(send, 405, f"use GET {self.path}")
+            await send_wrong_method(send, "GET", self.path)
             return
         raw = scope.get("query_string", b"")
         now = trio.current_time()

@@ -25,6 +25,7 @@ from nvpair.lifecycle import EngineRunner
 from nvpair.logs import RateCap
 from nvpair.memwatch import MemoryWatch
 from nvpair.metrics import Metrics
+from nvpair.openapi import document_json
 from nvpair.peers.broker import Broker
 from nvpair.peers.feed import PeerFeed
 from nvpair.peers.push import keep_alive_for
@@ -143,7 +144,14 @@ async def run(settings: Settings, *,
     events = Journal(board, node=settings.node, max_streams=settings.max_streams,
                      peers=None if peers is None else PeerFeed(peers.table),
                      groups=groups if groups.runners else None)
+    parts = frozenset({"router"} if settings.router.enabled else set()) | (
+        frozenset() if peers is None else {"peers"}) | (
+        frozenset({"groups"}) if groups.mounts else frozenset())
     api = Api(board, node=settings.node, token=settings.token, events=events,
+              spec=document_json(parts, tuple(spec.name for spec in settings.engines),
+                                 tuple(dict.fromkeys(m for spec in settings.engines
+                                                     for m in (spec.model, *spec.aliases)
+                                                     if m))),
               controller=Control(runners, board, settings.node), mounts=mounts,
               cluster=None if peers is None else peers.table, cluster_token=cluster_token,
               allowed_hosts=settings.allowed_hosts,

@@ -17,7 +17,7 @@ from urllib.parse import parse_qs
 
 import trio
 
-from nvpair.asgi import Receive, Scope, Send, encoder, header, send_error
+from nvpair.asgi import Receive, Scope, Send, encoder, header, send_error, send_wrong_method
 from nvpair.events import TYPES, Event, Full, Journal, Stream, Timing
 
 HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
@@ -56,7 +56,7 @@ async def serve_events(journal: Journal, scope: Scope, receive: Receive, send: S
     """Answer one ``GET /v1/events`` (the caller has checked the token)."""
     timing = journal.timing
     if scope["method"] != "GET":
-        await send_error(send, 405, "use GET /v1/events")
+        await send_wrong_method(send, "GET", "/v1/events")
         return
     try:
         types, engine = stream_query(scope.get("query_string", b""))

@@ -49,6 +49,14 @@ def test_schema_is_json_schema(tmp_path: Path) -> None:
         assert doc["$defs"]
 
 
+def test_schema_api_is_the_openapi_document(tmp_path: Path) -> None:
+    from nvpair.openapi import document
+
+    r = nvpair("schema", "api", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == json.loads(json.dumps(document()))
+
+
 def test_serve_refuses_public_listen_without_token(tmp_path: Path) -> None:
     r = nvpair("serve", "--listen", "0.0.0.0:14322", cwd=tmp_path)
     assert r.returncode == 2

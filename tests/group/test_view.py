@@ -115,3 +115,24 @@ async def test_a_post_on_a_rank_goes_to_the_head_with_the_cluster_token() -> Non
     assert str(seen[0].url) == "http://head.example:14322/v1/groups/g/stop"
     assert seen[0].headers["authorization"] == "Bearer cluster-secret"
     assert seen[0].headers["x-nvpair-forwarded-by"] == "c"
+
+
+async def test_a_wrong_method_names_the_right_one_in_allow() -> None:
+    """RFC 9110 15.5.6: a 405 has Allow (the live OpenAPI test covers the other routes; a
+    node there has no groups)."""
+    view = GroupsView(Source(head_status(Head(epoch=3, state="ready"))), "a", "cluster-secret")
+    for method, path, allowed in (("POST", "/v1/groups", b"GET"),
+                                  ("POST", "/v1/groups/g", b"GET"),
+                                  ("GET", "/v1/groups/g/restart", b"POST")):
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict[str, Any], sent: list[dict[str, Any]] = sent) -> None:
+            sent.append(message)
+
+        await view({"type": "http", "method": method, "path": path, "headers": []},
+                   receive, send)
+        assert sent[0]["status"] == 405
+        assert (b"allow", allowed) in sent[0]["headers"], (method, path)

@@ -38,8 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--show-commands", action="store_true",
                    help="also print each managed engine's exact argv and environment")
 
-    p = sub.add_parser("schema", help="print the JSON Schema of the config or of a manifest")
-    p.add_argument("what", choices=("config", "manifest"))
+    p = sub.add_parser("schema", help="print the JSON Schema of the config or of a manifest, "
+                                      "or the API's OpenAPI document")
+    p.add_argument("what", choices=("config", "manifest", "api"))
 
     p = sub.add_parser("demo", help="run nvpair with simulated engines (no GPU needed)")
     p.add_argument("--listen", metavar="HOST:PORT", default="127.0.0.1:14322")
@@ -127,6 +128,11 @@ def dispatch(args: argparse.Namespace) -> int:
         return check.run(load_settings(args.config), as_json=args.json,
                          show_commands=args.show_commands)
     if args.command == "schema":
+        if args.what == "api":  # every optional part (router, peers, groups) included
+            from nvpair.openapi import document_json
+
+            sys.stdout.write(document_json().decode() + "\n")
+            return 0
         from nvpair.schema import schema_json
 
         sys.stdout.write(schema_json(args.what) + "\n")

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import httpx2
 import trio
 
-from nvpair.asgi import Receive, Scope, Send, send_error, send_json
+from nvpair.asgi import Receive, Scope, Send, send_error, send_json, send_wrong_method
 from nvpair.group.machine import EpochRecord
 from nvpair.group.runner import Status
 
@@ -133,7 +133,7 @@ class GroupsView:
         parts = path[len(PREFIX):].strip("/").split("/") if path != PREFIX else []
         if not parts:
             if method != "GET":
-                await send_error(send, 405, f"use GET {PREFIX}")
+                await send_wrong_method(send, "GET", PREFIX)
                 return
             docs = []
             for name in self.source.names():
@@ -150,7 +150,7 @@ class GroupsView:
             return
         if len(parts) == 1:
             if method != "GET":
-                await send_error(send, 405, f"use GET {PREFIX}/{name}")
+                await send_wrong_method(send, "GET", f"{PREFIX}/{name}")
                 return
             await send_json(send, 200, doc(status, now, self.log_dir))
             return
@@ -160,7 +160,7 @@ class GroupsView:
                              f"{'|'.join(ACTIONS)}")
             return
         if method != "POST":
-            await send_error(send, 405, f"use POST {PREFIX}/{name}/{action}")
+            await send_wrong_method(send, "POST", f"{PREFIX}/{name}/{action}")
             return
         if status.rank == 0:
             why = self.source.request(name, action)

@@ -22,6 +22,7 @@ from nvpair.asgi import (
     header,
     read_body,
     send_error,
+    send_wrong_method,
 )
 from nvpair.peers.advert import MAX_ADVERT_BYTES, AdvertRejected, decode
 from nvpair.peers.table import PeerTable
@@ -48,7 +49,7 @@ class Receiver:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] != "POST":
-            await send_error(send, 405, f"use POST {ADVERTS_PATH}")
+            await send_wrong_method(send, "POST", ADVERTS_PATH)
             return
         given = bearer(scope) or b""
         if not hmac.compare_digest(given, self.expected):

@@ -10,7 +10,7 @@ from typing import Any
 
 import trio
 
-from nvpair.asgi import Receive, Scope, Send, send_error, send_json
+from nvpair.asgi import Receive, Scope, Send, send_json, send_wrong_method
 
 PEERS_PATH = "/v1/peers"
 
@@ -21,6 +21,6 @@ class Status:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] != "GET":
-            await send_error(send, 405, f"use GET {PEERS_PATH}")
+            await send_wrong_method(send, "GET", PEERS_PATH)
             return
         await send_json(send, 200, self.doc(trio.current_time()))

@@ -9,7 +9,8 @@
   an idle gap longer than ``idle_timeout_s`` ends a response, with an OpenAI-shaped error
   event and never ``[DONE]``. An engine that dies mid-stream ends it the same way.
 * Retry on another engine only when the first provably never got the request
-  (connection refused); never once bytes were sent.
+  (connection refused); never once bytes were sent. (A reused connection the engine had
+  closed is sent again on a new one by ``upstream``, when nothing of the answer came.)
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from nvpair.asgi import (
     header,
     read_body,
     send_error,
+    send_wrong_method,
 )
 from nvpair.boundary import Part
 from nvpair.config import EngineSpec, RouterConfig
@@ -232,7 +234,7 @@ class Router:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] != "POST":
-            await send_error(send, 405, f"use POST {scope['path']}")
+            await send_wrong_method(send, "POST", scope["path"])
             return
         if not json_body(scope):
             await send_error(send, 415, f"POST {scope['path']} takes a JSON body: send "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import trio
 
-from nvpair.asgi import Receive, Scope, Send, send_error, send_json
+from nvpair.asgi import Receive, Scope, Send, send_json, send_wrong_method
 from nvpair.traffic import Traffic
 
 
@@ -14,6 +14,6 @@ class TrafficView:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] != "GET":
-            await send_error(send, 405, "use GET /v1/router")
+            await send_wrong_method(send, "GET", "/v1/router")
             return
         await send_json(send, 200, {"engines": self.traffic.doc(trio.current_time())})
