@@ -69,7 +69,8 @@ async def test_nvpair_drain_finishes_a_running_stream_and_leaves_the_engine_stop
     assert during[0].status_code == 503, during[0].text
     assert during[0].headers.get("retry-after") and "draining" in during[0].text
     assert stopped.admitting and stopped.activity is not None
-    assert stopped.activity == "drained (asked by the operator), then stopped"
+    assert stopped.activity == ("drained (asked by the operator): 1 request in flight finished, "
+                                "then stopped")
 
 
 async def test_drain_results(nursery, tmp_path) -> None:
@@ -91,7 +92,7 @@ async def test_drain_results(nursery, tmp_path) -> None:
         first_pid = running.board.current.engine("e").pid  # type: ignore[union-attr]
         restarted = await wait_state(running.board, "e", "ready",
                                      where=lambda e: e.pid != first_pid and e.admitting)
-        assert restarted.activity == "drained (test), then restarted"
+        assert restarted.activity == "drained (test): 1 request in flight finished, then restarted"
         async with httpx2.AsyncClient(base_url=running.url) as client:
             r = await client.post("/v1/engines/e/drain")
             assert r.status_code == 202 and r.json()["operation"] == "draining", r.text

@@ -85,7 +85,10 @@ async def one_on_demand(nursery: trio.Nursery, *, loading: bool = False,
 
 async def test_eight_requests_for_a_cold_model_start_it_once_and_go_in_order(
         nursery, tmp_path) -> None:
-    settings = on_demand(tmp_path, {"a": sim_command("vllm", "--load-s", "1.5")})
+    """One slot (max_in_flight = 1): the waiting requests go one after the other, in the
+    order they came (with more slots they go together: the capacity tests below)."""
+    settings = on_demand(tmp_path, {"a": sim_command("vllm", "--load-s", "1.5")},
+                         a="max_in_flight = 1")
     with trio.fail_after(40):
         running = await nursery.start(service.run, settings)
         async with reading(running.url) as reader, httpx2.AsyncClient(
@@ -419,8 +422,8 @@ def test_the_footprint_is_the_memory_watch_reading_else_the_configured_one() -> 
 
 
 async def test_an_engine_a_request_was_just_let_through_to_is_no_victim() -> None:
-    """A request let out of an engine's queue is on its way, not yet in flight (its answer's
-    head has not come): until it has, the engine is no victim of an eviction and is not
+    """A request let out of an engine's queue is on its way, not yet in flight (the router
+    has not counted it): until it is, the engine is no victim of an eviction and is not
     unloaded as idle. Before, that moment counted as "nothing in flight": the engine was
     drained and stopped under the request, which got a 502 (seen 2 runs in 18 of the
     eviction test above)."""
@@ -441,12 +444,12 @@ async def test_an_engine_a_request_was_just_let_through_to_is_no_victim() -> Non
     queue = activator.queue("b")
     ticket = Ticket(queue)
     queue.waiting.append(ticket)
-    queue.release_next()  # let through: not waiting any more, not in flight yet
+    queue.release(None)  # let through: not waiting any more, not in flight yet
     assert ticket.ready.is_set() and not queue.waiting
     assert [c.evictable for c in activator._running("a")] == [False]
     activator.last_used["b"] = -100.0
     assert activator.unload_idle(trio.current_time()) == []
-    ticket.headed()  # its answer began: the router counts it in flight from here
+    ticket.started()  # the router counts it in flight from here
     assert [c.evictable for c in activator._running("a")] == [True]
 
 
@@ -667,7 +670,7 @@ async def test_a_cold_start_with_requests_waiting_is_seen_ready_within_a_quarter
     assert seen <= AWAITED_READY_INTERVAL_S * 1.05 + 0.01, seen
     probes = len(fake.times["/health"])
     assert probes <= 10.6 / AWAITED_READY_INTERVAL_S + 2, probes  # bounded meanwhile
-    ticket.headed()
+    ticket.started()
     ticket.leave()
 
     # nobody waits: a start (the operator's) is probed at the manifest's 2 s again
@@ -738,7 +741,7 @@ async def test_a_drain_during_a_cold_start_starts_it_again_for_the_waiting_reque
     nursery.start_soon(operator)
     with trio.fail_after(200):
         ticket = await activator.admit("e")
-    ticket.headed()
+    ticket.started()
     ticket.leave()
     assert runner.starts == 2
     assert board.current.engine("e").state == "ready"  # type: ignore[union-attr]
@@ -752,7 +755,7 @@ async def test_a_request_during_a_memory_restart_waits_and_is_served(
     board, fake, runner, activator = await one_on_demand(nursery)
     with trio.fail_after(100):
         ticket = await activator.admit("e")
-    ticket.headed()
+    ticket.started()
     ticket.leave()
     first = board.current.engine("e")
     assert first is not None and first.state == "ready"
@@ -768,7 +771,7 @@ async def test_a_request_during_a_memory_restart_waits_and_is_served(
     nursery.start_soon(loaded)
     with trio.fail_after(200):
         ticket = await activator.admit("e")
-    ticket.headed()
+    ticket.started()
     ticket.leave()
     after = board.current.engine("e")
     assert after is not None and after.state == "ready" and after.admitting
@@ -792,7 +795,7 @@ async def test_a_request_for_an_on_demand_engine_starting_otherwise_waits_for_it
     nursery.start_soon(loaded)
     with trio.fail_after(100):
         ticket = await activator.admit("e")
-    ticket.headed()
+    ticket.started()
     ticket.leave()
     assert runner.starts == 1 and board.current.engine("e").state == "ready"  # type: ignore[union-attr]
 
@@ -812,6 +815,6 @@ async def test_requests_that_come_for_an_engine_starting_otherwise_speed_its_pro
     asked = trio.current_time()
     with trio.fail_after(100):
         ticket = await activator.admit("e")
-    ticket.headed()
+    ticket.started()
     ticket.leave()
     assert trio.current_time() - asked <= 0.05, trio.current_time() - asked
