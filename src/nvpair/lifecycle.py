@@ -248,11 +248,12 @@ class EngineRunner:
         self.rest = "cold" if self.on_demand else "stopped"
         return result
 
-    def call_off(self, reason: str) -> bool:
-        """End a drain that has not yet asked for its stop or restart (it still waits for
-        requests in flight): the engine admits again, nothing stops. False when there is
-        no such drain (none, or its end is asked for already). Never waits."""
-        if self.draining is None or self.operation != "draining":
+    def call_off(self, drained_for: str, reason: str) -> bool:
+        """End the drain asked for ``drained_for`` (its reason) while it still waits for
+        requests in flight: the engine admits again, nothing stops. False when there is
+        no such drain (none, another, or its end is asked for already). Never waits."""
+        if (self.draining is None or self.draining.reason != drained_for
+                or self.operation != "draining"):
             return False
         self.draining = None
         self.operation = None

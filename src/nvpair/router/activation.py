@@ -503,7 +503,7 @@ class Activator:
             size = "size not known" if c.footprint is None else gigabytes(c.footprint)
             result = self.runners[c.name].drain(then="stop", reason=reason, bounded=False)
             if isinstance(result, Busy):
-                self._call_off(activities, f"no room for {name} after all")
+                self._call_off(activities, name, f"no room for {name} after all")
                 return f"no room for {name}: {result.reason}"
             if c.in_flight:
                 log.info("evicting %s (%s in flight, %s) %s: it stops once they have finished",
@@ -521,7 +521,7 @@ class Activator:
                 if not left:
                     break
                 if not queue.waiting:
-                    self._call_off(activities, f"no request waits for {name} any more")
+                    self._call_off(activities, name, f"no request waits for {name} any more")
                     return f"no request waits for {name} any more"
                 with trio.move_on_after(ROOM_RECHECK_S):  # (a queue's change is a board change)
                     await self.board.wait_changed(snap.version)
@@ -541,10 +541,11 @@ class Activator:
             return f"waiting for {' and '.join(busy)} in flight to finish to make room"
         return f"waiting for {', '.join(left) or 'the victims'} to stop to make room"
 
-    def _call_off(self, victims: Iterable[str], reason: str) -> None:
-        """Call off the drains of these victims that still wait for requests in flight."""
+    def _call_off(self, victims: Iterable[str], name: str, reason: str) -> None:
+        """Call off the drains these victims began to make room for ``name`` and that still
+        wait for requests in flight."""
         for victim in victims:
-            self.runners[victim].call_off(reason)
+            self.runners[victim].call_off(f"to make room for {name}", reason)
 
     def budget(self, running: list[Candidate]) -> int:
         """The memory on-demand engines may use together: the configured number, or
