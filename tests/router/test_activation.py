@@ -65,7 +65,7 @@ class OnDemand(NamedTuple):
 
 
 async def one_on_demand(nursery: trio.Nursery, *, loading: bool = False,
-                        **spec_kw: Any) -> OnDemand:
+                        config: ActivationConfig | None = None, **spec_kw: Any) -> OnDemand:
     """One managed on-demand vLLM engine "e" (a fake process through the spawn seam, a
     mock engine over httpx2.MockTransport, /health 503 while ``loading``), its real
     runner and the activator, both started."""
@@ -78,7 +78,7 @@ async def one_on_demand(nursery: trio.Nursery, *, loading: bool = False,
     traffic = Traffic()
     runner = EngineRunner(spec, board, None, None, traffic, transport=fake.transport(),
                           spawn=FakeSpawn())
-    activator = Activator(board, [spec], {"e": runner}, traffic, ActivationConfig())
+    activator = Activator(board, [spec], {"e": runner}, traffic, config or ActivationConfig())
     await nursery.start(runner.run)
     await nursery.start(activator.run)
     return OnDemand(board, fake, runner, activator)
@@ -1062,3 +1062,24 @@ def test_the_capacity_is_max_in_flight_else_what_the_engine_says_else_none() -> 
     assert activator_of("ollama", env={"OLLAMA_NUM_PARALLEL": "4"}).capacity("e") == 4
     assert activator_of("ollama", env={"OLLAMA_NUM_PARALLEL": "0"}).capacity("e") is None
     assert activator_of("ollama").capacity("e") is None
+
+
+async def test_a_request_that_waits_too_long_for_a_slot_is_503_saying_so(
+        nursery, autojump_clock) -> None:
+    """queue_wait_s bounds the wait for a slot: with the engine's one slot busy, a second
+    request waits 60 s, then 503 saying the slot was busy (not "not ready"); the request
+    on the engine is not touched."""
+    from nvpair.router.activation import Unavailable
+
+    _, _, _, activator = await one_on_demand(
+        nursery, max_in_flight=1, config=ActivationConfig(queue_wait_s=60))
+    first = await activator.admit("e")
+    activator.traffic.started("e")
+    first.started()
+    asked = trio.current_time()
+    with pytest.raises(Unavailable) as waited:
+        await activator.admit("e")
+    assert trio.current_time() - asked == pytest.approx(60)
+    assert str(waited.value) == ("engine e had no free slot within queue_wait_s (60 s): its 1 "
+                                 "slot was busy")
+    assert activator.traffic.engines["e"].in_flight == 1 and not activator.holds("e")

@@ -330,9 +330,9 @@ class Activator:
         if (not queue.activating and e is not None and e.state in LISTED_STATES
                 and e.admitting and slots is not None):
             ahead = queue.waiting.index(ticket) if ticket in queue.waiting else 0
+            before = f", and {_requests(ahead)} waited before this one" if ahead else ""
             return (f"engine {name} had no free slot within {wait}: its {slots} "
-                    f"{'slot was' if slots == 1 else 'slots were'} busy, with {ahead} "
-                    "waiting requests before this one")
+                    f"{'slot was' if slots == 1 else 'slots were'} busy{before}")
         blocked = None if queue.blocked_by is None else queue.blocked_by()
         return f"engine {name} was not ready within {wait}" + (
             f": {blocked}" if blocked else "")
