@@ -69,7 +69,8 @@ async def test_nvpair_drain_finishes_a_running_stream_and_leaves_the_engine_stop
     assert during[0].status_code == 503, during[0].text
     assert during[0].headers.get("retry-after") and "draining" in during[0].text
     assert stopped.admitting and stopped.activity is not None
-    assert stopped.activity == "drained (asked by the operator), then stopped"
+    assert stopped.activity == ("drained (asked by the operator): 1 request in flight finished, "
+                                "then stopped")
 
 
 async def test_drain_results(nursery, tmp_path) -> None:
@@ -91,7 +92,7 @@ async def test_drain_results(nursery, tmp_path) -> None:
         first_pid = running.board.current.engine("e").pid  # type: ignore[union-attr]
         restarted = await wait_state(running.board, "e", "ready",
                                      where=lambda e: e.pid != first_pid and e.admitting)
-        assert restarted.activity == "drained (test), then restarted"
+        assert restarted.activity == "drained (test): 1 request in flight finished, then restarted"
         async with httpx2.AsyncClient(base_url=running.url) as client:
             r = await client.post("/v1/engines/e/drain")
             assert r.status_code == 202 and r.json()["operation"] == "draining", r.text
@@ -108,3 +109,35 @@ async def test_drain_results(nursery, tmp_path) -> None:
             stopped = await client.post("/v1/engines/e/drain")  # nothing to drain
             assert stopped.status_code == 202 and stopped.json()["operation"] == "stop"
         assert isinstance(runner.drain(then="restart", reason="test"), Busy)
+
+
+async def test_a_drain_that_runs_out_of_stop_grace_says_what_it_cut(nursery, tmp_path) -> None:
+    """The operator's drain is bounded by the stop grace (0.5 s here): a 3 s stream is cut
+    by the stop, and the drain's line says so. Before, it said "drained (...), then
+    stopped": the count was read after the stop, when the cut request had ended."""
+    settings = managed_config(tmp_path, "e", free_port(),
+                              sim_command("vllm", "--token-rate", "20", "--load-s", "0.3"),
+                              extra="stop_grace_s = 0.5")
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, settings)
+        await wait_state(running.board, "e", "ready", where=lambda e: bool(e.models))
+        chunks: list[bytes] = []
+        streaming = trio.Event()
+        async with httpx2.AsyncClient(headers=JSON, base_url=running.url, timeout=20) as client:
+
+            async def stream() -> None:  # 60 tokens at 20 a second: 3 s
+                async with client.stream("POST", "/v1/chat/completions",
+                                         content=stream_payload(60)) as r:
+                    async for chunk in r.aiter_bytes():
+                        chunks.append(chunk)
+                        streaming.set()
+
+            async with trio.open_nursery() as n:
+                n.start_soon(stream)
+                await streaming.wait()
+                assert running.runners["e"].drain(reason="asked by the operator") == Accepted(
+                    "draining")
+            stopped = await wait_state(running.board, "e", "stopped")
+    assert not b"".join(chunks).rstrip().endswith(b"data: [DONE]")  # it was cut
+    assert stopped.activity == ("drained (asked by the operator), then stopped; 1 request "
+                                "still in flight after the stop grace (0.5 s) cut")

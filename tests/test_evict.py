@@ -18,6 +18,26 @@ def test_an_idle_engine_goes_before_a_busy_one_of_the_same_priority() -> None:
     assert [c.name for c in victim_order([busy, idle])] == ["idle", "busy"]
 
 
+def test_an_idle_engine_goes_before_a_busy_one_of_lower_priority() -> None:
+    """A busy victim makes the requester wait for its answers: it is taken only when the
+    idle ones together do not free enough."""
+    busy = Candidate("busy", priority=-5, footprint=6 * GB, last_used=1.0, in_flight=1)
+    idle = Candidate("idle", priority=5, footprint=6 * GB, last_used=5.0)
+    assert plan("new", 6 * GB, 14 * GB, [busy, idle]).victims == ("idle",)
+    assert [c.name for c in victim_order([busy, idle])] == ["idle", "busy"]
+
+
+def test_a_busy_victim_keeps_the_idle_ones_it_makes_needless() -> None:
+    """The idle ones (2 + 1 GB) cannot free 8 GB: the busy one must go, and with it gone
+    neither idle one needs to."""
+    small = Candidate("small", footprint=2 * GB, last_used=1.0)
+    tiny = Candidate("tiny", footprint=1 * GB, last_used=2.0)
+    busy = Candidate("busy", footprint=8 * GB, in_flight=3)
+    assert plan("new", 8 * GB, 11 * GB, [small, tiny, busy]).victims == ("busy",)
+    # 9 GB: the busy one and one idle one; the one used longest ago goes
+    assert plan("new", 9 * GB, 11 * GB, [small, tiny, busy]).victims == ("small", "busy")
+
+
 def test_lower_priority_first_then_least_recently_used() -> None:
     keep = Candidate("keep", priority=5, footprint=4 * GB, last_used=0.0)
     old = Candidate("old", priority=0, footprint=4 * GB, last_used=1.0)
@@ -61,7 +81,7 @@ candidates = st.lists(
 
 
 @given(candidates, st.one_of(st.none(), st.integers(0, 20 * GB)), st.integers(1, 20 * GB))
-def test_a_plan_fits_with_as_few_victims_as_the_order_allows(running, need, budget) -> None:
+def test_a_plan_fits_idle_first_with_as_few_victims_as_it_can(running, need, budget) -> None:
     decided = plan("new", need, budget, running)
     want = budget if need is None else need
     size = {c.name: budget if c.footprint is None else c.footprint for c in running}
@@ -72,8 +92,22 @@ def test_a_plan_fits_with_as_few_victims_as_the_order_allows(running, need, budg
         return
     left = sum(size.values()) - sum(size[v] for v in decided.victims)
     assert budget - left >= want  # it fits after the victims go
-    order = [c.name for c in victim_order(running)]
-    assert list(decided.victims) == order[:len(decided.victims)]  # a prefix of the order
-    if decided.victims:  # one victim fewer would not have fitted
-        fewer = left + size[decided.victims[-1]]
+    by_name = {c.name: c for c in running}
+    assert all(by_name[v].evictable for v in decided.victims)
+    idle = [c.name for c in victim_order(running) if c.in_flight == 0]
+    busy = [c.name for c in victim_order(running) if c.in_flight > 0]
+    chosen_idle = [v for v in decided.victims if v in idle]
+    chosen_busy = [v for v in decided.victims if v in busy]
+    assert list(decided.victims) == chosen_idle + chosen_busy  # idle ones drain first
+    assert chosen_busy == busy[:len(chosen_busy)]  # busy ones in their order
+    if chosen_busy:  # only when every idle one together would not do
+        everything_idle = sum(size[c.name] for c in running) - sum(size[v] for v in idle)
+        assert budget - everything_idle < want
+        for v in chosen_idle:  # and each idle one kept beside them is needed
+            assert budget - (left + size[v]) < want
+        fewer = left + size[chosen_busy[-1]]
+    else:
+        assert chosen_idle == idle[:len(chosen_idle)]  # the fewest of the idle order
+        fewer = left + size[chosen_idle[-1]] if chosen_idle else None
+    if fewer is not None:  # one victim fewer would not have fitted
         assert budget - fewer < want

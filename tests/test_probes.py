@@ -10,7 +10,7 @@ import msgspec
 import pytest
 import trio
 import trio.testing
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from tests.raw_http import Request, read_request, serve_streams
 
@@ -82,6 +82,24 @@ def test_parse_models_returns_or_raises_probe_error(body: bytes, fmt: str) -> No
 @given(body=bodies, kind=st.sampled_from(sorted(IDENTITY)))
 def test_parse_identity_returns_or_raises_probe_error(body: bytes, kind: str) -> None:
     outcome_of(lambda: probes.parse_identity(body, IDENTITY[kind], kind))
+
+
+@settings(max_examples=150, deadline=None)
+@given(slots=json_values | st.integers())
+def test_the_slots_llama_server_says_it_has_are_a_believable_count_or_none(slots) -> None:
+    """``total_slots`` in llama-server's /props (the queue's capacity) is taken only as a
+    whole number from 1 to MAX_SLOTS; anything else (0, negative, huge, a float, true, a
+    string, a list) is not said at all."""
+    doc = {"build_info": "b1", "total_slots": slots, "model_alias": "m"}
+    try:
+        body = json.dumps(doc, allow_nan=False).encode()
+    except ValueError:  # (an infinity: not JSON)
+        assume(False)
+    identity, _ = probes.parse_identity(body, IDENTITY["llamacpp"], "llamacpp")
+    believable = (isinstance(slots, int) and not isinstance(slots, bool)
+                  and 1 <= slots <= probes.MAX_SLOTS)
+    assert identity.slots == (slots if believable else None)
+    assert identity.model == "m"
 
 
 def test_deep_nesting_is_one_line() -> None:

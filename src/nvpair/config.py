@@ -73,6 +73,8 @@ class EngineConfig(Base, frozen=True):
     priority: Annotated[int, msgspec.Meta(ge=-1000, le=1000)] = 0
     #: on demand: the footprint evictions are planned with ("measured": the memory watch's).
     memory_bytes: Literal["measured"] | Annotated[int, msgspec.Meta(ge=0)] = "measured"
+    #: on demand: requests its queue sends at once (default: what the engine says, else all).
+    max_in_flight: Annotated[int, msgspec.Meta(ge=1, le=100_000)] | None = None
 
 
 class ActivationConfig(Base, frozen=True):
@@ -215,6 +217,8 @@ class EngineSpec(msgspec.Struct, frozen=True):
     priority: int = 0
     #: the configured footprint (None: "measured", from the memory watch only)
     memory_bytes: int | None = None
+    #: on demand: requests the queue sends at once (None: what the engine says, else all)
+    max_in_flight: int | None = None
 
     @property
     def url(self) -> str:
@@ -511,6 +515,7 @@ def _resolve_engine(eng: EngineConfig, where: str, base: Path) -> EngineSpec:
         idle_unload_s=eng.idle_unload_s,
         priority=eng.priority,
         memory_bytes=None if eng.memory_bytes == "measured" else eng.memory_bytes,
+        max_in_flight=eng.max_in_flight,
     )
     if spec.managed:
         from nvpair.command import CommandError, build_command

@@ -4,10 +4,11 @@ The rules (docs/on-demand.md): the engines on demand share a memory budget. An e
 footprint is what the memory watch measured, else its configured ``memory_bytes``; an
 engine whose footprint is unknown counts as the whole budget (nothing is planned on a
 guess). If the new engine does not fit, victims are taken among the running on-demand
-engines (not those starting, or with requests waiting for them) in this order: lowest
-``priority`` first, then those with nothing in flight before busy ones, then the least
-recently used; as few as make it fit. When even all of them would not make room, the
-plan says why in words and evicts nothing.
+engines (not those starting, or with requests waiting for them). Idle ones (nothing in
+flight) come first, lowest ``priority`` first, then the least recently used; a busy one
+(its victims wait for its requests to finish, however long) only when the idle ones
+together do not free enough, and then the idle ones it makes needless are kept. When even
+all of them would not make room, the plan says why in words and evicts nothing.
 """
 
 from __future__ import annotations
@@ -52,10 +53,10 @@ def gigabytes(n: int) -> str:
 
 
 def victim_order(running: Sequence[Candidate]) -> list[Candidate]:
-    """The evictable ones: lowest priority first, then idle before busy, then least
+    """The evictable ones: idle before busy, then lowest priority first, then least
     recently used, then by name."""
     return sorted((c for c in running if c.evictable),
-                  key=lambda c: (c.priority, c.in_flight > 0, c.last_used, c.name))
+                  key=lambda c: (c.in_flight > 0, c.priority, c.last_used, c.name))
 
 
 def plan(name: str, need: int | None, budget: int, running: Sequence[Candidate]) -> Plan:
@@ -71,11 +72,11 @@ def plan(name: str, need: int | None, budget: int, running: Sequence[Candidate])
         return budget if c.footprint is None else c.footprint
 
     used = sum(size(c) for c in others)
-    victims: list[str] = []
+    victims: list[Candidate] = []
     for c in victim_order(others):
         if budget - used >= want:
             break
-        victims.append(c.name)
+        victims.append(c)
         used -= size(c)
     if budget - used < want:  # what cannot be evicted (starting, awaited) leaves too little
         kept = ", ".join(c.name for c in others if not c.evictable)
@@ -83,4 +84,11 @@ def plan(name: str, need: int | None, budget: int, running: Sequence[Candidate])
                            f"of the {gigabytes(budget)} budget can be made free"
                            + (f" ({kept} cannot be evicted now: starting or awaited)"
                               if kept else ""))
-    return Plan(victims=tuple(victims))
+    if victims and victims[-1].in_flight > 0:
+        # A busy one was needed: the idle ones that room no longer needs stay, those most
+        # worth keeping (the last in the order) looked at first.
+        for c in reversed([v for v in victims if v.in_flight == 0]):
+            if budget - (used + size(c)) >= want:
+                victims.remove(c)
+                used += size(c)
+    return Plan(victims=tuple(c.name for c in victims))

@@ -23,9 +23,11 @@ backoff; nothing a runner raises reaches the service.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -74,6 +76,19 @@ Why = Literal["exited", "budget", "stop", "restart"]
 _REASONS: dict[Why, str] = {"exited": "engine process exited",
                             "budget": "startup budget exceeded",
                             "stop": "stop requested", "restart": "restart requested"}
+
+
+@dataclass
+class Draining:
+    """A drain in progress: what it ends in, why (in words), whether the stop grace bounds
+    the wait for the requests in flight, how many were in flight when it began, and how
+    many were still in flight when the grace ran out (cut by the stop)."""
+
+    then: Then
+    reason: str
+    bounded: bool = True
+    in_flight: int = 0
+    cut: int = 0
 
 
 class Accepted(msgspec.Struct, frozen=True):
@@ -151,8 +166,8 @@ class EngineRunner:
         #: the state it rests in once stopped: ``stopped`` when asked to stop, ``cold`` for
         #: an on-demand engine drained (idle, evicted) or not started yet
         self.rest: Literal["stopped", "cold"] = "cold" if self.on_demand else "stopped"
-        #: the drain in progress: what it ends in, and why it was asked for
-        self.draining: tuple[Then, str] | None = None
+        #: the drain in progress (what it ends in, why, how long it may wait), else None
+        self.draining: Draining | None = None
         self.operation: str | None = None
         self._restart = False
         self._wake = Changes()  # bumped by every request
@@ -204,9 +219,11 @@ class EngineRunner:
         self._kick()
         return self._accepted(action)
 
-    def drain(self, *, then: Then = "stop", reason: str = "drain requested") -> Result:
-        """Stop admitting, let the routed requests in flight finish (up to the stop grace),
-        then stop (an on-demand engine: ``cold``) or restart. Never waits.
+    def drain(self, *, then: Then = "stop", reason: str = "drain requested",
+              bounded: bool = True) -> Result:
+        """Stop admitting, let the routed requests in flight finish (up to the stop grace;
+        ``bounded=False``: however long they take), then stop (an on-demand engine:
+        ``cold``) or restart. Never waits.
 
         The engine's state shows ``admitting: false`` at once, so the router sends its
         models elsewhere (another engine or a peer), or queues or answers 503 meanwhile.
@@ -215,18 +232,18 @@ class EngineRunner:
         progress, a drain to the other end, or a restart of an engine that is stopped."""
         name = self.spec.name
         if self.draining is not None:  # (also once it stops or restarts for the drain)
-            if self.draining[0] == then:
+            if self.draining.then == then:
                 return Accepted("draining")
-            return Busy(f"engine {name} is draining to {self.draining[0]} already")
+            return Busy(f"engine {name} is draining to {self.draining.then} already")
         if self.operation == "stopping":
             return Busy(f"engine {name} is stopping already")
         if self.desired == "stopped":
             if then == "stop":
                 return Accepted("stop")
             return Busy(f"engine {name} is stopped; start it instead")
-        self.draining = (then, reason)
-        self.operation = "draining"
         in_flight = self._in_flight()
+        self.draining = Draining(then, reason, bounded, in_flight)
+        self.operation = "draining"
         activity = f"draining ({reason}): {in_flight} in flight, then {then}"
         self._set(admitting=False, activity=activity)
         log.info("%s: %s", name, activity)
@@ -240,38 +257,63 @@ class EngineRunner:
         self.rest = "cold" if self.on_demand else "stopped"
         return result
 
+    def call_off(self, drained_for: str, reason: str) -> bool:
+        """End the drain asked for ``drained_for`` (its reason) while it still waits for
+        requests in flight: the engine admits again, nothing stops. False when there is
+        no such drain (none, another, or its end is asked for already). Never waits."""
+        if (self.draining is None or self.draining.reason != drained_for
+                or self.operation != "draining"):
+            return False
+        self.draining = None
+        self.operation = None
+        activity = f"drain called off ({reason})"
+        self._set(admitting=True, activity=activity)
+        log.info("%s: %s", self.spec.name, activity)
+        self._kick()
+        return True
+
     def _in_flight(self) -> int:
         """Routed requests in flight on this engine (nvpair.traffic, the router's count)."""
         entry = None if self.traffic is None else self.traffic.engines.get(self.spec.name)
         return 0 if entry is None else entry.in_flight
 
-    async def _drained(self) -> None:
-        """Until nothing is in flight, the stop grace has passed, or a stop or restart was
-        asked for meanwhile; then what the drain ends in is asked for."""
-        assert self.draining is not None
-        then, _reason = self.draining
-        with trio.move_on_after(self.spec.stop_grace_s):
-            while self._in_flight() > 0 and not self._wanted_off():
+    async def _drained(self) -> bool:
+        """Until nothing is in flight, the stop grace has passed (a bounded drain), a stop
+        or restart was asked for meanwhile, or the drain was called off (False); then what
+        the drain ends in is asked for (True)."""
+        draining = self.draining
+        assert draining is not None
+        grace = self.spec.stop_grace_s if draining.bounded else math.inf
+        with trio.move_on_after(grace) as waited:
+            while (self._in_flight() > 0 and not self._wanted_off()
+                   and self.draining is draining):
                 with trio.move_on_after(DRAIN_POLL_S):
                     await self._wake.wait()
+        if self.draining is not draining:  # called off: it admits again
+            return False
+        if waited.cancelled_caught:  # (counted now: once stopped, the cut ones have ended)
+            draining.cut = self._in_flight()
         if self._wanted_off():
-            return
-        if then == "stop":
+            return True
+        if draining.then == "stop":
             self.desired = "stopped"
             self.rest = "cold" if self.on_demand else "stopped"
             self.operation = "stopping"
         else:
             self._restart = True
             self.operation = "restarting"
+        return True
 
     def _drain_done(self) -> None:
-        if self.draining is not None:
-            then, reason = self.draining
+        draining = self.draining
+        if draining is not None:
             self.draining = None
-            left = self._in_flight()
-            cut = f"; {left} still in flight after the stop grace" if left else ""
-            done = "stopped" if then == "stop" else "restarted"
-            activity = f"drained ({reason}), then {done}{cut}"
+            done = "stopped" if draining.then == "stop" else "restarted"
+            waited = (f": {_requests(draining.in_flight)} in flight finished"
+                      if draining.in_flight and not draining.cut else "")
+            cut = (f"; {_requests(draining.cut)} still in flight after the stop grace "
+                   f"({self.spec.stop_grace_s:g} s) cut" if draining.cut else "")
+            activity = f"drained ({draining.reason}){waited}, then {done}{cut}"
             self._set(activity=activity)
             log.info("%s: %s", self.spec.name, activity)
 
@@ -455,9 +497,10 @@ class EngineRunner:
         await trio.sleep_forever()
 
     async def _asked(self) -> Why:
-        await self._until(lambda: self._wanted_off() or self.draining is not None)
-        if self.draining is not None:
-            await self._drained()
+        while True:
+            await self._until(lambda: self._wanted_off() or self.draining is not None)
+            if self.draining is None or await self._drained():
+                break  # (else the drain was called off: the engine admits again)
         return "stop" if self.desired != "running" else "restart"
 
     def _wanted_off(self) -> bool:
@@ -477,7 +520,7 @@ class EngineRunner:
             self._set(state=self.rest if why == "stop" else "starting", pid=None,
                       exit_code=code, exited_at=_wall(), error=stuck, admitting=True)
             return
-        if self.draining is not None and self.draining[0] == "stop":  # it ended by itself
+        if self.draining is not None and self.draining.then == "stop":  # it ended by itself
             self.desired = "stopped"
         if why == "budget":
             last = self.board.current.engine(spec.name)
@@ -607,3 +650,7 @@ def _shown(argv: list[str], secret: str | None) -> str:
 
 def _wall() -> float:
     return round(time.time(), 3)
+
+
+def _requests(n: int) -> str:
+    return f"{n} request" if n == 1 else f"{n} requests"

@@ -57,6 +57,8 @@ class ProbeSpec(Base, frozen=True):
     version_pointer: str | None = None
     #: identity: keys the body must have for the engine to be of this kind.
     require_keys: tuple[str, ...] = ()
+    #: identity: JSON pointer of how many requests the engine serves at once (its slots).
+    slots_pointer: str | None = None
     #: models: the body's format.
     format: ModelsFormat = "openai"
 

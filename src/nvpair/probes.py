@@ -29,6 +29,8 @@ MAX_MODELS = 10_000
 #: what peers accept (src/nvpair/peers/advert.py: ids are ``Text``, 512 characters); a
 #: longer id is left out, so one odd model never makes peers refuse the node's advert.
 MAX_ID_CHARS = 512
+#: the most slots an engine's identity answer is believed to have (llama-server's -np)
+MAX_SLOTS = 65_536
 #: ``owned_by`` is cut to this many characters (peers accept 512).
 MAX_OWNER_CHARS = 128
 INT64 = (-(2**63), 2**63 - 1)
@@ -368,7 +370,17 @@ def parse_identity(body: bytes, spec: ProbeSpec, kind: str) -> tuple[Identity, t
         )
     names = tuple(n for p in spec.model_pointers if (n := _scalar(pointer(doc, p))))
     version = _scalar(pointer(doc, spec.version_pointer)) if spec.version_pointer else None
-    return Identity(model=names[0] if names else None, version=version or None), names
+    slots = _slots(pointer(doc, spec.slots_pointer)) if spec.slots_pointer else None
+    return Identity(model=names[0] if names else None, version=version or None,
+                    slots=slots), names
+
+
+def _slots(value: Any) -> int | None:
+    """A slot count as the engine gave it: a whole number from 1 to MAX_SLOTS, else None
+    (not said, or not believable: the queue then sends every waiting request at once)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SLOTS:
+        return None
+    return value
 
 
 def _scalar(value: Any) -> str | None:

@@ -67,6 +67,9 @@ class Model(msgspec.Struct, frozen=True, gc=False):
 class Identity(msgspec.Struct, frozen=True, gc=False):
     model: str | None = None
     version: str | None = None
+    #: how many requests the engine says it serves at once (llama-server's slots; None:
+    #: it does not say)
+    slots: int | None = None
 
 
 class EngineState(msgspec.Struct, frozen=True, gc=False):

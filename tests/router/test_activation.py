@@ -7,6 +7,7 @@ Each test runs the real service (real subprocesses, real sockets, real HTTP); th
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -31,9 +32,9 @@ GB = 10**9
 
 
 def on_demand(tmp: Path, engines: dict[str, list[str]], *, extra: str = "",
-              activation: str = "", **per_engine: str) -> Settings:
+              activation: str = "", kind: str = "vllm", **per_engine: str) -> Settings:
     """A config of on-demand engines, each serving the model named like it."""
-    manifest = fast_manifest(tmp)
+    manifest = fast_manifest(tmp, kind)
     text = f"listen = '127.0.0.1:0'\nlog_dir = '{tmp / 'logs'}'\nsweep_deadline_s = 2\n"
     text += f"[activation]\n{activation}\n"
     for name, command in engines.items():
@@ -64,7 +65,7 @@ class OnDemand(NamedTuple):
 
 
 async def one_on_demand(nursery: trio.Nursery, *, loading: bool = False,
-                        **spec_kw: Any) -> OnDemand:
+                        config: ActivationConfig | None = None, **spec_kw: Any) -> OnDemand:
     """One managed on-demand vLLM engine "e" (a fake process through the spawn seam, a
     mock engine over httpx2.MockTransport, /health 503 while ``loading``), its real
     runner and the activator, both started."""
@@ -77,7 +78,7 @@ async def one_on_demand(nursery: trio.Nursery, *, loading: bool = False,
     traffic = Traffic()
     runner = EngineRunner(spec, board, None, None, traffic, transport=fake.transport(),
                           spawn=FakeSpawn())
-    activator = Activator(board, [spec], {"e": runner}, traffic, ActivationConfig())
+    activator = Activator(board, [spec], {"e": runner}, traffic, config or ActivationConfig())
     await nursery.start(runner.run)
     await nursery.start(activator.run)
     return OnDemand(board, fake, runner, activator)
@@ -85,7 +86,10 @@ async def one_on_demand(nursery: trio.Nursery, *, loading: bool = False,
 
 async def test_eight_requests_for_a_cold_model_start_it_once_and_go_in_order(
         nursery, tmp_path) -> None:
-    settings = on_demand(tmp_path, {"a": sim_command("vllm", "--load-s", "1.5")})
+    """One slot (max_in_flight = 1): the waiting requests go one after the other, in the
+    order they came (with more slots they go together: the capacity tests below)."""
+    settings = on_demand(tmp_path, {"a": sim_command("vllm", "--load-s", "1.5")},
+                         a="max_in_flight = 1")
     with trio.fail_after(40):
         running = await nursery.start(service.run, settings)
         async with reading(running.url) as reader, httpx2.AsyncClient(
@@ -116,6 +120,79 @@ async def test_eight_requests_for_a_cold_model_start_it_once_and_go_in_order(
             assert engine is not None and engine.queued == 0
             assert engine.activity == "started a for a request (queued 1)"
         assert reader.worst < 0.5, reader.worst
+
+
+async def burst(client: httpx2.AsyncClient, model: str, count: int,
+                tokens: int) -> list[tuple[float, int]]:
+    """``count`` requests at once (non-streaming): each one's end (seconds from the send)
+    and status, in the order they ended."""
+    sent = trio.current_time()
+    ended: list[tuple[float, int]] = []
+
+    async def one() -> None:
+        r = await client.post("/v1/chat/completions", content=payload(model, tokens))
+        ended.append((trio.current_time() - sent, r.status_code))
+
+    async with trio.open_nursery() as n:
+        for _ in range(count):
+            n.start_soon(one)
+    return ended
+
+
+async def test_a_cold_engine_with_eight_slots_serves_eight_waiting_requests_at_once(
+        nursery, tmp_path) -> None:
+    """llama-server with 8 slots (-np 8; its /props says total_slots 8), loading for 1 s:
+    8 requests of 2 s each, sent together while it is cold, all end within 2 + 0.5 s of
+    its being ready (1 + 2 + 0.5 s of the send, plus the simulator's own start, 0.3-0.8 s
+    on this 2-core machine). Before, each waited for the whole answer of the one before it
+    (16 s and more, and 503s once queue_wait_s had passed)."""
+    settings = on_demand(tmp_path, {"a": sim_command(
+        "llamacpp", "-np", "8", "--load-s", "1", "--token-rate", "5")}, kind="llamacpp",
+        activation="queue_wait_s = 30")
+    with trio.fail_after(40):
+        running = await nursery.start(service.run, settings)
+        ready_at: list[float] = []
+
+        async def ready() -> None:
+            await wait_state(running.board, "a", "ready")
+            ready_at.append(trio.current_time())
+
+        async with reading(running.url) as reader, httpx2.AsyncClient(
+                headers=JSON, base_url=running.url, timeout=30) as client:
+            nursery.start_soon(ready)
+            sent = trio.current_time()
+            ended = await burst(client, "model-a", 8, tokens=10)  # 10 tokens at 5 a second
+        assert reader.worst < 0.5, reader.worst
+    assert [status for _, status in ended] == [200] * 8, ended
+    assert max(t for t, _ in ended) - (ready_at[0] - sent) < 2 + 0.5, (ended, ready_at, sent)
+    e = running.board.current.engine("a")
+    assert e is not None and e.identity is not None and e.identity.slots == 8
+    assert running.runners["a"].starts == 1
+
+
+async def test_two_slots_serve_eight_waiting_requests_in_four_waves_without_a_503(
+        nursery, tmp_path) -> None:
+    """The same with 2 slots and 1 s answers: two at a time, each pair as the one before
+    ends (four waves), none 503 though the last waits about 3 s for a slot
+    (queue_wait_s 5 bounds that wait, not the answers). Before: one at a time, each
+    after the whole answer before it; those still waiting at 5 s got 503."""
+    settings = on_demand(tmp_path, {"a": sim_command(
+        "llamacpp", "-np", "2", "--load-s", "1", "--token-rate", "10")}, kind="llamacpp",
+        activation="queue_wait_s = 5")
+    with trio.fail_after(40):
+        running = await nursery.start(service.run, settings)
+        async with httpx2.AsyncClient(headers=JSON, base_url=running.url, timeout=30) as client:
+            ended = await burst(client, "model-a", 8, tokens=10)  # 1 s each
+            traffic = (await client.get("/v1/engines/a")).json()
+    assert [status for _, status in ended] == [200] * 8, ended
+    times = sorted(t for t, _ in ended)
+    waves = [times[i:i + 2] for i in range(0, 8, 2)]
+    for k, wave in enumerate(waves):  # wave k ends 1 s (answers) after wave k - 1
+        assert wave[1] - wave[0] < 0.5, waves
+        if k:
+            assert 0.8 < wave[0] - waves[k - 1][0] < 1.6, waves
+    assert times[-1] < 1 + 4 + 1.5, waves
+    assert traffic["state"] == "ready" and traffic["queued"] == 0
 
 
 async def test_a_client_that_leaves_while_queued_leaves_the_queue(nursery, tmp_path) -> None:
@@ -234,6 +311,97 @@ async def test_a_budget_for_one_drains_the_first_engine_then_starts_the_second(
     assert a is not None and a.state == "cold"
     assert a.activity is not None and a.activity.startswith("evicted a (idle ")
     assert a.activity.endswith(", 6.0 GB) to make room for b")
+
+
+def evicting(tmp: Path, queue_wait_s: float) -> Settings:
+    """Memory for one of a and b; a answers slowly (20 tokens a second) and its stop grace
+    (0.5 s) is shorter than its answers."""
+    return on_demand(
+        tmp, {"a": sim_command("vllm", "--token-rate", "20", "--load-s", "0.3"),
+              "b": sim_command("vllm", "--load-s", "0.3")},
+        activation=f"memory_budget_bytes = {10 * GB}\nqueue_wait_s = {queue_wait_s}",
+        extra=f"memory_bytes = {6 * GB}", a="stop_grace_s = 0.5")
+
+
+async def stream_and_ask_b(client: httpx2.AsyncClient,
+                           tokens: int) -> tuple[bytes, httpx2.Response, float]:
+    """A stream of ``tokens`` on a, and once it streams, a request for b: the stream's
+    body, b's answer, and how long after the stream's end b's answer came (negative:
+    before it ended)."""
+    chunks: list[bytes] = []
+    streaming = trio.Event()
+    times: dict[str, float] = {}
+    second: list[httpx2.Response] = []
+
+    async def stream() -> None:
+        async with client.stream("POST", "/v1/chat/completions",
+                                 content=payload("model-a", tokens, stream=True)) as r:
+            async for chunk in r.aiter_bytes():
+                chunks.append(chunk)
+                streaming.set()
+        times["stream"] = trio.current_time()
+
+    async def for_b() -> None:
+        second.append(await client.post("/v1/chat/completions", content=payload("model-b")))
+        times["b"] = trio.current_time()
+
+    async with trio.open_nursery() as n:
+        n.start_soon(stream)
+        await streaming.wait()
+        n.start_soon(for_b)
+    return b"".join(chunks), second[0], times["b"] - times["stream"]
+
+
+async def test_an_eviction_waits_for_a_stream_longer_than_the_stop_grace(
+        nursery, tmp_path, caplog) -> None:
+    """a streams for 2 s (its stop grace is 0.5 s); a request for b needs a's room: a
+    lets its stream end intact (every token, [DONE]), then a stops and b
+    starts and answers. Before, a was stopped 0.5 s into the drain and its stream cut."""
+    with trio.fail_after(40), caplog.at_level(logging.INFO, logger="nvpair"):
+        running = await nursery.start(service.run, evicting(tmp_path, 30))
+        async with reading(running.url) as reader, httpx2.AsyncClient(
+                headers=JSON, base_url=running.url, timeout=30) as client:
+            assert (await client.post("/v1/chat/completions",
+                                      content=payload("model-a"))).status_code == 200
+            body, b, after = await stream_and_ask_b(client, 40)
+        assert reader.worst < 0.5, reader.worst
+    assert body.rstrip().endswith(b"data: [DONE]") and body.count(b'"content"') >= 40, body
+    assert b"error" not in body
+    assert b.status_code == 200, b.text
+    assert after > 0.3  # b started after the stream (b loads for 0.3 s)
+    a = running.board.current.engine("a")
+    assert a is not None and a.state == "cold"
+    assert a.activity == ("evicted a (idle 0.0 s, 1 request in flight that finished first, "
+                          "6.0 GB) to make room for b")
+    lines = [r.getMessage() for r in caplog.records]
+    assert ("a: drained (to make room for b): 1 request in flight finished, then stopped"
+            in lines), lines
+    assert not any("cut" in line for line in lines), lines
+
+
+async def test_a_request_that_cannot_wait_for_the_stream_gets_503_and_the_stream_goes_on(
+        nursery, tmp_path) -> None:
+    """The same with queue_wait_s (1 s) shorter than a's stream: b's request gets 503
+    saying what it waited for; a's stream still ends intact, and once nobody waits for b
+    a's drain is called off (a admits again, b never started)."""
+    with trio.fail_after(40):
+        running = await nursery.start(service.run, evicting(tmp_path, 1))
+        async with httpx2.AsyncClient(headers=JSON, base_url=running.url, timeout=30) as client:
+            assert (await client.post("/v1/chat/completions",
+                                      content=payload("model-a"))).status_code == 200
+            body, b, after = await stream_and_ask_b(client, 40)
+            again = await client.post("/v1/chat/completions", content=payload("model-a"))
+    assert body.rstrip().endswith(b"data: [DONE]") and body.count(b'"content"') >= 40, body
+    assert b"error" not in body
+    assert b.status_code == 503 and after < 0, (b.text, after)
+    assert b.json()["error"]["message"] == (
+        "engine b was not ready within queue_wait_s (1 s): waiting for a's 1 request in "
+        "flight to finish to make room")
+    assert again.status_code == 200 and again.headers["x-nvpair-engine"] == "a", again.text
+    a = running.board.current.engine("a")
+    assert a is not None and a.state == "ready" and a.admitting
+    assert a.activity == "drain called off (no request waits for b any more)"
+    assert running.runners["a"].starts == 1 and running.runners["b"].starts == 0
 
 
 async def test_nothing_can_make_room_is_503_in_words(nursery, tmp_path) -> None:
@@ -419,8 +587,8 @@ def test_the_footprint_is_the_memory_watch_reading_else_the_configured_one() -> 
 
 
 async def test_an_engine_a_request_was_just_let_through_to_is_no_victim() -> None:
-    """A request let out of an engine's queue is on its way, not yet in flight (its answer's
-    head has not come): until it has, the engine is no victim of an eviction and is not
+    """A request let out of an engine's queue is on its way, not yet in flight (the router
+    has not counted it): until it is, the engine is no victim of an eviction and is not
     unloaded as idle. Before, that moment counted as "nothing in flight": the engine was
     drained and stopped under the request, which got a 502 (seen 2 runs in 18 of the
     eviction test above)."""
@@ -441,12 +609,12 @@ async def test_an_engine_a_request_was_just_let_through_to_is_no_victim() -> Non
     queue = activator.queue("b")
     ticket = Ticket(queue)
     queue.waiting.append(ticket)
-    queue.release_next()  # let through: not waiting any more, not in flight yet
+    queue.release(None)  # let through: not waiting any more, not in flight yet
     assert ticket.ready.is_set() and not queue.waiting
     assert [c.evictable for c in activator._running("a")] == [False]
     activator.last_used["b"] = -100.0
     assert activator.unload_idle(trio.current_time()) == []
-    ticket.headed()  # its answer began: the router counts it in flight from here
+    ticket.started()  # the router counts it in flight from here
     assert [c.evictable for c in activator._running("a")] == [True]
 
 
@@ -667,7 +835,7 @@ async def test_a_cold_start_with_requests_waiting_is_seen_ready_within_a_quarter
     assert seen <= AWAITED_READY_INTERVAL_S * 1.05 + 0.01, seen
     probes = len(fake.times["/health"])
     assert probes <= 10.6 / AWAITED_READY_INTERVAL_S + 2, probes  # bounded meanwhile
-    ticket.headed()
+    ticket.started()
     ticket.leave()
 
     # nobody waits: a start (the operator's) is probed at the manifest's 2 s again
@@ -738,7 +906,7 @@ async def test_a_drain_during_a_cold_start_starts_it_again_for_the_waiting_reque
     nursery.start_soon(operator)
     with trio.fail_after(200):
         ticket = await activator.admit("e")
-    ticket.headed()
+    ticket.started()
     ticket.leave()
     assert runner.starts == 2
     assert board.current.engine("e").state == "ready"  # type: ignore[union-attr]
@@ -752,7 +920,7 @@ async def test_a_request_during_a_memory_restart_waits_and_is_served(
     board, fake, runner, activator = await one_on_demand(nursery)
     with trio.fail_after(100):
         ticket = await activator.admit("e")
-    ticket.headed()
+    ticket.started()
     ticket.leave()
     first = board.current.engine("e")
     assert first is not None and first.state == "ready"
@@ -768,7 +936,7 @@ async def test_a_request_during_a_memory_restart_waits_and_is_served(
     nursery.start_soon(loaded)
     with trio.fail_after(200):
         ticket = await activator.admit("e")
-    ticket.headed()
+    ticket.started()
     ticket.leave()
     after = board.current.engine("e")
     assert after is not None and after.state == "ready" and after.admitting
@@ -792,7 +960,7 @@ async def test_a_request_for_an_on_demand_engine_starting_otherwise_waits_for_it
     nursery.start_soon(loaded)
     with trio.fail_after(100):
         ticket = await activator.admit("e")
-    ticket.headed()
+    ticket.started()
     ticket.leave()
     assert runner.starts == 1 and board.current.engine("e").state == "ready"  # type: ignore[union-attr]
 
@@ -812,6 +980,106 @@ async def test_requests_that_come_for_an_engine_starting_otherwise_speed_its_pro
     asked = trio.current_time()
     with trio.fail_after(100):
         ticket = await activator.admit("e")
-    ticket.headed()
+    ticket.started()
     ticket.leave()
     assert trio.current_time() - asked <= 0.05, trio.current_time() - asked
+
+
+async def test_waiting_requests_go_as_slots_free_and_newcomers_wait_their_turn(
+        nursery, autojump_clock) -> None:
+    """max_in_flight = 2: of four requests waiting for a cold engine, two go once it is
+    ready; each request that ends lets the next go, in arrival order; one that comes
+    meanwhile waits behind those before it (no overtaking); one let go whose client leaves
+    before it reaches the engine gives its slot to the next."""
+    from trio.testing import wait_all_tasks_blocked
+
+    board, fake, _, activator = await one_on_demand(nursery, loading=True, max_in_flight=2)
+    traffic = activator.traffic
+    tickets: dict[int, Any] = {}
+
+    async def ask(i: int) -> None:
+        tickets[i] = await activator.admit("e")
+
+    def start(i: int) -> None:  # the router counts it in flight
+        traffic.started("e")
+        tickets[i].started()
+
+    def end(i: int) -> None:  # its answer is over
+        traffic.finished("e", "ok")
+        activator.ended("e")
+        tickets[i].leave()
+
+    for i in range(4):
+        nursery.start_soon(ask, i)
+        await queued(board, "e", i + 1)
+    fake.routes["/health"] = (200, "")
+    await wait_state(board, "e", "ready", where=lambda e: e.queued == 2, within=30)
+    await wait_all_tasks_blocked()
+    assert sorted(tickets) == [0, 1]
+    start(0)
+    start(1)
+    assert activator.holds("e")  # two wait: a newcomer queues behind them
+    nursery.start_soon(ask, 4)
+    await queued(board, "e", 3)
+    end(0)
+    await wait_all_tasks_blocked()
+    assert sorted(tickets) == [0, 1, 2]
+    tickets[2].leave()  # its client left before it reached the engine: 3 takes the slot
+    await wait_all_tasks_blocked()
+    assert sorted(tickets) == [0, 1, 2, 3]
+    start(3)
+    assert activator.holds("e")
+    end(1)
+    await wait_all_tasks_blocked()
+    assert sorted(tickets) == [0, 1, 2, 3, 4] and not activator.holds("e")
+    assert board.current.engine("e").queued == 0  # type: ignore[union-attr]
+
+
+def test_the_capacity_is_max_in_flight_else_what_the_engine_says_else_none() -> None:
+    """A queue sends as many requests at once as: the engine's max_in_flight; else the
+    slots the engine said it has (llama-server's total_slots, read by the identity probe);
+    else Ollama's OLLAMA_NUM_PARALLEL in its configured environment; else all (None)."""
+    from nvpair.snapshot import Identity
+
+    def activator_of(kind: str, **kw: Any) -> Activator:
+        spec = engine_spec(kind, managed=True, model="m", command=["srv"],
+                           activation="on_demand", **kw)
+        return Activator(Board((initial_state(spec, now=0.0),)), [spec], {}, Traffic(),
+                         ActivationConfig())
+
+    def said(activator: Activator, slots: int) -> None:
+        activator.board.update("e", lambda e: msgspec.structs.replace(
+            e, identity=Identity(model="m", slots=slots)))
+
+    llama = activator_of("llamacpp")
+    assert llama.capacity("e") is None  # not said yet
+    said(llama, 8)
+    assert llama.capacity("e") == 8
+    capped = activator_of("llamacpp", max_in_flight=3)
+    said(capped, 8)
+    assert capped.capacity("e") == 3
+    assert activator_of("vllm").capacity("e") is None
+    assert activator_of("ollama", env={"OLLAMA_NUM_PARALLEL": "4"}).capacity("e") == 4
+    assert activator_of("ollama", env={"OLLAMA_NUM_PARALLEL": "0"}).capacity("e") is None
+    assert activator_of("ollama").capacity("e") is None
+
+
+async def test_a_request_that_waits_too_long_for_a_slot_is_503_saying_so(
+        nursery, autojump_clock) -> None:
+    """queue_wait_s bounds the wait for a slot: with the engine's one slot busy, a second
+    request waits 60 s, then 503 saying the slot was busy (not "not ready"); the request
+    on the engine is not touched."""
+    from nvpair.router.activation import Unavailable
+
+    _, _, _, activator = await one_on_demand(
+        nursery, max_in_flight=1, config=ActivationConfig(queue_wait_s=60))
+    first = await activator.admit("e")
+    activator.traffic.started("e")
+    first.started()
+    asked = trio.current_time()
+    with pytest.raises(Unavailable) as waited:
+        await activator.admit("e")
+    assert trio.current_time() - asked == pytest.approx(60)
+    assert str(waited.value) == ("engine e had no free slot within queue_wait_s (60 s): its 1 "
+                                 "slot was busy")
+    assert activator.traffic.engines["e"].in_flight == 1 and not activator.holds("e")

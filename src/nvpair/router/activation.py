@@ -6,13 +6,17 @@ request for a model an on-demand engine serves (docs/on-demand.md):
 * ``Activator.admit`` puts the request in the engine's bounded queue (full: ``QueueFull``,
   a 429) and makes sure the engine is started, exactly once however many requests arrive
   together (one activation task per engine). The request waits until the engine is ready
-  (then requests go in arrival order: each waits for the one before it to get its answer's
-  head, or ``DISPATCH_GAP_S``), for at most ``queue_wait_s`` (``Unavailable`` 503 with
-  Retry-After), or until the start fails (``Unavailable`` 503, the engine's last log line). A
-  client that leaves is cancelled and leaves the queue at once (``Ticket.leave``).
+  and has a free slot (``Activator.capacity``: ``max_in_flight``, else the slots the engine
+  says it has, else no limit); waiters go in arrival order, as many at once as there are
+  free slots, the rest as requests on the engine end (``Activator.ended``). It waits at most
+  ``queue_wait_s`` (``Unavailable`` 503 with Retry-After and why), or until the start fails
+  (``Unavailable`` 503, the engine's last log line). A client that leaves is cancelled and
+  leaves the queue at once (``Ticket.leave``).
 * Before a start the memory budget is checked (``nvpair.evict.plan``); victims drain (no
-  new requests, those in flight finish) and stop, one after the other, then the engine
-  starts. Nothing can make room: every waiter gets 503 with the reason.
+  new requests, those in flight finish however long they take) and stop, then the engine
+  starts. Nothing can make room: every waiter gets 503 with the reason. Once no request
+  waits for the engine any more, drains still waiting for requests in flight are called
+  off: nothing stops for a start nobody wants.
 * ``Activator.run`` unloads an engine that no routed request used for ``idle_unload_s``
   (a drain, then ``cold``). Only routed requests count as use (``used``), never probes.
 
@@ -28,6 +32,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Literal
 
 import msgspec
 import trio
@@ -45,8 +50,6 @@ from nvpair.traffic import Traffic
 
 log = logging.getLogger("nvpair.activation")
 
-#: the longest a released request holds the next one back before its answer's head
-DISPATCH_GAP_S = 0.25
 #: how often idle engines are looked for (at most; a shorter idle_unload_s looks sooner)
 IDLE_CHECK_S = 5.0
 #: the longest wait before room is looked for again, while engines that cannot be evicted
@@ -68,59 +71,64 @@ class Unavailable(NvpairError):
 
 @dataclass(eq=False)
 class Ticket:
-    """One request's place in an engine's queue."""
+    """One request's place in an engine's queue: ``waiting``; ``sent`` (its turn came, the
+    router does not count it in flight yet: it holds a slot here); ``started`` (the router
+    counts it in flight: its slot is the engine's in-flight count); ``gone``."""
 
     queue: EngineQueue
     ready: trio.Event = field(default_factory=trio.Event)
     #: when it came (trio time): the oldest waiting one's is the engine's ``queued_since``
     at: float = field(default_factory=trio.current_time)
     failure: str | None = None
-    left: bool = False
-    done: bool = False
+    stage: Literal["waiting", "sent", "started", "gone"] = "waiting"
 
-    def headed(self) -> None:
-        """Its answer's head came (or it ended): the next request in line may go."""
-        if not self.done:
-            self.done = True
-            self.queue.release_next()
+    def started(self) -> None:
+        """The router counts its request in flight now (``Traffic.started``)."""
+        if self.stage == "sent":
+            self.stage = "started"
+            self.queue.sent -= 1
 
     def leave(self) -> None:
-        """Out of the queue (a client gone, a wait too long), at once."""
-        if self.left:
-            return
-        self.left = True
-        if self.ready.is_set():
-            self.headed()
-        else:
+        """Out of the queue (a client gone, a wait too long, the request over), at once; a
+        slot it held and never used goes to the next in line."""
+        stage, self.stage = self.stage, "gone"
+        if stage == "waiting":
             if self in self.queue.waiting:
                 self.queue.waiting.remove(self)
             self.queue.publish()
+        elif stage == "sent":
+            self.queue.sent -= 1
+            self.queue.freed()
 
 
 @dataclass(eq=False)
 class EngineQueue:
     name: str
     publish: Callable[[], None]
+    #: a slot came free (a request sent never got to the engine): let the next go
+    freed: Callable[[], None]
     waiting: deque[Ticket] = field(default_factory=deque)
-    #: tickets released, whose answer's head has not come yet (at most one at a time)
-    releasing: bool = False
+    #: tickets sent that the router does not count in flight yet (each holds a slot)
+    sent: int = 0
     activating: bool = False
+    #: while its start waits for victims of an eviction: why, in words, at the time asked
+    blocked_by: Callable[[], str] | None = None
 
-    def release_next(self) -> None:
-        """Let the first waiter go; the rest wait for its head (arrival order)."""
-        self.releasing = False
-        while self.waiting:
+    def release(self, room: int | None) -> None:
+        """Let the first ``room`` waiters go (None: all), in arrival order."""
+        let = 0
+        while self.waiting and (room is None or let < room):
             ticket = self.waiting.popleft()
-            if ticket.left:
-                continue
-            self.releasing = True
+            ticket.stage = "sent"
+            self.sent += 1
             ticket.ready.set()
-            break
+            let += 1
         self.publish()
 
     def fail_all(self, reason: str) -> None:
         while self.waiting:
             ticket = self.waiting.popleft()
+            ticket.stage = "gone"
             ticket.failure = reason
             ticket.ready.set()
         self.publish()
@@ -220,15 +228,56 @@ class Activator:
         return None
 
     def holds(self, name: str) -> bool:
-        """Requests still wait for engine ``name`` (ready now): a new one queues behind
-        them, so that they go in arrival order."""
+        """Requests still wait for engine ``name`` (ready now, its slots busy): a new one
+        queues behind them, so that they go in arrival order."""
         queue = self.queues.get(name)
-        return queue is not None and (bool(queue.waiting) or queue.releasing)
+        return queue is not None and bool(queue.waiting)
 
     def used(self, name: str) -> None:
-        """A routed request used engine ``name`` (probes never call this)."""
+        """A routed request started on engine ``name`` (probes never call this)."""
         if name in self.specs:
             self.last_used[name] = trio.current_time()
+
+    def ended(self, name: str) -> None:
+        """A routed request on engine ``name`` ended (the router counts it out of flight
+        first): the engine is idle from now, and its slot goes to the next in its queue."""
+        if name in self.specs:
+            self.last_used[name] = trio.current_time()
+            self._serve(name)
+
+    def capacity(self, name: str) -> int | None:
+        """How many requests engine ``name`` serves at once, as its queue counts them: its
+        ``max_in_flight``, else the slots it says it has (llama-server's ``total_slots``
+        in ``/props``, read by the identity probe), else Ollama's ``OLLAMA_NUM_PARALLEL``
+        in its configured environment; None: no limit (vLLM and SGLang batch whatever
+        comes, so every waiting request goes at once)."""
+        spec = self.specs[name]
+        if spec.max_in_flight is not None:
+            return spec.max_in_flight
+        e = self.board.current.engine(name)
+        if e is not None and e.identity is not None and e.identity.slots is not None:
+            return e.identity.slots
+        parallel = spec.env.get("OLLAMA_NUM_PARALLEL", "") if spec.kind == "ollama" else ""
+        return int(parallel) if parallel.isdigit() and int(parallel) > 0 else None
+
+    def _serve(self, name: str) -> None:
+        """Let the requests waiting for engine ``name`` go, as many as it has free slots,
+        once it is ready and admitting; if it is not and nothing brings it up, start its
+        activation (it went cold or drains since the waiters came)."""
+        queue = self.queues.get(name)
+        if queue is None or queue.activating or not queue.waiting:
+            return
+        e = self.board.current.engine(name)
+        if e is None or e.state not in LISTED_STATES or not e.admitting:
+            self._activate(name)
+            return
+        slots = self.capacity(name)
+        if slots is None:
+            queue.release(None)
+            return
+        room = slots - self._in_flight(name) - queue.sent
+        if room > 0:
+            queue.release(room)
 
     def queue(self, name: str) -> EngineQueue:
         queue = self.queues.get(name)
@@ -239,16 +288,17 @@ class Activator:
                 since = q.waiting[0].at if q.waiting else None
                 self.board.update(name, lambda e: e if (e.queued, e.queued_since) == (
                     count, since) else _replace(e, queued=count, queued_since=since))
-            queue = self.queues[name] = EngineQueue(name, publish)
+            queue = self.queues[name] = EngineQueue(name, publish, partial(self._serve, name))
         return queue
 
     async def admit(self, name: str) -> Ticket:
-        """Wait in engine ``name``'s queue until it is ready and it is this request's turn.
+        """Wait in engine ``name``'s queue until it is ready and it is this request's turn
+        (a free slot).
 
-        Returns the ticket (call ``headed`` when the answer's head came, ``leave`` in a
-        ``finally``). Raises ``QueueFull`` (429) or ``Unavailable`` (503: the wait was too long,
-        the start failed, nothing could make room). Cancelled (the client left): the
-        ticket leaves the queue at once."""
+        Returns the ticket (call ``started`` once the router counts the request in flight,
+        ``leave`` in a ``finally``). Raises ``QueueFull`` (429) or ``Unavailable`` (503: the
+        wait was too long, the start failed, nothing could make room). Cancelled (the
+        client left): the ticket leaves the queue at once."""
         queue = self.queue(name)
         if len(queue.waiting) >= self.config.queue_max:
             raise QueueFull(f"{len(queue.waiting)} requests are waiting for engine {name} to "
@@ -256,21 +306,36 @@ class Activator:
         ticket = Ticket(queue)
         queue.waiting.append(ticket)
         queue.publish()
-        if not queue.activating:
-            self._activate(name)
+        self._serve(name)
         try:
-            with trio.move_on_after(self.config.queue_wait_s) as waited:
+            with trio.move_on_after(self.config.queue_wait_s):
                 await ticket.ready.wait()
         except BaseException:
             ticket.leave()
             raise
-        if waited.cancelled_caught:
+        if not ticket.ready.is_set():
+            why = self._why_waited(name, ticket)
             ticket.leave()
-            raise Unavailable(f"engine {name} was not ready within queue_wait_s "
-                              f"({self.config.queue_wait_s:g} s)")
+            raise Unavailable(why)
         if ticket.failure is not None:
             raise Unavailable(ticket.failure)
         return ticket
+
+    def _why_waited(self, name: str, ticket: Ticket) -> str:
+        """Why ``ticket`` waited ``queue_wait_s`` for engine ``name`` in vain, in words."""
+        queue = self.queue(name)
+        wait = f"queue_wait_s ({self.config.queue_wait_s:g} s)"
+        e = self.board.current.engine(name)
+        slots = self.capacity(name)
+        if (not queue.activating and e is not None and e.state in LISTED_STATES
+                and e.admitting and slots is not None):
+            ahead = queue.waiting.index(ticket) if ticket in queue.waiting else 0
+            before = f", and {_requests(ahead)} waited before this one" if ahead else ""
+            return (f"engine {name} had no free slot within {wait}: its {slots} "
+                    f"{'slot was' if slots == 1 else 'slots were'} busy{before}")
+        blocked = None if queue.blocked_by is None else queue.blocked_by()
+        return f"engine {name} was not ready within {wait}" + (
+            f": {blocked}" if blocked else "")
 
     # -- the activation -------------------------------------------------------------------
 
@@ -299,8 +364,7 @@ class Activator:
             queue.fail_all(failure)
             return
         self.last_used[name] = trio.current_time()
-        if not queue.releasing:
-            queue.release_next()
+        self._serve(name)
 
     async def _bring_up(self, name: str) -> str | None:
         """Make room, start the engine, wait until it is ready: None, or why it failed.
@@ -394,9 +458,9 @@ class Activator:
                                               and other not in self._reserved):
                 continue
             queue = self.queues.get(other)
-            # (a released request not yet in flight counts: it is on its way to the engine)
+            # (a request sent, not yet in flight, counts: it is on its way to the engine)
             awaited = queue is not None and (queue.activating or bool(queue.waiting)
-                                             or queue.releasing)
+                                             or queue.sent > 0)
             running.append(Candidate(other, spec.priority, self.footprint(other),
                                      self.last_used.get(other, 0.0), self._in_flight(other),
                                      evictable=e.admitting and not awaited))
@@ -422,20 +486,66 @@ class Activator:
                 return f"no room for {name}: {decided.reason}"
             with trio.move_on_after(ROOM_RECHECK_S):  # (a queue's change is a board change)
                 await self.board.wait_changed(self.board.current.version)
+        return await self._evict(name, [next(c for c in running if c.name == victim)
+                                        for victim in decided.victims])
+
+    async def _evict(self, name: str, victims: list[Candidate]) -> str | None:
+        """Drain the victims together, with no deadline (nothing generating is cut), and
+        wait until each is at rest; None, or why not. While a victim's requests are in
+        flight, the requests for ``name`` wait in its queue, each up to its queue_wait_s;
+        once none waits, the drains still waiting are called off (nothing stops for a start
+        nobody wants any more)."""
+        reason = f"to make room for {name}"
         now = trio.current_time()
-        for victim in decided.victims:
-            c = next(c for c in running if c.name == victim)
-            idle = now - c.last_used
+        activities: dict[str, str] = {}
+        for c in victims:
+            idle = 0.0 if c.in_flight else now - c.last_used  # (0 while one is in flight)
             size = "size not known" if c.footprint is None else gigabytes(c.footprint)
-            activity = (f"evicted {victim} (idle {_duration(idle)}, {size}) to make room "
-                        f"for {name}")
-            result = self.runners[victim].drain(then="stop", reason=f"to make room for {name}")
+            result = self.runners[c.name].drain(then="stop", reason=reason, bounded=False)
             if isinstance(result, Busy):
+                self._call_off(activities, name, f"no room for {name} after all")
                 return f"no room for {name}: {result.reason}"
+            if c.in_flight:
+                log.info("evicting %s (%s in flight, %s) %s: it stops once they have finished",
+                         c.name, _requests(c.in_flight), size, reason)
+                busy = f", {_requests(c.in_flight)} in flight that finished first"
+            else:
+                busy = ""
+            activities[c.name] = f"evicted {c.name} (idle {_duration(idle)}{busy}, {size}) {reason}"
+        queue = self.queue(name)
+        queue.blocked_by = partial(self._blocked_by, list(activities))
+        try:
+            while True:
+                snap = self.board.current
+                left = [v for v in activities if not _at_rest(snap.engine(v))]
+                if not left:
+                    break
+                if not queue.waiting:
+                    self._call_off(activities, name, f"no request waits for {name} any more")
+                    return f"no request waits for {name} any more"
+                with trio.move_on_after(ROOM_RECHECK_S):  # (a queue's change is a board change)
+                    await self.board.wait_changed(snap.version)
+        finally:
+            queue.blocked_by = None
+        for victim, activity in activities.items():
             log.info("%s", activity)
-            await self._until_rest(victim)
             self.board.update(victim, partial(_replace, activity=activity))
         return None
+
+    def _blocked_by(self, victims: list[str]) -> str:
+        """What a start waits for while its victims drain, in words."""
+        snap = self.board.current
+        left = [v for v in victims if not _at_rest(snap.engine(v))]
+        busy = [f"{v}'s {_requests(n)}" for v in left if (n := self._in_flight(v))]
+        if busy:
+            return f"waiting for {' and '.join(busy)} in flight to finish to make room"
+        return f"waiting for {', '.join(left) or 'the victims'} to stop to make room"
+
+    def _call_off(self, victims: Iterable[str], name: str, reason: str) -> None:
+        """Call off the drains these victims began to make room for ``name`` and that still
+        wait for requests in flight."""
+        for victim in victims:
+            self.runners[victim].call_off(f"to make room for {name}", reason)
 
     def budget(self, running: list[Candidate]) -> int:
         """The memory on-demand engines may use together: the configured number, or
@@ -450,15 +560,6 @@ class Activator:
             info = None
         using = sum(c.footprint or 0 for c in running)
         return auto_budget(using, self.memory.reserve_bytes, info, self.board.current.memory)
-
-    async def _until_rest(self, name: str) -> None:
-        version = -1
-        while True:
-            snap = await self.board.wait_changed(version)
-            version = snap.version
-            e = snap.engine(name)
-            if e is None or e.state in ("cold", "stopped", "down"):
-                return
 
     def _in_flight(self, name: str) -> int:
         entry = self.traffic.engines.get(name)
@@ -499,7 +600,7 @@ class Activator:
             queue = self.queues.get(name)
             if (e is None or e.state not in LISTED_STATES or not e.admitting
                     or self._in_flight(name)
-                    or (queue is not None and (queue.waiting or queue.releasing))):
+                    or (queue is not None and (queue.waiting or queue.sent))):
                 continue
             last = self.last_used.setdefault(name, now)  # (ready, never used: from now)
             idle = now - last
@@ -513,6 +614,15 @@ class Activator:
 
 def _replace(e: EngineState, **changes: object) -> EngineState:
     return msgspec.structs.replace(e, **changes)
+
+
+def _at_rest(e: EngineState | None) -> bool:
+    """No process holds the engine's memory any more."""
+    return e is None or e.state in ("cold", "stopped", "down")
+
+
+def _requests(n: int) -> str:
+    return f"{n} request" if n == 1 else f"{n} requests"
 
 
 def _duration(seconds: float) -> str:

@@ -94,8 +94,6 @@ class Result:
         self.status: int | None = None
         self.started = trio.current_time()
         self.first_byte_at: float | None = None
-        #: called when the answer's head came (the next queued request may go)
-        self.on_head: Callable[[], None] | None = None
 
     def finish(self, outcome: str, error: str | None) -> None:
         self.outcome, self.error, self.done = outcome, error, True
@@ -315,14 +313,14 @@ class Router:
                                      [(b"retry-after", b"5")])
                 if ticket is not None:  # (its turn: to the engine it waited for)
                     await self._forward(scope, body, [self._engine(name)], send,
-                                        on_head=ticket.headed)
+                                        on_start=ticket.started)
             finally:
                 if ticket is not None:
                     ticket.leave()
             nursery.cancel_scope.cancel(reason="answer complete")
 
     async def _forward(self, scope: Scope, body: bytes, targets: list[Target],
-                       send: Send, *, on_head: Callable[[], None] | None = None) -> None:
+                       send: Send, *, on_start: Callable[[], None] | None = None) -> None:
         headers = [(k, v) for k, v in scope.get("headers", ()) if k in FORWARD_REQUEST]
         last_error = "no engine"
         for target in targets:  # held from now (the reaper leaves a pool with users alone)
@@ -330,10 +328,11 @@ class Router:
         try:
             for target in targets:  # the first, and one retry if it never got the request
                 self.traffic.started(target.key)
+                if on_start is not None:  # (counted in flight now: its queue's slot is this)
+                    on_start()
                 if self.activator is not None:
                     self.activator.used(target.key)  # (routed requests only, never probes)
                 result = Result()
-                result.on_head = on_head
                 try:
                     await self._relay(target, scope, [*headers, *target.extra], body, send,
                                       result)
@@ -354,8 +353,8 @@ class Router:
         finally:
             now = trio.current_time()
             for target in targets:
-                if self.activator is not None:
-                    self.activator.used(target.key)  # idle from the end of the last one
+                if self.activator is not None:  # idle from the end of the last one; a slot
+                    self.activator.ended(target.key)  # is free for the next in its queue
                 target.upstream.users -= 1
                 target.upstream.used_at = now
                 self._release(target.upstream)
@@ -397,8 +396,6 @@ class Router:
                     sse = sse or (key == b"content-type"
                                   and value.startswith(b"text/event-stream"))
             result.status = response.status
-            if result.on_head is not None:
-                result.on_head()
             await send({"type": "http.response.start", "status": response.status,
                         "headers": out})
             chunks = _Chunks(response, first_by, self.config)
