@@ -139,6 +139,7 @@ async def test_a_failed_on_demand_start_keeps_its_reason_while_cold(nursery, tmp
         assert r.status_code == 503
         assert ("engine broken failed to start: engine process exited with code 3 (its last "
                 "line: ") in r.text and "sim vllm: exit 3)" in r.text, r.text
+        assert "[nvpair]" not in r.text, r.text  # (nvpair's own end-of-process line)
         cold = await wait_state(running.board, "broken", "cold")
         row = await status(running.url)
     assert cold.restarts == 0

@@ -425,13 +425,11 @@ class Activator:
                 return "ready"
 
     def _failed(self, name: str, e: EngineState) -> str:
-        """A start that failed, in words with the engine's last line; the engine goes back
-        to cold (not the restart loop): the next request tries again."""
-        runner = self.runners[name]
-        last = runner.log.tail(1).lines if runner.log is not None else []
-        said = f" (its last line: {last[-1]})" if last else ""
-        runner.unload()
-        return f"engine {name} failed to start: {e.error or e.state}{said}"
+        """A start that failed, in words; the engine goes back to cold (not the restart
+        loop): the next request tries again. The engine's error already names its own last
+        meaningful line of output (not nvpair's ``[nvpair] process N ended`` bookkeeping)."""
+        self.runners[name].unload()
+        return f"engine {name} failed to start: {e.error or e.state}"
 
     def remember(self) -> None:
         """Keep each up engine's measured footprint (every idle pass and before a plan)."""
