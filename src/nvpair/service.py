@@ -313,9 +313,9 @@ async def _serve(settings: Settings, procs: orphans.EngineProcs, signals: Signal
             raise
         if running is None:  # the signal came while it started: whatever started stops
             nursery.cancel_scope.cancel(reason="shutting down while starting")
-            return
-        running.stop()
-        watching.cancel(reason="shutting down")
-        collecting.cancel(reason="shutting down")
-        if reaping is not None:
-            reaping.cancel(reason="shutting down")
+        else:
+            running.stop()
+            watching.cancel(reason="shutting down")
+            collecting.cancel(reason="shutting down")
+            if reaping is not None:
+                reaping.cancel(reason="shutting down")
