@@ -8,6 +8,7 @@ import msgspec
 
 from nvpair.cli.table import render
 from nvpair.cluster import PeerTarget
+from nvpair.command import key_in_argv
 from nvpair.config import EngineSpec, Settings
 
 
@@ -50,7 +51,29 @@ def report(settings: Settings) -> dict[str, object]:
         "peers": [p.url for p in _peers(settings)],
         "engines": engines,
         "groups": [group_part(e) for e in settings.engines if e.group is not None],
+        "warnings": key_warnings(settings),
     }
+
+
+def key_warnings(settings: Settings) -> list[str]:
+    """One line for each engine nvpair starts that gets its API key in its argv."""
+    from nvpair.group.spec import role_manifest
+
+    lines = []
+    for e in _local(settings).engines:
+        if e.api_key is None or not (e.managed or e.group is not None):
+            continue
+        # a group's head: its group starts the process, from the role's template
+        manifest = e.manifest if e.group is None else role_manifest(e.manifest, e.group.head)
+        command = e.command if e.group is None else None
+        if key_in_argv(manifest, command):
+            how = ("its command has {api_key}" if command else
+                   f"the {e.kind} manifest passes {{api_key}} as an argument"
+                   + ("; SGLang takes its key no other way" if e.kind == "sglang" else ""))
+            lines.append(f"warning: engine {e.name}: its API key is on the engine's command "
+                         f"line ({how}), where any local user can read it (ps, "
+                         "/proc/PID/cmdline)")
+    return lines
 
 
 def _local(settings: Settings) -> Settings:
@@ -100,6 +123,8 @@ def _peers(settings: Settings) -> tuple[PeerTarget, ...]:
 
 
 def run(settings: Settings, *, as_json: bool) -> int:
+    for line in key_warnings(settings):
+        print(line, file=sys.stderr)
     if as_json:
         sys.stdout.write(msgspec.json.encode(report(settings)).decode() + "\n")
         return 0
