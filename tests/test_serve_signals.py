@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -26,9 +27,9 @@ GRACE_S = 10.0
 KILLED_WITHIN_S = 5.0
 
 
-def write_config(tmp: Path, *sim_args: str) -> Path:
+def write_config(tmp: Path, *sim_args: str, listen: str = "127.0.0.1:0") -> Path:
     command = sim_command("llamacpp", "--ignore-sigterm", *sim_args)
-    text = (f"listen = '127.0.0.1:0'\nstate_dir = '{tmp / 'state'}'\n"
+    text = (f"listen = '{listen}'\nstate_dir = '{tmp / 'state'}'\n"
             f"log_dir = '{tmp / 'logs'}'\n"
             f"[[engines]]\nname = 'e'\nkind = '{fast_manifest(tmp, 'llamacpp')}'\n"
             f"port = {free_port()}\nmodel = 'm'\nmanaged = true\nstop_grace_s = {GRACE_S}\n"
@@ -183,3 +184,22 @@ async def test_an_error_while_serving_stops_the_engines_and_a_signal_hurries_it(
     assert code > 0  # ended by the error (not by the signal)
     assert took < KILLED_WITHIN_S
     assert f"process {pid} ended: killed by SIGKILL" in (tmp_path / "logs" / "e.log").read_text()
+
+
+async def test_a_taken_api_port_ends_nvpair_before_any_engine_starts(tmp_path: Path) -> None:
+    """The API listens before any engine starts, so a failed bind never leaves one."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = write_config(tmp_path, "--load-s", "0.2", listen=f"127.0.0.1:{port}")
+        with trio.fail_after(30):
+            done = await trio.run_process(
+                [sys.executable, "-m", "nvpair", "serve", "--config", str(config)],
+                capture_stderr=True, check=False)
+    assert done.returncode == 1
+    last = done.stderr.decode().strip().splitlines()[-1]
+    assert last == f"nvpair: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    log = tmp_path / "logs" / "e.log"
+    assert not log.exists() or "starting:" not in log.read_text()  # never spawned
+    assert not list((tmp_path / "state").glob("engines/*.json"))
