@@ -480,7 +480,8 @@ async def reap_strays(procs: EngineProcs, *, task_status: trio.TaskStatus[trio.C
 
 
 async def end_strays(procs: EngineProcs, grace_s: float = 5.0) -> None:
-    """At exit: SIGTERM the strays still running, the grace period, then SIGKILL; reap."""
+    """At exit: SIGTERM the strays still running, the grace period (cut short by
+    ``EngineProcs.kill_now``), then SIGKILL; reap."""
     left = [pid for pid, s in strays(procs) if s.state != "Z"]
     if left:
         log.warning("stopping %d process(es) left behind by engines: %s", len(left),
@@ -493,8 +494,8 @@ async def end_strays(procs: EngineProcs, grace_s: float = 5.0) -> None:
         with _pidfd(pid) as pidfd:  # our child: its pid cannot be reused until we reap it
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
-            with trio.move_on_after(grace_s):
-                await _ended(pid, s.start_time, pidfd)
+            with trio.move_on_after(grace_s):  # (a second signal to nvpair cuts it)
+                await unless_killing(partial(_ended, pid, s.start_time, pidfd), procs.kill_now)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             with trio.move_on_after(KILL_WAIT_S):  # stuck in the kernel: nvpair exits anyway
