@@ -18,8 +18,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx2
+import msgspec
 import trio
 from tests.managed import FAST_PROBES, alive, fast_manifest, free_port, group_members, sim_command
+
+from nvpair.orphans import Record, boot_id, stat
 
 #: the engine's stop grace: long enough that a stop which waits it out is told apart from
 #: one that kills at once (the checks below allow KILLED_WITHIN_S)
@@ -95,7 +98,8 @@ class Serve:
 
 
 @contextlib.asynccontextmanager
-async def serving(config: Path) -> AsyncIterator[Serve]:
+async def serving(config: Path, *, listening: bool = True) -> AsyncIterator[Serve]:
+    """``nvpair serve --config config`` for the block (``listening``: once its API listens)."""
     proc = await trio.lowlevel.open_process(
         [sys.executable, "-m", "nvpair", "serve", "--config", str(config)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -103,8 +107,9 @@ async def serving(config: Path) -> AsyncIterator[Serve]:
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(serve.read)
-            line = await serve.saw("nvpair listening on ")
-            serve.url = line.split("nvpair listening on ")[1].split()[0]
+            if listening:
+                line = await serve.saw("nvpair listening on ")
+                serve.url = line.split("nvpair listening on ")[1].split()[0]
             yield serve
             nursery.cancel_scope.cancel(reason="test done")
     finally:
@@ -203,3 +208,38 @@ async def test_a_taken_api_port_ends_nvpair_before_any_engine_starts(tmp_path: P
     log = tmp_path / "logs" / "e.log"
     assert not log.exists() or "starting:" not in log.read_text()  # never spawned
     assert not list((tmp_path / "state").glob("engines/*.json"))
+
+
+async def test_signals_while_it_stops_a_dead_nvpairs_orphan_leave_none(tmp_path: Path) -> None:
+    """nvpair starts by stopping what a killed nvpair left (its state files): a SIGTERM then
+    ends nvpair once that orphan is stopped, and a second one kills the orphan now."""
+    deaf = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "print('deaf', flush=True); time.sleep(60)")
+    orphan = await trio.lowlevel.open_process([sys.executable, "-c", deaf],
+                                              start_new_session=True, stdout=subprocess.PIPE)
+    try:
+        with trio.fail_after(60):
+            assert orphan.stdout is not None
+            assert await orphan.stdout.receive_some()  # it ignores SIGTERM from now on
+            s, me = stat(orphan.pid), stat(os.getpid())
+            assert s is not None and me is not None
+            record = Record(engine="e", pid=orphan.pid, start_time=s.start_time,
+                            boot_id=boot_id(), argv=(sys.executable, "-c", deaf),
+                            nvpair_pid=os.getpid(), nvpair_start_time=me.start_time + 1)
+            (tmp_path / "state" / "engines").mkdir(parents=True)
+            (tmp_path / "state" / "engines" / f"e.{orphan.pid}.json").write_bytes(
+                msgspec.json.encode(record))  # of an nvpair that is gone (not our start time)
+            async with serving(write_config(tmp_path), listening=False) as serve:
+                await serve.saw(f"process {orphan.pid} (started by nvpair")  # SIGTERM sent
+                serve.proc.send_signal(signal.SIGTERM)
+                await serve.saw("got SIGTERM, shutting down")
+                assert orphan.returncode is None  # still being stopped, in its grace
+                serve.proc.send_signal(signal.SIGTERM)
+                await serve.saw("second signal: killing engines now")
+                assert await orphan.wait() == -signal.SIGKILL
+                assert await serve.proc.wait() == 0
+            assert not any("nvpair listening on" in line for line in serve.lines)
+    finally:
+        orphan.kill()
+        with trio.CancelScope(shield=True):
+            await orphan.wait()

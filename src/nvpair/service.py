@@ -155,8 +155,11 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
         await shutdown.wait()
         events.close()
 
-    # what a killed nvpair left running (a group rank's too: not in the local settings)
-    await orphans.reclaim(procs, groups.settings.engines)
+    # What a killed nvpair left running (a group rank's too: not in the local settings).
+    # Shielded, as an engine's stop is: a signal meanwhile never leaves one half-stopped
+    # (bounded by the grace periods; a second signal kills them at once: procs.kill_now).
+    with trio.CancelScope(shield=True):
+        await orphans.reclaim(procs, groups.settings.engines)
     # Lifetimes, outermost last to end: the router's engine clients, the engines, the API.
     # On shutdown the API drains first, then engines stop, then the clients close.
     async with trio.open_nursery() as outer:
