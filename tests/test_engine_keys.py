@@ -5,11 +5,13 @@ manifests' own key surfaces (llama.cpp ``--api-key-file``, vLLM ``VLLM_API_KEY``
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import pytest
 import trio
 from tests.managed import FAST_PROBES, fast_manifest, free_port, sim_command, wait_state
+from tests.test_serve_signals import serving
 
 from nvpair import service
 from nvpair.config import load_settings
@@ -56,3 +58,21 @@ async def test_a_managed_engines_key_is_not_in_its_command_line(
         assert not any(KEY.encode() in var for var in environ)
     else:
         assert f"VLLM_API_KEY={KEY}".encode() in environ
+
+
+async def test_serve_warns_of_a_key_in_argv_as_check_does(tmp_path: Path) -> None:
+    """SGLang takes its key only as --api-key: ``nvpair serve`` says so in its log."""
+    (tmp_path / "key").write_text(KEY + "\n")
+    command = sim_command("sglang", "--api-key", "{api_key}")
+    config = tmp_path / "nvpair.toml"
+    config.write_text(f"listen = '127.0.0.1:0'\nlog_dir = '{tmp_path / 'logs'}'\n"
+                      f"state_dir = '{tmp_path / 'state'}'\n[[engines]]\nname = 'sg'\n"
+                      f"kind = 'sglang'\nport = {free_port()}\nmodel = 'm'\nmanaged = true\n"
+                      f"api_key_file = 'key'\ncommand = {json.dumps(command)}\n")
+    with trio.fail_after(30):
+        async with serving(config) as serve:
+            line = await serve.saw("WARNING nvpair: engine sg: its API key is on the engine's "
+                                   "command line (its command has {api_key})")
+            serve.proc.send_signal(signal.SIGTERM)
+            assert await serve.proc.wait() == 0
+    assert KEY not in line

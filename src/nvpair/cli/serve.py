@@ -9,6 +9,7 @@ import sys
 import trio
 
 from nvpair import service
+from nvpair.cli.check import key_warnings
 from nvpair.cli.progress import print_transitions
 from nvpair.config import Settings
 from nvpair.server import raise_fd_limit
@@ -20,6 +21,8 @@ def run_serve(settings: Settings) -> int:
     logging.getLogger("httpx2").setLevel(logging.WARNING)
     logging.getLogger("httpcore2").setLevel(logging.WARNING)
     raise_fd_limit()  # client connections and engines' pipes; the cap fits under it
+    for line in key_warnings(settings):  # as `nvpair check` says them
+        logging.getLogger("nvpair").warning("%s", line.removeprefix("warning: "))
 
     def announce(url: str) -> None:
         auth = " (bearer token required)" if settings.token else ""
