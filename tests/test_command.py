@@ -1,6 +1,6 @@
 import pytest
 
-from nvpair.command import CommandError, build_command, engine_env
+from nvpair.command import CommandError, build_command, engine_env, key_in_argv
 from nvpair.manifest import load_manifest
 
 
@@ -42,3 +42,23 @@ def test_engines_never_inherit_nvpairs_secrets() -> None:
     assert env == {"PATH": "/bin", "HOME": "/srv", "OLLAMA_HOST": "h:1"}
     # ... unless the engine's own env in the config gives it one on purpose
     assert engine_env(inherited, {}, {"NVPAIR_TOKEN": "x"})["NVPAIR_TOKEN"] == "x"
+
+
+def test_keys_reach_llama_server_by_file_and_vllm_by_environment() -> None:
+    values = {"model": "m", "host": "h", "port": 1, "tp": 1, "api_key": "k",
+              "api_key_file": "/etc/k"}
+    argv, env = build_command(load_manifest("llamacpp"), None, values)
+    assert argv[-2:] == ["--api-key-file", "/etc/k"] and "k" not in argv and env == {}
+    argv, env = build_command(load_manifest("vllm"), None, values)
+    assert env == {"VLLM_API_KEY": "k"} and "k" not in argv and "/etc/k" not in argv
+    # no key: no variable (optional_env), and nothing else changes
+    del values["api_key"], values["api_key_file"]
+    assert build_command(load_manifest("vllm"), None, values) == (argv, {})
+
+
+def test_which_templates_put_the_key_in_argv() -> None:
+    assert key_in_argv(load_manifest("sglang"), None)  # its only surface
+    assert not key_in_argv(load_manifest("llamacpp"), None)
+    assert not key_in_argv(load_manifest("vllm"), None)
+    assert key_in_argv(load_manifest("llamacpp"), ("srv", "--key={api_key}"))
+    assert not key_in_argv(load_manifest("sglang"), ("srv", "--port", "{port}"))

@@ -176,9 +176,11 @@ def test_two_engines_on_one_port_are_warned_of(write, caplog) -> None:
 
 
 
-def test_a_nul_from_the_api_key_file_in_the_command_is_one_line(write) -> None:
+# (llama.cpp's key no longer goes in its command: its key file's path does)
+@pytest.mark.parametrize("kind", ["sglang", "vllm"])  # in argv; in the environment
+def test_a_nul_from_the_api_key_file_in_the_command_is_one_line(write, kind: str) -> None:
     write("key", "se\0cret\n")
-    message = error_for(write, "[[engines]]\nname = 'a'\nkind = 'llamacpp'\nmanaged = true\n"
+    message = error_for(write, f"[[engines]]\nname = 'a'\nkind = '{kind}'\nmanaged = true\n"
                                "model = '/m.gguf'\napi_key_file = 'key'\n")
     assert "\n" not in message
     assert message.endswith("nvpair.toml: engines[0]: the command built for this engine "
@@ -271,3 +273,20 @@ def test_the_schema_takes_every_size_nvpair_takes(text: str) -> None:
     field = schema("config")["$defs"]["ActivationConfig"]["properties"]["memory_budget_bytes"]
     assert {"type": "string", "pattern": SIZE_PATTERN} in [
         {k: v for k, v in f.items() if k != "description"} for f in field["anyOf"]]
+
+
+def test_a_key_file_given_to_the_engine_holds_the_key_alone(write) -> None:
+    """llama-server reads --api-key-file itself, each line a key as it is: a file whose
+    lines are not exactly nvpair's key (stripped) would have the engine refuse nvpair."""
+    engine = ("[[engines]]\nname = 'a'\nkind = 'llamacpp'\nmanaged = true\n"
+              "model = '/m.gguf'\napi_key_file = 'key'\n")
+    for good in ("k1\n", "k1", "k1\n\n"):
+        write("key", good)
+        assert settings_for(write, engine).engines[0].api_key == "k1"
+    for bad in (" k1\n", "k1\r\n", "k1\nk2\n"):
+        write("key", bad)
+        message = error_for(write, engine)
+        assert message.endswith("nvpair.toml: engines[0]: api_key_file: "
+                                f"{write('key', bad)} is passed to the engine, which reads "
+                                "each line as a key: it must hold the key alone on one line "
+                                "(no spaces, no CR)"), message

@@ -16,6 +16,7 @@ import httpx2
 import msgspec
 import pytest
 import trio
+import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 from tests.managed import alive, free_port, group_members
@@ -138,6 +139,34 @@ async def test_an_orphan_of_a_dead_nvpair_is_stopped(tmp_path: Path) -> None:
             assert await proc.wait() == -signal.SIGTERM
         assert [r.pid for r in stopped] == [proc.pid]
         assert not path.exists()
+
+
+async def test_kill_now_cuts_an_orphans_grace_period_short(tmp_path: Path) -> None:
+    """A second signal while nvpair starts (it is stopping a dead nvpair's orphans): an
+    orphan that ignores SIGTERM gets SIGKILL at once, not after its grace (10 s here)."""
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \
+           "print('deaf', flush=True); time.sleep(60)"
+    proc = await trio.lowlevel.open_process([sys.executable, "-c", code],
+                                            start_new_session=True, stdout=subprocess.PIPE)
+    try:
+        with trio.fail_after(5):  # well under the grace period
+            assert proc.stdout is not None
+            assert await proc.stdout.receive_some()  # it printed: SIGTERM is ignored now
+            s = stat(proc.pid)
+            assert s is not None
+            _write(tmp_path, _record(pid=proc.pid, start_time=s.start_time,
+                                     argv=(sys.executable, "-c", code), **_dead_nvpair()))
+            procs = EngineProcs(tmp_path)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(reclaim, procs)
+                await trio.testing.wait_all_tasks_blocked()  # SIGTERM sent, in its grace
+                assert proc.returncode is None
+                procs.kill_now.set()
+                assert await proc.wait() == -signal.SIGKILL
+    finally:
+        proc.kill()
+        with trio.CancelScope(shield=True), trio.move_on_after(5):
+            await proc.wait()
 
 
 async def test_a_reused_pid_is_never_signalled(tmp_path: Path) -> None:

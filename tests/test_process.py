@@ -200,6 +200,30 @@ async def test_terminate_reaps_a_process_that_heeds_the_signal(autojump_clock) -
     assert fake.signals == [signal.SIGINT, signal.SIGKILL]  # then the group's leftovers
 
 
+async def test_kill_now_cuts_the_grace_period_short(nursery, autojump_clock) -> None:
+    """A second signal to nvpair (``EngineProcs.kill_now``) SIGKILLs an engine that is in
+    its grace period at once, and one whose stop starts later right after its stop signal;
+    each is still reaped."""
+    kill_now = trio.Event()
+    deaf = FakeProcess(heeds=(signal.SIGKILL,))  # ignores SIGTERM, as a stuck engine does
+    done = trio.Event()
+
+    async def stop() -> None:
+        assert await terminate(deaf, Stopping("SIGTERM", 30), kill_now) is None
+        done.set()
+
+    nursery.start_soon(stop)
+    await trio.sleep(5)  # in its grace period
+    assert deaf.signals == [signal.SIGTERM] and deaf.returncode is None
+    kill_now.set()
+    await done.wait()
+    assert trio.current_time() == 5 and deaf.returncode == -signal.SIGKILL
+    later = FakeProcess(heeds=(signal.SIGKILL,))
+    assert await terminate(later, Stopping("SIGTERM", 30), kill_now) is None
+    assert trio.current_time() == 5 and later.returncode == -signal.SIGKILL
+    assert later.signals[:2] == [signal.SIGTERM, signal.SIGKILL]  # its stop signal first
+
+
 @pytest.mark.parametrize(("code", "words"), [
     (0, "exited with code 0"), (3, "exited with code 3"), (-9, "killed by SIGKILL"),
     (-15, "killed by SIGTERM"), (-200, "killed by signal 200"), (None, "is still running")])

@@ -6,6 +6,7 @@ text inside that element, so no value can ever become extra arguments or shell s
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Mapping
 
@@ -62,7 +63,19 @@ def build_command(
             env[key] = fill(template_value, values)
         except KeyError as exc:
             raise CommandError(f"start.env.{key} needs a value for {{{exc.args[0]}}}") from None
+    for key, template_value in manifest.start.optional_env.items():
+        with contextlib.suppress(KeyError):  # optional: left out unless it has its values
+            env[key] = fill(template_value, values)
     return argv, env
+
+
+def key_in_argv(manifest: Manifest, command: tuple[str, ...] | None) -> bool:
+    """Whether the argv built from this template holds the API key (``{api_key}``), where
+    any local user can read it (``ps``, ``/proc/PID/cmdline``): SGLang takes its key only
+    there, and a custom command may put it there. ``nvpair check`` warns of it."""
+    template = command or (*manifest.start.argv,
+                           *(part for fragment in manifest.start.optional for part in fragment))
+    return any("{api_key}" in part for part in template)
 
 
 def engine_env(inherited: Mapping[str, str], template_env: Mapping[str, str],

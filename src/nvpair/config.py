@@ -200,6 +200,9 @@ class EngineSpec(msgspec.Struct, frozen=True):
     model: str | None = None
     command: tuple[str, ...] | None = None
     api_key: str | None = None
+    #: the file ``api_key`` was read from (absolute): ``{api_key_file}`` in a command, for an
+    #: engine that reads its key from a file (llama-server ``--api-key-file``)
+    api_key_file: str | None = None
     args: dict[str, ArgValue] = {}
     env: dict[str, str] = {}
     aliases: tuple[str, ...] = ()
@@ -269,10 +272,13 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def read_secret(path: str, source: str, key: str, base: Path) -> str:
+def _secret_path(path: str, base: Path) -> Path:
     full = Path(path).expanduser()
-    if not full.is_absolute():
-        full = base / full
+    return full if full.is_absolute() else base / full
+
+
+def read_secret(path: str, source: str, key: str, base: Path) -> str:
+    full = _secret_path(path, base)
     try:
         secret = full.read_text().strip()
     except OSError as exc:
@@ -488,9 +494,10 @@ def _resolve_engine(eng: EngineConfig, where: str, base: Path) -> EngineSpec:
         raise ConfigError(f"{where}.activation: on_demand needs managed = true (nvpair "
                           "starts and stops the engine)")
     pid_file = _memory_source(eng, where, base)
-    api_key = None
+    api_key = key_path = None
     if eng.api_key_file:
         api_key = read_secret(eng.api_key_file, where, "api_key_file", base)
+        key_path = str(_secret_path(eng.api_key_file, base))
     spec = EngineSpec(
         name=eng.name,
         kind=manifest.kind,
@@ -502,6 +509,7 @@ def _resolve_engine(eng: EngineConfig, where: str, base: Path) -> EngineSpec:
         model=eng.model,
         command=eng.command,
         api_key=api_key,
+        api_key_file=key_path,
         args=eng.args,
         env=eng.env,
         aliases=eng.aliases,
@@ -528,7 +536,23 @@ def _resolve_engine(eng: EngineConfig, where: str, base: Path) -> EngineSpec:
         if any("\0" in part for part in (*argv, *env.values())):
             raise ConfigError(f"{where}: the command built for this engine contains a NUL "
                               "byte (from the manifest's start template or api_key_file)")
+        if spec.api_key_file is not None and any(spec.api_key_file in a for a in argv):
+            _check_key_file(spec.api_key_file, spec.api_key, where)
     return spec
+
+
+def _check_key_file(path: str, key: str | None, where: str) -> None:
+    """An engine given the key file itself (llama-server ``--api-key-file``) takes each
+    line as a key, as it is: the file must hold nvpair's key (its content, stripped) alone,
+    or the engine would refuse the key nvpair sends."""
+    try:
+        lines = [line for line in Path(path).read_bytes().split(b"\n") if line]
+    except OSError as exc:
+        raise ConfigError(f"{where}: api_key_file: cannot read {path}: {exc.strerror}") from None
+    if key is None or lines != [key.encode()]:
+        raise ConfigError(f"{where}: api_key_file: {path} is passed to the engine, which reads "
+                          "each line as a key: it must hold the key alone on one line (no "
+                          "spaces, no CR)")
 
 
 def _merge_probes(probes: Probes, overrides: ProbeOverrides, where: str) -> Probes:
@@ -564,6 +588,8 @@ def placeholder_values(spec: EngineSpec) -> dict[str, object]:
         values["model"] = spec.model
     if spec.api_key is not None:
         values["api_key"] = spec.api_key
+    if spec.api_key_file is not None:
+        values["api_key_file"] = spec.api_key_file
     return values
 
 

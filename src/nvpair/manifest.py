@@ -110,6 +110,9 @@ class StartSpec(Base, frozen=True):
     env: dict[str, str] = {}
     #: argv fragments added only when every placeholder in them has a value.
     optional: tuple[tuple[str, ...], ...] = ()
+    #: environment variables set only when every placeholder in the value has one (how a
+    #: secret reaches an engine that reads it from its environment: never in argv).
+    optional_env: dict[str, str] = {}
     #: default values of placeholders (e.g. tp = 1).
     defaults: dict[str, str | int | float | bool] = {}
 

@@ -30,7 +30,8 @@ import os
 import signal
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal
 
@@ -195,6 +196,9 @@ class EngineProcs:
         #: spawns under way: their process may have exited before it is on record
         self._spawning = 0
         self._reap_deferred = False
+        #: set when nvpair must end its engines at once (a second SIGTERM or SIGINT while
+        #: it shuts down): a stop in its grace period goes on to SIGKILL now.
+        self.kill_now = trio.Event()
 
     def _path(self, engine: str, pid: int) -> Path:
         assert self.dir is not None
@@ -276,7 +280,7 @@ async def reclaim(procs: EngineProcs, engines: Iterable[EngineSpec] = ()) -> lis
     async def stop_one(path: Path, record: Record) -> None:
         with part.guard():
             stop = stops.get(record.engine, Stop())
-            await _stop_orphan(record, stop)
+            await _stop_orphan(record, stop, procs.kill_now)
             stopped.append(record)
             _remove(path)
 
@@ -334,7 +338,7 @@ def _warn_leftovers(record: Record) -> None:
                     ", ".join(map(str, left[:20])))
 
 
-async def _stop_orphan(record: Record, stop: Stop) -> None:
+async def _stop_orphan(record: Record, stop: Stop, kill_now: trio.Event) -> None:
     pid = record.pid
     sig = getattr(signal, stop.signal, signal.SIGTERM)
     with _pidfd(pid) as pidfd:
@@ -344,8 +348,8 @@ async def _stop_orphan(record: Record, stop: Stop) -> None:
                     "running; stopping it (%s, then SIGKILL after %g s)", record.engine, pid,
                     record.nvpair_pid, signal.Signals(sig).name, stop.grace_s)
         _killpg(pid, sig)
-        with trio.move_on_after(stop.grace_s):
-            await _ended(pid, record.start_time, pidfd)
+        with trio.move_on_after(stop.grace_s):  # a second signal to nvpair cuts it
+            await unless_killing(partial(_ended, pid, record.start_time, pidfd), kill_now)
         if running(pid, record.start_time):
             log.warning("engine %s: process %d did not stop within %g s; SIGKILL",
                         record.engine, pid, stop.grace_s)
@@ -360,6 +364,23 @@ async def _stop_orphan(record: Record, stop: Stop) -> None:
     # while any of them lives.
     _killpg(pid, signal.SIGKILL)
     log.info("engine %s: orphan process %d stopped", record.engine, pid)
+
+
+async def unless_killing(wait: Callable[[], Awaitable[object]],
+                         kill_now: trio.Event | None) -> None:
+    """``wait()``, given up once ``kill_now`` is set (``EngineProcs.kill_now``): how a grace
+    period waits for a process to end."""
+    if kill_now is None:
+        await wait()
+        return
+    async with trio.open_nursery() as racing:
+        async def cut() -> None:
+            await kill_now.wait()
+            racing.cancel_scope.cancel(reason="killing engines now")
+
+        racing.start_soon(cut)
+        await wait()
+        racing.cancel_scope.cancel(reason="the process ended")
 
 
 @contextlib.contextmanager
@@ -459,7 +480,8 @@ async def reap_strays(procs: EngineProcs, *, task_status: trio.TaskStatus[trio.C
 
 
 async def end_strays(procs: EngineProcs, grace_s: float = 5.0) -> None:
-    """At exit: SIGTERM the strays still running, the grace period, then SIGKILL; reap."""
+    """At exit: SIGTERM the strays still running, the grace period (cut short by
+    ``EngineProcs.kill_now``), then SIGKILL; reap."""
     left = [pid for pid, s in strays(procs) if s.state != "Z"]
     if left:
         log.warning("stopping %d process(es) left behind by engines: %s", len(left),
@@ -472,8 +494,8 @@ async def end_strays(procs: EngineProcs, grace_s: float = 5.0) -> None:
         with _pidfd(pid) as pidfd:  # our child: its pid cannot be reused until we reap it
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
-            with trio.move_on_after(grace_s):
-                await _ended(pid, s.start_time, pidfd)
+            with trio.move_on_after(grace_s):  # (a second signal to nvpair cuts it)
+                await unless_killing(partial(_ended, pid, s.start_time, pidfd), procs.kill_now)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             with trio.move_on_after(KILL_WAIT_S):  # stuck in the kernel: nvpair exits anyway

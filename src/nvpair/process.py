@@ -6,8 +6,9 @@
   (SGLang and vLLM ranks are in it); stdin is /dev/null, stdout and stderr one pipe;
 * the output is copied into the engine's log until its end, past the exit and the stop (its
   last lines, a traceback say, are the ones a user needs), inside a fault boundary;
-* cancellation stops it: the stop signal to the group, the grace period, SIGKILL, a bounded
-  wait for the reap (``KILL_WAIT_S``), then SIGKILL to whatever is left of the group;
+* cancellation stops it: the stop signal to the group, the grace period (cut short once
+  ``EngineProcs.kill_now`` is set: a second signal to nvpair), SIGKILL, a bounded wait for
+  the reap (``KILL_WAIT_S``), then SIGKILL to whatever is left of the group;
 * the orphan state file (``nvpair.orphans.EngineProcs``) is written once the process runs
   and removed once it is reaped, so a later nvpair can stop what a killed one left.
 
@@ -33,7 +34,7 @@ import trio
 from nvpair.boundary import Part
 from nvpair.errors import NvpairError
 from nvpair.logs import EngineLog
-from nvpair.orphans import EngineProcs
+from nvpair.orphans import EngineProcs, unless_killing
 
 log = logging.getLogger("nvpair.lifecycle")
 
@@ -194,7 +195,7 @@ async def run_engine_process(
                 await proc.wait()
             finally:
                 with trio.CancelScope(shield=True):
-                    handle.stuck = await terminate(proc, stopping)
+                    handle.stuck = await terminate(proc, stopping, procs.kill_now)
                     if handle.stuck is not None:
                         log.warning("%s: %s", name, handle.stuck)
                     with trio.move_on_after(OUTPUT_DRAIN_S):  # a child may hold the pipe
@@ -209,10 +210,12 @@ async def run_engine_process(
             reaper.start_soon(_reap_late, handle, name, procs)
 
 
-async def terminate(proc: Proc, stopping: Stopping) -> str | None:
+async def terminate(proc: Proc, stopping: Stopping,
+                    kill_now: trio.Event | None = None) -> str | None:
     """Stop signal to the process group, the grace period, then SIGKILL; always reap (up to
     ``KILL_WAIT_S`` after SIGKILL). Then SIGKILL to what is left of the group: ranks or
-    helpers of a leader that is gone are orphans.
+    helpers of a leader that is gone are orphans. Once ``kill_now`` is set (before or
+    during the grace period), SIGKILL follows the stop signal at once.
 
     Returns None once reaped, else what to say of a process that outlived SIGKILL.
     Not cancellable in effect: callers shield it (it is bounded by grace + KILL_WAIT_S)."""
@@ -220,7 +223,7 @@ async def terminate(proc: Proc, stopping: Stopping) -> str | None:
     if proc.returncode is None:
         proc.signal_group(getattr(signal, stopping.signal))
         with trio.move_on_after(stopping.grace_s):
-            await proc.wait()
+            await unless_killing(proc.wait, kill_now)
         if proc.returncode is None:
             proc.signal_group(signal.SIGKILL)
             with trio.move_on_after(KILL_WAIT_S):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 
 import msgspec
 import trio
@@ -86,7 +87,7 @@ def hypercorn_config(settings: Settings) -> HypercornConfig:
     return cfg
 
 
-async def run(settings: Settings, *,
+async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
               task_status: trio.TaskStatus[Running] = trio.TASK_STATUS_IGNORED) -> None:
     """Run nvpair until ``stop()`` is called (or cancelled).
 
@@ -100,6 +101,9 @@ async def run(settings: Settings, *,
     router's connections close. Cancellation ends it all at once, without the drain or a
     leave; managed engines still stop gracefully (shielded and bounded).
 
+    ``procs``: the engine processes' records (``nvpair serve`` passes its own, to kill them
+    at once on a second signal); None: one of its own, in ``settings.state_dir``.
+
     Raises: an OSError when the API cannot listen (a taken or forbidden address), before
     the started value, in Trio's exception groups (the CLI unwraps it into one line).
     Nothing an engine, a peer or a client does ends it: those are their parts' state.
@@ -109,7 +113,7 @@ async def run(settings: Settings, *,
     board = Board(tuple(initial_state(spec) for spec in settings.engines))
     sweep = Sweep(board, settings.sweep_deadline_s)
     traffic = Traffic(settings.router)
-    procs = orphans.EngineProcs(settings.state_dir)
+    procs = orphans.EngineProcs(settings.state_dir) if procs is None else procs
     log_rate = RateCap(settings.log_lines_per_s, settings.log_bytes_per_s)
     rate = node_probe_rate(settings.engines)  # (the probes' wake grid: nvpair.wakes)
     runners = {spec.name: EngineRunner(spec, board, sweep, settings.log_dir, traffic, procs,
@@ -164,8 +168,11 @@ async def run(settings: Settings, *,
         await shutdown.wait()
         events.close()
 
-    # what a killed nvpair left running (a group rank's too: not in the local settings)
-    await orphans.reclaim(procs, groups.settings.engines)
+    # What a killed nvpair left running (a group rank's too: not in the local settings).
+    # Shielded, as an engine's stop is: a signal meanwhile never leaves one half-stopped
+    # (bounded by the grace periods; a second signal kills them at once: procs.kill_now).
+    with trio.CancelScope(shield=True):
+        await orphans.reclaim(procs, groups.settings.engines)
     # Lifetimes, outermost last to end: the router's engine clients, the engines, the API.
     # On shutdown the API drains first, then engines stop, then the clients close.
     async with trio.open_nursery() as outer:
@@ -223,12 +230,69 @@ async def start_engines(nursery: trio.Nursery, runners: list[EngineRunner]) -> N
             nursery.start_soon(runner.run)
 
 
+class Signals:
+    """What ``nvpair serve`` does on a signal.
+
+    SIGINT or SIGTERM shuts down (``asked``); while it does (or while an error ends the
+    service), another SIGINT or SIGTERM kills the engines now (``EngineProcs.kill_now``):
+    their stop skips the rest of its grace period, and nvpair still waits for each to be
+    reaped. SIGHUP is logged and ignored (a closed terminal or ssh session sends it; its
+    default action would end nvpair at once and leave every managed engine running, in its
+    own session).
+    """
+
+    WATCHED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self, procs: orphans.EngineProcs) -> None:
+        self.procs = procs
+        #: set by the first SIGINT or SIGTERM
+        self.asked = trio.Event()
+        #: whether nvpair is shutting down (asked, or an error is ending it)
+        self.ending = False
+        #: cancelled by the first signal while nvpair starts: the start is abandoned
+        self.starting = trio.CancelScope()
+
+    async def handle(self, signals: AsyncIterator[int]) -> None:
+        async for signum in signals:
+            name = signal.Signals(signum).name
+            if signum == signal.SIGHUP:
+                log.warning("got SIGHUP: ignored (nvpair cannot reload its config yet; "
+                            "restart it to apply a change)")
+            elif not self.ending:
+                log.info("got %s, shutting down", name)
+                self.ending = True
+                self.asked.set()
+                self.starting.cancel(reason=f"got {name} while starting")
+            elif not self.procs.kill_now.is_set():
+                log.warning("got %s: second signal: killing engines now", name)
+                self.procs.kill_now.set()
+
+
 async def main(settings: Settings, *, announce: Callable[[str], None] = print,
                watch: Callable[[Board], Awaitable[None]] | None = None) -> None:
-    """``nvpair serve``: run until SIGINT or SIGTERM, then shut down cleanly.
+    """``nvpair serve``: run until SIGINT or SIGTERM, then shut down cleanly (``Signals``).
 
-    ``watch(board)`` runs beside it (the CLI prints engine state changes with it).
+    ``watch(board)`` runs beside it (the CLI prints engine state changes with it). However
+    it ends (a signal, an error while it starts or runs), every managed engine has been
+    stopped and reaped before it returns or raises: the signals stay handled until then.
     """
+    orphans.become_subreaper()  # what engines double-fork comes back to us, not to init
+    procs = orphans.EngineProcs(settings.state_dir)
+    signals = Signals(procs)
+    with trio.open_signal_receiver(*Signals.WATCHED) as received:
+        async with trio.open_nursery() as handling:
+            handling.start_soon(signals.handle, received)
+            try:
+                await _serve(settings, procs, signals, announce, watch)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await orphans.end_strays(procs)
+            handling.cancel_scope.cancel(reason="nvpair has stopped")
+
+
+async def _serve(settings: Settings, procs: orphans.EngineProcs, signals: Signals,
+                 announce: Callable[[str], None],
+                 watch: Callable[[Board], Awaitable[None]] | None) -> None:
     watching, collecting = trio.CancelScope(), trio.CancelScope()
 
     collector, collector_part = Collector(), Part("garbage collector")
@@ -242,30 +306,36 @@ async def main(settings: Settings, *, announce: Callable[[str], None] = print,
         with watching:
             await watch(board)
 
-    orphans.become_subreaper()  # what engines double-fork comes back to us, not to init
+    running: Running | None = None
+    reaping: trio.CancelScope | None = None
     async with trio.open_nursery() as nursery:
-        running: Running = await nursery.start(run, settings)
-        # What is alive is frozen out of the cyclic collector's walk, now and after each
-        # collection of the young generations, which are held to a size, so that every
-        # collection stays short at any size of the node (nvpair.collector)
-        why_not = left_alone()
-        if why_not is None:
-            with collector_part.guard():
-                collector.begin()
-            nursery.start_soon(keep_collecting)
+        try:
+            with signals.starting:
+                running = await nursery.start(partial(run, settings, procs=procs))
+                # What is alive is frozen out of the cyclic collector's walk, now and after
+                # each collection of the young generations, which are held to a size, so
+                # that every collection stays short at any size of the node
+                # (nvpair.collector)
+                why_not = left_alone()
+                if why_not is None:
+                    with collector_part.guard():
+                        collector.begin()
+                    nursery.start_soon(keep_collecting)
+                else:
+                    log.info("the garbage collector runs as Python's default: %s", why_not)
+                announce(running.url)
+                if watch is not None:
+                    nursery.start_soon(watch_board, running.board)
+                reaping = await nursery.start(orphans.reap_strays, procs)
+            await signals.asked.wait()
+        except BaseException:  # an error ends it all: engines stop; a signal hurries them
+            signals.ending = True
+            raise
+        if running is None:  # the signal came while it started: whatever started stops
+            nursery.cancel_scope.cancel(reason="shutting down while starting")
         else:
-            log.info("the garbage collector runs as Python's default: %s", why_not)
-        announce(running.url)
-        if watch is not None:
-            nursery.start_soon(watch_board, running.board)
-        assert running.procs is not None
-        reaping: trio.CancelScope = await nursery.start(orphans.reap_strays, running.procs)
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async for signum in signals:
-                log.info("got %s, shutting down", signal.Signals(signum).name)
-                running.stop()
-                watching.cancel(reason="shutting down")
-                collecting.cancel(reason="shutting down")
+            running.stop()
+            watching.cancel(reason="shutting down")
+            collecting.cancel(reason="shutting down")
+            if reaping is not None:
                 reaping.cancel(reason="shutting down")
-                break
-    await orphans.end_strays(running.procs)

@@ -70,3 +70,27 @@ def test_an_rpc_rank_is_watched_by_its_socket(
     out = capsys.readouterr().out
     assert "this node is rank 2 (of 3: n0, n1, n2), run for the head n0" in out
     assert "ready when its socket listens (read from /proc, never connected to)" in out
+
+
+def test_a_key_in_an_engines_command_line_is_warned_of_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "key").write_text("k\n")
+    text = "".join(
+        f"[[engines]]\nname = '{name}'\nkind = '{kind}'\nport = {port}\nmodel = 'm'\n"
+        f"managed = true\napi_key_file = 'key'\n{extra}"
+        for name, kind, port, extra in [
+            ("sg", "sglang", 8001, ""), ("ll", "llamacpp", 8002, ""), ("vl", "vllm", 8003, ""),
+            ("own", "llamacpp", 8004, "command = ['srv', '--port', '{port}', '--key', "
+                                      "'{api_key}']\n")])
+    given = resolve(decode_config(text.encode(), "n.toml"), "n.toml", tmp_path)
+    check.run(given, as_json=False)  # (exit 2 here: the engines' programs are not on PATH)
+    keys = [line for line in capsys.readouterr().err.splitlines() if "API key" in line]
+    assert keys == [
+        "warning: engine sg: its API key is on the engine's command line (the sglang manifest "
+        "passes {api_key} as an argument; SGLang takes its key no other way), where any "
+        "local user can read it (ps, /proc/PID/cmdline)",
+        "warning: engine own: its API key is on the engine's command line (its command has "
+        "{api_key}), where any local user can read it (ps, /proc/PID/cmdline)"]
+    check.run(given, as_json=True)
+    found = json.loads(capsys.readouterr().out)["findings"]
+    assert [f"{f['level']}: {f['text']}" for f in found if "API key" in f["text"]] == keys

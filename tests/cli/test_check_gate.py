@@ -138,7 +138,8 @@ def test_show_commands_prints_the_argv_and_environment_with_secrets_masked(
     r = check(tmp_path, text, "--show-commands", path=str(bin_dir))
     assert r.returncode == 0, r.stderr
     assert (f"  small: llama-server -m {tmp_path}/m.gguf --host 127.0.0.1 --port 28123 "
-            "--api-key '***'\n         env: CUDA_VISIBLE_DEVICES=0, HF_TOKEN=***\n") in r.stdout
+            f"--api-key-file {tmp_path}/key\n         env: CUDA_VISIBLE_DEVICES=0, HF_TOKEN=***\n"
+            ) in r.stdout  # (the key reaches llama-server by file, never in its argv)
     assert "secret" not in r.stdout + r.stderr
     assert ("on demand: started by a request, memory budget 90.0 GB (90,000,000,000 bytes), "
             "queue 64 requests per model for up to 300 s\n  small: priority 5, footprint "
@@ -149,7 +150,8 @@ def test_show_commands_prints_the_argv_and_environment_with_secrets_masked(
     doc = json.loads(r.stdout)
     (engine,) = doc["engines"]
     assert engine["command"]["argv"] == ["llama-server", "-m", f"{tmp_path}/m.gguf", "--host",
-                                         "127.0.0.1", "--port", "28123", "--api-key", "***"]
+                                         "127.0.0.1", "--port", "28123", "--api-key-file",
+                                         f"{tmp_path}/key"]
     assert engine["command"]["env"] == {"CUDA_VISIBLE_DEVICES": "0", "HF_TOKEN": "***"}
     assert (engine["activation"], engine["priority"], engine["memory_bytes"],
             engine["idle_unload_s"]) == ("on_demand", 5, 80 * 2**20, 600.0)

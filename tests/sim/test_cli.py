@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import httpx2
+import pytest
 import trio
 from tests.managed import alive
 
@@ -124,3 +125,25 @@ def test_cli_takes_llama_server_flags():
     assert options.pooling == "mean" and options.webui is False
     auto = options_from_args(build_parser().parse_args(["llamacpp", "-np", "-1"]))
     assert (auto.np, auto.kv_unified, auto.webui, auto.idle_timeout_s) == (None, None, True, None)
+
+
+def test_keys_reach_each_kind_by_its_engines_own_surfaces(monkeypatch, tmp_path):
+    """llama-server: --api-key-file, each non-empty line a key as it is; vLLM: VLLM_API_KEY
+    (--api-key wins); no other kind reads either (engine-surfaces.md)."""
+    keys = tmp_path / "keys"
+    keys.write_bytes(b"k1\n\nk 2\n")
+    parse = build_parser().parse_args
+    llama = options_from_args(parse(["llamacpp", "--api-key-file", str(keys)]))
+    assert llama.api_key == "k1,k 2"
+    both = options_from_args(parse(["llamacpp", "--api-key", "k0", "--api-key-file", str(keys)]))
+    assert both.api_key == "k0,k1,k 2"
+    with pytest.raises(ValueError, match="failed to open file '/nonexistent'"):
+        options_from_args(parse(["llamacpp", "--api-key-file", "/nonexistent"]))
+    for kind in ("vllm", "sglang"):
+        with pytest.raises(ValueError, match="llama-server takes a key file"):
+            options_from_args(parse([kind, "--api-key-file", str(keys)]))
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    assert options_from_args(parse(["vllm"])).api_key == "from-env"
+    assert options_from_args(parse(["vllm", "--api-key", "given"])).api_key == "given"
+    for kind in ("llamacpp", "sglang", "tgi", "ollama"):
+        assert options_from_args(parse([kind])).api_key is None, kind

@@ -16,7 +16,7 @@ import socket
 from pathlib import Path
 from typing import Literal, NamedTuple
 
-from nvpair.command import build_command, engine_env
+from nvpair.command import build_command, engine_env, key_in_argv
 from nvpair.config import EngineSpec, Settings, placeholder_values
 
 Level = Literal["error", "warning"]
@@ -40,7 +40,7 @@ def findings(settings: Settings, *, now: bool = True) -> list[Finding]:
     from nvpair.group.link import Groups
 
     settings = Groups(settings).local(settings)  # what this node runs (a rank: no engine)
-    found = _clashes(settings)
+    found = _clashes(settings) + _keys_in_argv(settings)
     for i, e in enumerate(settings.engines):
         if not e.managed or e.group is not None:  # a group's process is its runner's
             continue
@@ -50,6 +50,30 @@ def findings(settings: Settings, *, now: bool = True) -> list[Finding]:
                                  "now: nvpair will not start the engine while it does "
                                  "(an engine left running? another program?)"))
     return sorted(found, key=lambda f: f.level != "error")
+
+
+def _keys_in_argv(settings: Settings) -> list[Finding]:
+    """A warning for each engine nvpair starts that gets its API key in its argv, where any
+    local user can read it: SGLang takes its key no other way, and a command may say
+    ``{api_key}`` (the built-in vLLM and llama.cpp manifests pass it by environment and
+    file)."""
+    from nvpair.group.spec import role_manifest
+
+    found = []
+    for e in settings.engines:
+        if e.api_key is None or not (e.managed or e.group is not None):
+            continue
+        # a group's head: its group starts the process, from the role's template
+        manifest = e.manifest if e.group is None else role_manifest(e.manifest, e.group.head)
+        command = e.command if e.group is None else None
+        if key_in_argv(manifest, command):
+            how = ("its command has {api_key}" if command else
+                   f"the {e.kind} manifest passes {{api_key}} as an argument"
+                   + ("; SGLang takes its key no other way" if e.kind == "sglang" else ""))
+            found.append(Finding("warning", f"engine {e.name}: its API key is on the engine's "
+                                 f"command line ({how}), where any local user can read it "
+                                 "(ps, /proc/PID/cmdline)"))
+    return found
 
 
 def _who(settings: Settings, i: int, e: EngineSpec) -> str:

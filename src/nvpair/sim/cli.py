@@ -47,7 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="Ollama: installed models, comma-separated ('' for none)")
     add("--engine-version", "--version", dest="engine_version", default=None,
         help="the version the engine reports (llama.cpp: its build_info)")
-    add("--api-key", default=os.environ.get("VLLM_API_KEY"))
+    add("--api-key", default=None,
+        help="key(s), comma-separated (vLLM: also VLLM_API_KEY from the environment)")
+    add("--api-key-file", default=None, metavar="FNAME",
+        help="llama.cpp: a file of keys, one a line")
     add("--profile", choices=PROFILES, default="current", help="SGLang surface version")
 
     add = p.add_argument_group("lifecycle").add_argument
@@ -152,13 +155,14 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
             exit_code=args.fault_exit_code, model=args.fault_model, kind=args.fault_kind,
         )
     generation_env = os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true")
+    api_key = api_keys(kind, args.api_key, args.api_key_file)
     return SimOptions(
         kind=kind, host=args.host,
         port=KIND_DEFAULTS[kind].port if port is None else port,
         control_port=None if args.no_control else args.control_port,
         model=args.model, served_name=args.served_name,
         models=None if args.models is None else tuple(m for m in args.models.split(",") if m),
-        version=args.engine_version, api_key=args.api_key, profile=args.profile,
+        version=args.engine_version, api_key=api_key, profile=args.profile,
         load_s=args.load_s, warmup_s=0.0 if args.skip_server_warmup else args.warmup_s,
         startup_s=args.startup_s, stop_s=args.stop_s, fail_on_load=args.fail_on_load,
         crash_after_s=args.crash_after_s, hang_after_s=args.hang_after_s,
@@ -186,6 +190,27 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
         resident_mb=args.resident_mb, leak_mb_per_s=args.leak_mb_per_s,
         leak_bytes_per_request=args.leak_bytes_per_request,
     )
+
+
+def api_keys(kind: str, given: str | None, key_file: str | None) -> str | None:
+    """The keys the engine takes, as the real one reads them (comma-joined: the simulator
+    splits them on commas, as llama-server's ``--api-key`` does).
+
+    vLLM: ``--api-key``, else ``VLLM_API_KEY``. llama-server: ``--api-key`` and each
+    non-empty line of ``--api-key-file``, as it is (only the newline ends it). No other
+    kind reads a key from a file or from its environment. Raises ValueError (one line)."""
+    keys = [k for k in (given or "").split(",") if k]
+    if kind == "vllm" and not keys:
+        keys = [k for k in [os.environ.get("VLLM_API_KEY", "")] if k]
+    if key_file is not None:
+        if kind != "llamacpp":
+            raise ValueError("--api-key-file: only llama.cpp's llama-server takes a key file")
+        try:
+            with open(key_file, "rb") as f:
+                keys += [line.decode() for line in f.read().split(b"\n") if line]
+        except (OSError, UnicodeDecodeError):
+            raise ValueError(f"error: failed to open file '{key_file}'") from None
+    return ",".join(keys) or None
 
 
 def banner(handle: SimHandle) -> str:
