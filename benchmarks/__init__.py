@@ -11,5 +11,5 @@ Modules: ``procs`` (processes and /proc), ``httpc`` (a minimal HTTP/1.1 client o
 ``floor``, ``wrk`` (load generator), one module per scenario (``replay``, ``scale``,
 ``models``, ``throughput``, ``soak``), ``targets`` and ``report``. Many simulated engines
 run in a few processes with ``python -m nvpair.sim farm`` (:mod:`nvpair.sim.farm`); nvpair's
-loop lag comes from its opt-in probe (``NVPAIR_LOOP_LAG_FILE``, :mod:`nvpair.looplag`).
+loop lag comes from its opt-in probe (``NVPAIR_LOOP_LAG_FILE``, :mod:`nvpair.runtime.looplag`).
 """

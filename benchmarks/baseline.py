@@ -35,7 +35,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
-from nvpair.asgi import Receive, Scope, Send, lifespan, send_json
+from nvpair.http.asgi import Receive, Scope, Send, lifespan, send_json
 
 T = TypeVar("T")
 

@@ -123,7 +123,7 @@ DEADLINE_S = 4.0
 
 def deadlines() -> str:
     """The config lines for short head and body deadlines, if this nvpair knows them."""
-    from nvpair.config import Config
+    from nvpair.config.settings import Config
 
     fields = Config.__struct_fields__
     if "header_timeout_s" in fields and "body_timeout_s" in fields:

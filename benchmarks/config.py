@@ -34,7 +34,7 @@ class BenchConfig(msgspec.Struct, frozen=True):
     models_engines: int = 10
     models_per_engine: int = 10_000
     #: its idle CPU's window: long enough to hold one reading of every list. An unchanged
-    #: list of 3.5 MB is read again every 108 s (nvpair.sweep.UNCHANGED_BYTES_PER_S), all
+    #: list of 3.5 MB is read again every 108 s (nvpair.probing.sweep.UNCHANGED_BYTES_PER_S), all
     #: ten in one batch (about 65 ms of CPU): a 20 s window held that batch or not, and
     #: read either the base alone or five times the lists' share (0.33 % against 1.05 %)
     models_idle_s: float = 120.0

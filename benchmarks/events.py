@@ -142,7 +142,7 @@ def stamped(e: Any) -> Any:
 async def serve(config: str) -> None:
     """nvpair, and a change of one engine's content ``RATE`` times a second."""
     from nvpair import service
-    from nvpair.config import load_settings
+    from nvpair.config.settings import load_settings
 
     settings = load_settings(config)
     async with trio.open_nursery() as nursery:

@@ -3,7 +3,7 @@
 ``python -m benchmarks.floor --framework asgi|quart --listen 127.0.0.1:PORT
 --route /v1/models=FILE --route /v1/engines=FILE [--server hypercorn|nvpair]``
 
-``--server nvpair`` serves the same app through nvpair's own server (``nvpair.server``:
+``--server nvpair`` serves the same app through nvpair's own server (``nvpair.http.server``:
 hypercorn's protocol with nvpair's connection handling), for the server's own cost
 (:mod:`benchmarks.server_cost`).
 
@@ -11,7 +11,7 @@ hypercorn's protocol with nvpair's connection handling), for the server's own co
 sends (content-type and content-length); ``quart`` is a QuartTrio app returning the same
 bytes, for the cost of the framework nvpair replaced. Both run with the hypercorn settings
 nvpair uses (keep-alive 5 s, no access log, no server header). With
-``NVPAIR_LOOP_LAG_FILE`` set it runs nvpair's loop-lag probe too (:mod:`nvpair.looplag`), so
+``NVPAIR_LOOP_LAG_FILE`` set it runs nvpair's loop-lag probe too (:mod:`nvpair.runtime.looplag`), so
 the machine's own share of a stalled loop shows beside nvpair's.
 """
 
@@ -29,8 +29,8 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
-from nvpair import looplag
-from nvpair.asgi import Receive, Scope, Send, lifespan
+from nvpair.http.asgi import Receive, Scope, Send, lifespan
+from nvpair.runtime import looplag
 
 JSON = (b"content-type", b"application/json")
 
@@ -76,7 +76,7 @@ async def serve_with_probe(app: Any, cfg: HypercornConfig, server: str = "hyperc
         if os.environ.get(looplag.ENV):
             nursery.start_soon(looplag.probe, os.environ[looplag.ENV])
         if server == "nvpair":
-            from nvpair import server as nvpair_server
+            from nvpair.http import server as nvpair_server
 
             await nvpair_server.serve(app, cfg, nvpair_server.Limits(keep_alive_s=5.0),
                                       shutdown_trigger=trio.sleep_forever)

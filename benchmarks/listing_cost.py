@@ -25,8 +25,8 @@ import trio
 import trio.testing
 
 from benchmarks.config import BenchConfig, run_alone
-from nvpair.listing import ModelsBody, catalog
-from nvpair.snapshot import Board, EngineState, Model
+from nvpair.state.listing import ModelsBody, catalog
+from nvpair.state.snapshot import Board, EngineState, Model
 
 
 def _board(engines: int, models: int) -> Board:

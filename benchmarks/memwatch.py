@@ -32,7 +32,7 @@ SPACING_S = 0.025
 
 
 def _settings(workdir: Path, k: int) -> Any:
-    from nvpair.config import load_settings
+    from nvpair.config.settings import load_settings
 
     text = "listen = '127.0.0.1:0'\n[memory]\ninterval_s = 0.01\nwindow_h = 0.01\n"
     for i in range(k):
@@ -44,10 +44,10 @@ def _settings(workdir: Path, k: int) -> Any:
 
 
 async def _measure(workdir: Path, pids: list[int], ticks: int) -> dict[str, Any]:
-    from nvpair import memproc
-    from nvpair.memwatch import MemoryWatch, collect
-    from nvpair.snapshot import Board
-    from nvpair.state import initial_state
+    from nvpair.state.snapshot import Board
+    from nvpair.state.transitions import initial_state
+    from nvpair.supervision import memproc
+    from nvpair.supervision.memwatch import MemoryWatch, collect
 
     k = len(pids)
     settings = _settings(workdir, k)

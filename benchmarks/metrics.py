@@ -22,11 +22,11 @@ import msgspec
 import trio
 
 from benchmarks.config import BenchConfig
-from nvpair.api import Api
-from nvpair.histogram import SWEEP_BUCKETS_S, Histogram
-from nvpair.metrics import Metrics
-from nvpair.snapshot import Board, EngineState, ProbeStats
-from nvpair.traffic import Traffic
+from nvpair.base.histogram import SWEEP_BUCKETS_S, Histogram
+from nvpair.http.api import Api
+from nvpair.http.metrics import Metrics
+from nvpair.state.snapshot import Board, EngineState, ProbeStats
+from nvpair.state.traffic import Traffic
 
 KS = (16, 256)
 RENDERS = 200

@@ -8,10 +8,10 @@ another in the same run, twice, interleaved (this machine is shared; ratios are 
 * ``pooled_kept``: a probe every 2 s, within the keep-alive: httpcore2's pool reuses
   one connection;
 * ``pooled_closed``: a probe every 5 s through the pool, asking the engine to close the
-  connection after answering (what every such probe did before nvpair.oneshot);
-* ``one_shot``: the same probe on a connection of its own (``nvpair.oneshot``: a plain
+  connection after answering (what every such probe did before nvpair.probing.oneshot);
+* ``one_shot``: the same probe on a connection of its own (``nvpair.probing.oneshot``: a plain
   non-blocking socket, the request's bytes made once, the answer read by
-  ``nvpair.answer``), what probes further apart than ``probes.KEEPALIVE_S`` do now.
+  ``nvpair.probing.answer``), what probes further apart than ``probes.KEEPALIVE_S`` do now.
 
 ``python -m benchmarks.probe_cost [--quick]`` runs it alone and prints the numbers.
 """
@@ -37,8 +37,8 @@ def _cpu_s() -> float:
 
 
 async def _measure(port: int, n: int, rounds: int) -> dict[str, Any]:
-    from nvpair import probes
-    from nvpair.manifest import ProbeSpec
+    from nvpair.config.manifest import ProbeSpec
+    from nvpair.probing import probes
 
     url = f"http://127.0.0.1:{port}"
     specs = {"pooled_kept": ProbeSpec(path="/health", interval_s=2.0),

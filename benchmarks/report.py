@@ -174,7 +174,8 @@ def tables(results: dict[str, Any]) -> list[Table]:
             f"GET /health of a vLLM simulator, {cost['probes_per_run']:,} probes a run, "
             f"{cost['rounds']} interleaved rounds. pooled_kept: httpcore2's pool reusing a "
             "kept-alive connection (probes within 4 s); pooled_closed: the pool asking the "
-            "engine to close after each answer (probes further apart, before nvpair.oneshot); "
+            "engine to close after each answer (probes further apart, before "
+            "nvpair.probing.oneshot); "
             "one_shot: a connection of its own (those probes now). one_shot / pooled_closed: "
             f"{_f(cost['one_shot_over_pooled_closed'], 2)}."))
     tp = sc.get("throughput")

@@ -42,7 +42,7 @@ from benchmarks.procs import (
     start_nvpair,
 )
 from benchmarks.replay import start_floor
-from nvpair.looplag import PAUSE_SUFFIX
+from nvpair.runtime.looplag import PAUSE_SUFFIX
 
 HEALTHZ_EVERY_S = 0.05
 #: the idle window's loop lag is read for this long before its CPU (see ``measure``)

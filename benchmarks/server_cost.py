@@ -2,7 +2,7 @@
 
 The same bare ASGI app answers the same bytes (a ``/v1/models`` of 1,024 engines, 190 KB,
 and one engine's status, 1 KB) once through ``hypercorn.trio.serve`` and once through
-``nvpair.server.serve`` (hypercorn's HTTP with nvpair's connection handling: deadlines,
+``nvpair.http.server.serve`` (hypercorn's HTTP with nvpair's connection handling: deadlines,
 the cap, closing what clients closed, one keep-alive timer task per connection). Each is a
 process of its own (:mod:`benchmarks.floor` ``--server``), under 8 back-to-back clients
 (:mod:`benchmarks.pollers`) for ``window`` seconds, alternating, ``rounds`` times (this

@@ -26,7 +26,7 @@ import pytest
 import trio
 from trio_websocket import WebSocketConnection, open_websocket_url
 
-from nvpair.changes import Changes
+from nvpair.base.changes import Changes
 
 CHROMIUM = "/usr/bin/chromium"
 

@@ -78,7 +78,7 @@ async def stub_port(nursery):
 def pump_fails_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """The first copy of an engine's output into its log raises (a bug in nvpair); later
     copies work."""
-    from nvpair.logs import EngineLog
+    from nvpair.base.logs import EngineLog
 
     real = EngineLog.pump
     calls = 0

@@ -23,7 +23,7 @@ from tests.cdp import open_browser
 from tests.managed import free_port, wait_state
 
 from nvpair import service
-from nvpair.config import load_settings
+from nvpair.config.settings import load_settings
 from nvpair.sim import SimOptions, serve_sim
 
 MANAGED = (  # name, kind, model, extra simulator flags

@@ -1,6 +1,6 @@
 """Fakes for unit tests of one probe or loop: an engine answering by path, on a socket of
 127.0.0.1 (``FakeEngine.serve``: the probes reach it as they reach a real engine, a probe
-slower than 4 s on a connection of its own, nvpair.oneshot) or as an httpx2.MockTransport
+slower than 4 s on a connection of its own, nvpair.probing.oneshot) or as an httpx2.MockTransport
 handler (``FakeEngine.transport``: always through the probe client's pool)."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import msgspec
 import trio
 from tests.raw_http import read_request
 
-from nvpair.config import Config, EngineConfig, EngineSpec, resolve
-from nvpair.manifest import BUILTIN_KINDS
+from nvpair.config.manifest import BUILTIN_KINDS
+from nvpair.config.settings import Config, EngineConfig, EngineSpec, resolve
 
 
 def engine_spec(kind: str = "vllm", **kw: object) -> EngineSpec:

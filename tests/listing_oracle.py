@@ -1,6 +1,6 @@
 """The definition of ``/v1/models`` that the listing's tests hold nvpair to, byte for byte.
 
-nvpair serves ``nvpair.listing.ModelsBody``, built engine by engine and cached per listing
+nvpair serves ``nvpair.state.listing.ModelsBody``, built engine by engine and cached per listing
 version; this builds the same document in one plain pass over a snapshot, with nothing
 cached, so that any difference is the listing's bug. No production code calls it.
 """
@@ -9,16 +9,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from nvpair.ages import age
-from nvpair.snapshot import SHOWN_STATES, Snapshot
-from nvpair.state import effective_state
+from nvpair.base.ages import age
+from nvpair.state.snapshot import SHOWN_STATES, Snapshot
+from nvpair.state.transitions import effective_state
 
 
 def models_doc(snap: Snapshot, now: float, node: str) -> dict[str, Any]:
     """OpenAI's list shape; one item per model id, ready engines first.
 
     The definition of ``/v1/models``, in one pass over a snapshot: the API serves
-    ``nvpair.listing.ModelsBody`` (built engine by engine), which must give these bytes
+    ``nvpair.state.listing.ModelsBody`` (built engine by engine), which must give these bytes
     (tests/test_listing.py holds it to them)."""
     items: dict[str, dict[str, Any]] = {}
     order = sorted(snap.engines,

@@ -14,8 +14,8 @@ import httpx2
 import trio
 from tests.ports import free_port as free_port  # the tests take it from here
 
-from nvpair.config import Settings, load_settings
-from nvpair.manifest import builtin_dir
+from nvpair.config.manifest import builtin_dir
+from nvpair.config.settings import Settings, load_settings
 
 
 def fast_manifest(tmp: Path, kind: str = "vllm", **restart: float) -> Path:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from nvpair.memtrend import Trend, TrendDetector, TrendSettings
+from nvpair.supervision.memtrend import Trend, TrendDetector, TrendSettings
 
 GB = 1e9
 MB = 1e6

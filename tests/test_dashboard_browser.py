@@ -21,7 +21,7 @@ from tests.cdp import Page, needs_chromium, open_browser
 from tests.managed import fast_manifest, free_port, sim_command, wait_state
 
 from nvpair import service
-from nvpair.config import load_settings
+from nvpair.config.settings import load_settings
 from nvpair.sim import SimOptions, serve_sim
 
 pytestmark = needs_chromium

@@ -18,9 +18,9 @@ from tests.cdp import needs_chromium, open_browser
 from tests.group.nodes import Group, sim_manifest
 from tests.peers.cluster import open_cluster
 
-from nvpair.changes import Changes
-from nvpair.events import Journal
-from nvpair.snapshot import Board
+from nvpair.base.changes import Changes
+from nvpair.state.events import Journal
+from nvpair.state.snapshot import Board
 
 GRID = ("[...document.querySelectorAll('#groups .rank')].map(r => "
         "[r.dataset.rank, r.textContent])")
@@ -79,7 +79,7 @@ async def test_the_page_draws_a_real_group_and_follows_its_epochs(tmp_path: Path
 
 
 class FakeGroups:
-    """A GroupSource (nvpair.events) whose documents the test sets."""
+    """A GroupSource (nvpair.state.events) whose documents the test sets."""
 
     def __init__(self, docs: dict[str, dict[str, Any]]) -> None:
         self.docs = docs

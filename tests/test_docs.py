@@ -1,5 +1,6 @@
-"""The docs against the tree: docs/architecture.md names only what exists, and names every
-module under the layer it is in; README.md and docs/ link nothing outside the repository.
+"""The docs against the tree: docs/architecture.md names only what exists and lists the
+folders in their layers' order, each folder's docstring names each of its modules; README.md
+and docs/ link nothing outside the repository.
 
 Names are read without importing anything: ``nvpair.x.y`` is the longest module of
 ``src/nvpair`` it starts with, then a name defined at the top of that module (a class, a
@@ -101,53 +102,69 @@ def names_in(text: str) -> set[str]:
 def test_every_name_in_architecture_md_exists() -> None:
     tree = modules()
     names = names_in(ARCHITECTURE.read_text())
-    assert len(names) > 80
+    assert len(names) > 40
     assert [p for n in sorted(names) if (p := problem(n, tree))] == []
 
 
 def test_the_check_finds_what_does_not_exist() -> None:
     tree = modules()
-    assert problem("nvpair.snapshot.Board.update", tree) is None
+    assert problem("nvpair.state.snapshot.Board.update", tree) is None
     assert problem("nvpair.router.ROUTED_PATHS", tree) is None  # re-exported
     assert problem("nvpair.supervisor", tree) == (
         "nvpair.supervisor: no module nvpair.supervisor, and nvpair defines no supervisor")
-    assert problem("nvpair.prober.registry", tree) == (
-        "nvpair.prober.registry: nvpair.prober defines no registry")
-    assert problem("nvpair.sweep.Sweep._paths", tree) == (
-        "nvpair.sweep.Sweep._paths: nvpair.sweep.Sweep defines no _paths")
-    assert names_in("`src/nvpair/peers/table.py` and `nvpair.toml`, `nvpair.api.Api`") == {
-        "nvpair.peers.table", "nvpair.api.Api"}
+    assert problem("nvpair.probing.prober.registry", tree) == (
+        "nvpair.probing.prober.registry: nvpair.probing.prober defines no registry")
+    assert problem("nvpair.probing.sweep.Sweep._paths", tree) == (
+        "nvpair.probing.sweep.Sweep._paths: nvpair.probing.sweep.Sweep defines no _paths")
+    assert names_in("`src/nvpair/peers/table.py` and `nvpair.toml`, `nvpair.http.api.Api`") == {
+        "nvpair.peers.table", "nvpair.http.api.Api"}
 
 
-def _sections(text: str) -> dict[str, set[str]]:
-    """Under each ``### <layer>`` heading of "The modules", the modules its bullets name."""
-    body = text.split("## The modules", 1)[1].split("\n## ", 1)[0]
-    out: dict[str, set[str]] = {}
-    current = None
+def _folders(text: str) -> list[str]:
+    """The folders (and top-level modules) "The folders" of the page lists, in its order."""
+    body = text.split("## The folders", 1)[1].split("\n## ", 1)[0]
+    out = []
     for line in body.splitlines():
-        if line.startswith("### "):
-            current = line.removeprefix("### ").split(" (")[0].strip()
-            out[current] = set()
-        elif current is not None and line.startswith("* "):
-            lead = line.split(": ", 1)[0]
-            out[current].update(m for m in _DOTTED.findall(lead) if m in modules())
+        if line.startswith("* "):
+            out += _DOTTED.findall(line.split(": ", 1)[0])
     return out
 
 
-def test_architecture_md_lists_every_module_under_its_layer() -> None:
-    sections = _sections(ARCHITECTURE.read_text())
-    layers = [name for name, _ in RANKS]
-    assert [s for s in sections if s != "sim"] == layers, "the layers, in RANKS' order"
-    graph = read_graph(SRC)
-    listed = set().union(*sections.values())
-    assert sorted(graph.modules - listed - {"nvpair"}) == [], "modules missing from the page"
+def test_architecture_md_lists_the_folders_in_their_order() -> None:
+    listed = [f for f in _folders(ARCHITECTURE.read_text()) if not under(f, (SIM,))]
+    apart = ("nvpair.errors", "nvpair.__main__")  # (named after the list, with the simulators)
+    assert listed == [p for _, prefixes in RANKS for p in prefixes if p not in apart], (
+        "the layers, in RANKS' order")
+
+
+def _docstring_modules(package: Path) -> set[str]:
+    doc = ast.get_docstring(_tree(package / "__init__.py")) or ""
+    return set(re.findall(r"^\* ``(\w+)``", doc, re.MULTILINE))
+
+
+def test_each_folder_lists_its_modules_in_its_docstring() -> None:
+    """A folder's ``__init__.py`` says what each of its modules is, one line each: a module
+    added, moved or removed without its line fails here."""
     wrong = []
-    for section, names in sections.items():
-        for name in names:
-            want = "sim" if under(name, (SIM,)) else RANKS[rank(name)][0]  # type: ignore[index]
-            if want != section:
-                wrong.append(f"{name} is listed under {section}, its layer is {want}")
+    for _, prefixes in RANKS:
+        for prefix in prefixes:
+            package = SRC / Path(*prefix.split("."))
+            if not package.is_dir() or prefix == "nvpair.cli":
+                continue
+            present = {p.stem for p in package.glob("*.py") if p.stem != "__init__"}
+            present |= {p.name for p in package.iterdir()
+                        if p.is_dir() and (p / "__init__.py").exists()}
+            named = _docstring_modules(package)
+            wrong += [f"{prefix}.{m}: not in its folder's docstring" for m in present - named]
+            wrong += [f"{prefix}.{m}: named in the docstring, no such module"
+                      for m in named - present]
     assert wrong == []
+
+
+def test_every_module_is_in_a_ranked_folder() -> None:
+    graph = read_graph(SRC)
+    assert sorted(m for m in graph.modules - {"nvpair", "nvpair.__main__"}
+                  if rank(m) is None and not under(m, (SIM,))) == []
 
 
 def docs() -> list[Path]:

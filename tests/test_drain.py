@@ -19,7 +19,7 @@ from tests.managed import (
 from tests.router.script_engine import JSON
 
 from nvpair import service
-from nvpair.lifecycle import Accepted, Busy
+from nvpair.supervision.lifecycle import Accepted, Busy
 
 
 def stream_payload(tokens: int) -> bytes:

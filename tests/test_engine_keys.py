@@ -14,7 +14,7 @@ from tests.managed import FAST_PROBES, fast_manifest, free_port, sim_command, wa
 from tests.test_serve_signals import serving
 
 from nvpair import service
-from nvpair.config import load_settings
+from nvpair.config.settings import load_settings
 
 KEY = "sekrit-engine-key-123"
 
@@ -71,8 +71,8 @@ async def test_serve_warns_of_a_key_in_argv_as_check_does(tmp_path: Path) -> Non
                       f"api_key_file = 'key'\ncommand = {json.dumps(command)}\n")
     with trio.fail_after(30):
         async with serving(config) as serve:
-            line = await serve.saw("WARNING nvpair.check: engine sg: its API key is on the engine's "
-                                   "command line (its command has {api_key})")
+            line = await serve.saw("WARNING nvpair.check: engine sg: its API key is on the "
+                                   "engine's command line (its command has {api_key})")
             serve.proc.send_signal(signal.SIGTERM)
             assert await serve.proc.wait() == 0
     assert KEY not in line

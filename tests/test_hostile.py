@@ -14,11 +14,12 @@ import trio
 from tests.managed import wait_state
 from tests.test_service import FAST_READ_S, config, engine, timed_get
 
-from nvpair import probes, service
-from nvpair.config import load_settings
+from nvpair import service
+from nvpair.config.settings import load_settings
+from nvpair.probing import probes
 from nvpair.sim import SimOptions, serve_sim
 from nvpair.sim import garbage as sim_garbage
-from nvpair.snapshot import EngineState
+from nvpair.state.snapshot import EngineState
 
 TIMEOUT_S = 0.5
 #: a read that waited on the hostile engine would take its probe's timeout (0.5 s), so no
@@ -91,7 +92,7 @@ ALONE = ("big_headers", "many")
 @pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.alone)
                                   if k in ALONE else k for k in sorted(CASES)])
 # both ways a probe reaches an engine: kept-alive connections of the pool (a probe every
-# 0.5 s is within probes.KEEPALIVE_S), and a connection of its own (nvpair.oneshot, which
+# 0.5 s is within probes.KEEPALIVE_S), and a connection of its own (nvpair.probing.oneshot, which
 # every probe further apart than KEEPALIVE_S takes: here, with it lowered to 0.25 s)
 @pytest.mark.parametrize("connection", ["pooled", "own"])
 async def test_a_hostile_engine_changes_only_its_own_state(

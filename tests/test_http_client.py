@@ -3,7 +3,7 @@
 httpx 0.28.1 (httpcore 1.0.9) and httpx2 < 2.6 leak pool slots when a request is cancelled
 while another waits for the pool (httpcore #1093); every later request then fails with
 PoolTimeout. nvpair cancels probes by deadline all the time, so these tests guard the pin.
-The probes send through httpcore2's pool directly (``nvpair.probes.ProbeClient``): the
+The probes send through httpcore2's pool directly (``nvpair.probing.probes.ProbeClient``): the
 tests drive that client, the way the prober does (``probes.request``).
 """
 
@@ -19,13 +19,13 @@ import trio
 import trio.testing
 from tests.stub_http import serve_stub
 
-from nvpair import probes
-from nvpair.config import Config, EngineConfig, resolve
+from nvpair.config.manifest import ProbeSpec
+from nvpair.config.settings import Config, EngineConfig, resolve
 from nvpair.errors import ProbeError
-from nvpair.manifest import ProbeSpec
-from nvpair.prober import Prober, open_client
-from nvpair.snapshot import Board
-from nvpair.state import initial_state
+from nvpair.probing import probes
+from nvpair.probing.prober import Prober, open_client
+from nvpair.state.snapshot import Board
+from nvpair.state.transitions import initial_state
 
 
 def connections(client: probes.ProbeClient) -> list[object]:

@@ -3,15 +3,16 @@
 Every ``import`` and ``from ... import`` of ``src/nvpair`` counts, at module level or inside
 a function, under ``TYPE_CHECKING`` too, and so does ``importlib.import_module("...")``
 (``__import__``) with a literal name: what Python would import, the ``ast`` says, without
-importing anything. Data goes ``config -> manifest -> supervision -> snapshot -> api``:
-supervision writes the snapshot and the API reads it. Imports point the other way, down the
-ranks in ``RANKS``: a module imports only modules of its own rank or lower, so supervision
-and the API meet only in what sits below both (the snapshot, the state machine, traffic).
+importing anything. The folders of ``src/nvpair`` are the layers, listed lowest first in
+``RANKS``: a module imports only from its own folder or from folders before it, so no import
+runs up and no two folders import each other. Data goes ``config -> supervision -> state ->
+http``: supervision writes the snapshot and the API reads it; the two meet only in what sits
+below both (``state/``).
 
 To check another tree (an old commit, a branch)::
 
     mkdir -p /tmp/old && git archive 6172395 src/nvpair | tar -x -C /tmp/old
-    python -m tests.test_layers --root /tmp/old/src
+    python -m tests.test_layers --root /tmp/old/src --flat
 """
 
 from __future__ import annotations
@@ -29,41 +30,62 @@ import pytest
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 
-#: lowest first; a module may import modules of its own rank or below (prefixes: a package
-#: covers its modules). A new module must be placed here: an unplaced one fails the test.
+#: the folders, lowest first: a module imports only from its own folder or from folders
+#: before it (prefixes: a package covers its modules). A new folder must be placed here.
 RANKS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("leaves", ("nvpair.errors", "nvpair.decoding", "nvpair.ages", "nvpair.urls",
-                "nvpair.tls", "nvpair.streams", "nvpair.boundary", "nvpair.logs",
-                "nvpair.looplag", "nvpair.changes", "nvpair.histogram", "nvpair.evict",
-                "nvpair.memtrend", "nvpair.memproc", "nvpair.collector", "nvpair.answer",
-                "nvpair.oneshot",
-                "nvpair.wakes")),
-    ("config", ("nvpair.manifest", "nvpair.command", "nvpair.cluster", "nvpair.config",
-                "nvpair.schema", "nvpair.deploy", "nvpair.group.spec")),
-    ("snapshot", ("nvpair.snapshot", "nvpair.state", "nvpair.traffic", "nvpair.listing",
-                  "nvpair.events", "nvpair.group.machine",
-                  "nvpair.history", "nvpair.memstate")),
-    ("supervision", ("nvpair.probes", "nvpair.prober", "nvpair.sweep", "nvpair.process",
-                     "nvpair.lifecycle", "nvpair.supervisor", "nvpair.orphans",
-                     "nvpair.group.runner", "nvpair.memwatch")),
-    ("http", ("nvpair.asgi", "nvpair.views", "nvpair.sse", "nvpair.api", "nvpair.control",
-              "nvpair.server", "nvpair.metrics", "nvpair.group.view",
-              "nvpair.dashboard")),
+    ("base", ("nvpair.errors", "nvpair.base")),
+    ("runtime", ("nvpair.runtime",)),
+    ("config", ("nvpair.config",)),
+    ("state", ("nvpair.state",)),
+    ("probing", ("nvpair.probing",)),
+    ("supervision", ("nvpair.supervision",)),
+    ("http", ("nvpair.http",)),
     ("router", ("nvpair.router",)),
-    ("peers", ("nvpair.peers", "nvpair.group.link", "nvpair.group.epochkey")),
+    ("peers", ("nvpair.peers",)),
     ("service", ("nvpair.service", "nvpair.openapi")),
-    # nvpair.group is only its package's docstring; its modules are placed above, each in
-    # its own layer (a lower rank wins, so the package's name goes last)
-    ("cli", ("nvpair.cli", "nvpair.__main__", "nvpair.group")),
+    ("cli", ("nvpair.__main__", "nvpair.cli")),
 )
 #: a program of its own (``python -m nvpair.sim``): outside the ranks, see the sim rules.
 SIM = "nvpair.sim"
 
-SUPERVISION = ("nvpair.probes", "nvpair.prober", "nvpair.sweep", "nvpair.process",
-               "nvpair.lifecycle", "nvpair.supervisor", "nvpair.orphans", "nvpair.group.runner",
-               "nvpair.memwatch")
-PURE_CONFIG = ("nvpair.config", "nvpair.cluster", "nvpair.manifest", "nvpair.decoding",
-               "nvpair.errors", "nvpair.command", "nvpair.group.spec")
+SUPERVISION = ("nvpair.probing", "nvpair.supervision")
+PURE_CONFIG = ("nvpair.config", "nvpair.base.decoding", "nvpair.errors")
+#: where each module of the flat layout before the folders (issue 32) lives now: to read an
+#: old tree (``--flat``) with today's rules
+FLAT: dict[str, str] = {
+    "nvpair.ages": "nvpair.base.ages", "nvpair.boundary": "nvpair.base.boundary",
+    "nvpair.changes": "nvpair.base.changes", "nvpair.decoding": "nvpair.base.decoding",
+    "nvpair.histogram": "nvpair.base.histogram", "nvpair.logs": "nvpair.base.logs",
+    "nvpair.streams": "nvpair.base.streams", "nvpair.tls": "nvpair.base.tls",
+    "nvpair.urls": "nvpair.base.urls", "nvpair.wakes": "nvpair.runtime.wakes",
+    "nvpair.collector": "nvpair.runtime.collector", "nvpair.looplag": "nvpair.runtime.looplag",
+    "nvpair.config": "nvpair.config.settings", "nvpair.manifest": "nvpair.config.manifest",
+    "nvpair.command": "nvpair.config.command", "nvpair.cluster": "nvpair.config.cluster",
+    "nvpair.schema": "nvpair.config.schema", "nvpair.group.spec": "nvpair.config.group",
+    "nvpair.deploy": "nvpair.config.deploy", "nvpair.snapshot": "nvpair.state.snapshot",
+    "nvpair.state": "nvpair.state.transitions", "nvpair.traffic": "nvpair.state.traffic",
+    "nvpair.listing": "nvpair.state.listing", "nvpair.events": "nvpair.state.events",
+    "nvpair.history": "nvpair.state.history", "nvpair.memstate": "nvpair.state.memory",
+    "nvpair.group.machine": "nvpair.state.group", "nvpair.probes": "nvpair.probing.probes",
+    "nvpair.prober": "nvpair.probing.prober", "nvpair.sweep": "nvpair.probing.sweep",
+    "nvpair.oneshot": "nvpair.probing.oneshot", "nvpair.answer": "nvpair.probing.answer",
+    "nvpair.process": "nvpair.supervision.process",
+    "nvpair.lifecycle": "nvpair.supervision.lifecycle",
+    "nvpair.orphans": "nvpair.supervision.orphans",
+    "nvpair.memwatch": "nvpair.supervision.memwatch",
+    "nvpair.memproc": "nvpair.supervision.memproc",
+    "nvpair.memtrend": "nvpair.supervision.memtrend",
+    "nvpair.group.runner": "nvpair.supervision.group", "nvpair.server": "nvpair.http.server",
+    "nvpair.asgi": "nvpair.http.asgi", "nvpair.api": "nvpair.http.api",
+    "nvpair.views": "nvpair.http.views", "nvpair.control": "nvpair.http.control",
+    "nvpair.sse": "nvpair.http.sse", "nvpair.metrics": "nvpair.http.metrics",
+    "nvpair.dashboard": "nvpair.http.dashboard", "nvpair.group.view": "nvpair.http.groups",
+    "nvpair.ui": "nvpair.http.ui", "nvpair.evict": "nvpair.router.evict",
+    "nvpair.router.view": "nvpair.router.counters", "nvpair.group.link": "nvpair.peers.groups",
+    "nvpair.group.epochkey": "nvpair.peers.epochkey",
+    "nvpair.supervisor": "nvpair.supervision.supervisor",
+}
+
 IO_LIBRARIES = ("trio", "httpx2", "httpcore2")
 
 
@@ -98,8 +120,30 @@ def module_name(path: Path, root: Path) -> str:
     return ".".join(parts)
 
 
-def read_graph(root: Path) -> Graph:
-    """The import graph of the ``nvpair`` package under ``root`` (a ``src`` directory)."""
+def renamed(name: str, names: dict[str, str]) -> str:
+    """``name`` as it is called in ``names`` (a module or anything inside it)."""
+    for old, new in sorted(names.items(), key=lambda kv: -len(kv[0])):
+        if name == old or name.startswith(old + "."):
+            return new + name[len(old):]
+    return name
+
+
+def read_graph(root: Path, names: dict[str, str] | None = None) -> Graph:
+    """The import graph of the ``nvpair`` package under ``root`` (a ``src`` directory), its
+    modules called as in ``names`` (old name -> new) where given."""
+    graph = _read_graph(root)
+    if not names:
+        return graph
+    out = Graph()
+    out.modules = {renamed(m, names) for m in graph.modules}
+    for m, arrows in graph.arrows.items():
+        out.arrows[renamed(m, names)] = [
+            Arrow(renamed(a.source, names), renamed(a.target, names), a.line, a.by_name)
+            for a in arrows]
+    return out
+
+
+def _read_graph(root: Path) -> Graph:
     graph = Graph()
     files = sorted((root / "nvpair").rglob("*.py"))
     graph.modules = {module_name(p, root) for p in files}
@@ -121,7 +165,7 @@ def _arrows(tree: ast.AST, name: str, package: str, modules: set[str]) -> Iterat
             if node.level:
                 up = package.split(".")[:len(package.split(".")) - node.level + 1]
                 base = ".".join([*up, base] if base else up)
-            for alias in node.names:  # `from nvpair import views` imports nvpair.views
+            for alias in node.names:  # `from nvpair import views` imports nvpair.http.views
                 sub = f"{base}.{alias.name}"
                 yield Arrow(name, sub if sub in modules else base, node.lineno)
         elif (isinstance(node, ast.Call) and node.args
@@ -197,16 +241,18 @@ class Rule:
 
 RULES: tuple[Rule, ...] = (
     Rule("api never imports supervision",
-         sources=("nvpair.api", "nvpair.views", "nvpair.asgi"), forbidden=SUPERVISION),
+         sources=("nvpair.http.api", "nvpair.http.views", "nvpair.http.asgi"),
+         forbidden=SUPERVISION),
     Rule("config, manifest, decoding, errors and command import no trio, httpx2, httpcore2",
          sources=PURE_CONFIG, forbidden=IO_LIBRARIES,
-         allowed=(("nvpair.urls", "httpx2"),)),  # httpx2.URL: the clients' URL parser, no I/O
+         allowed=(("nvpair.base.urls", "httpx2"),)),  # httpx2.URL: the clients' URL parser, no I/O
     Rule("supervision imports no asgi, views, api, router or control",
          sources=SUPERVISION,
-         forbidden=("nvpair.asgi", "nvpair.views", "nvpair.api", "nvpair.router",
-                    "nvpair.control", "nvpair.peers", "nvpair.service")),
+         forbidden=("nvpair.http.asgi", "nvpair.http.views", "nvpair.http.api", "nvpair.router",
+                    "nvpair.http.control", "nvpair.peers", "nvpair.service")),
     Rule("peers import no api, control or views", sources=("nvpair.peers",),
-         forbidden=("nvpair.api", "nvpair.control", "nvpair.views", "nvpair.service")),
+         forbidden=("nvpair.http.api", "nvpair.http.control", "nvpair.http.views",
+                    "nvpair.service")),
     Rule("router imports no peers", sources=("nvpair.router",), forbidden=("nvpair.peers",)),
     Rule("only the cli imports the simulators", sources=("nvpair",), forbidden=(SIM,),
          exempt=(SIM, "nvpair.cli"), transitive=False),
@@ -238,6 +284,32 @@ def rank_violations(graph: Graph) -> list[str]:
     return sorted(set(found))
 
 
+def folder(module: str) -> str:
+    """The folder a module is in (``nvpair.state.snapshot``: ``nvpair.state``), or the
+    module itself at the top (``nvpair.service``)."""
+    return ".".join(module.split(".")[:2])
+
+
+def folder_cycles(graph: Graph) -> list[str]:
+    """Folders that import each other, through any number of folders between them."""
+    edges: dict[str, set[str]] = {}
+    for module in graph.modules:
+        for arrow in graph.out(module):
+            if graph.internal(arrow.target) and folder(arrow.target) != folder(module):
+                edges.setdefault(folder(module), set()).add(folder(arrow.target))
+    found = set()
+    for start in edges:
+        todo, seen = [start], set()
+        while todo:
+            for nxt in edges.get(todo.pop(), ()):
+                if nxt == start:
+                    found.add(start)
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+    return sorted(f"{f} imports itself through other folders" for f in found)
+
+
 def by_name_violations(graph: Graph) -> list[str]:
     """Imports of nvpair modules by a string hide the arrow from static checks (and this
     test reads them anyway): write them as import statements."""
@@ -245,12 +317,13 @@ def by_name_violations(graph: Graph) -> list[str]:
                    if a.by_name and under(a.target, ("nvpair",))})
 
 
-def all_violations(root: Path) -> dict[str, list[str]]:
-    graph = read_graph(root)
+def all_violations(root: Path, names: dict[str, str] | None = None) -> dict[str, list[str]]:
+    graph = read_graph(root, names)
     out = {r.name: r.violations(graph) for r in RULES}
     out["sim imports nothing of nvpair outside nvpair.sim"] = sim_violations(graph)
     out["imports point down the ranks"] = rank_violations(graph)
     out["no nvpair module is imported by name"] = by_name_violations(graph)
+    out["no folder imports itself through others"] = folder_cycles(graph)
     return out
 
 
@@ -260,9 +333,10 @@ def graph() -> Graph:
 
 
 def test_the_graph_is_the_package(graph: Graph) -> None:
-    assert {"nvpair.api", "nvpair.config", "nvpair.peers.table", "nvpair.sim.cli"} <= graph.modules
+    assert {"nvpair.http.api", "nvpair.config.settings", "nvpair.peers.table",
+            "nvpair.sim.cli"} <= graph.modules
     assert len(graph.modules) > 60
-    assert any(a.target == "trio" for a in graph.out("nvpair.snapshot"))
+    assert any(a.target == "trio" for a in graph.out("nvpair.state.snapshot"))
 
 
 def _param(rule: Rule) -> object:
@@ -283,6 +357,26 @@ def test_imports_point_down_the_ranks(graph: Graph) -> None:
     assert rank_violations(graph) == []
 
 
+def test_no_two_folders_import_each_other(graph: Graph) -> None:
+    assert folder_cycles(graph) == []
+
+
+def test_a_cycle_between_folders_is_found() -> None:
+    graph = Graph(modules={"nvpair.a.x", "nvpair.b.y", "nvpair.c.z"})
+    graph.arrows = {"nvpair.a.x": [Arrow("nvpair.a.x", "nvpair.b.y", 1)],
+                    "nvpair.b.y": [Arrow("nvpair.b.y", "nvpair.c.z", 1)],
+                    "nvpair.c.z": [Arrow("nvpair.c.z", "nvpair.a.x", 1)]}
+    assert folder_cycles(graph) == [f"nvpair.{f} imports itself through other folders"
+                                    for f in "abc"]
+
+
+def test_every_folder_is_a_layer(graph: Graph) -> None:
+    """Each folder of the package (but the simulators, a program of their own) is ranked."""
+    folders = {folder(m) for m in graph.modules if m.count(".") >= 2}
+    ranked = {p for _, prefixes in RANKS for p in prefixes}
+    assert folders - ranked - {SIM} == set()
+
+
 def test_no_nvpair_module_is_imported_by_name(graph: Graph) -> None:
     assert by_name_violations(graph) == []
 
@@ -300,19 +394,24 @@ def test_the_rules_fail_on_the_imports_of_6172395(tmp_path: Path) -> None:
     archive = subprocess.run([git, "-C", str(repo), "archive", OLD, "src/nvpair"],
                              capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(tmp_path)], input=archive, check=True)
-    found = all_violations(tmp_path / "src")
+    found = all_violations(tmp_path / "src", FLAT)
     text = "\n".join(f"{rule}: {v}" for rule, vs in found.items() for v in vs)
     for rule, arrow in [
-        ("imports point down the ranks", "nvpair.config:32 imports nvpair.peers.settings"),
-        ("supervision imports no asgi", "nvpair.prober:21 imports nvpair.router.traffic"),
-        ("supervision imports no asgi", "nvpair.supervisor:12 imports nvpair.router.traffic"),
-        ("supervision imports no asgi", "nvpair.lifecycle:26 imports nvpair.asgi"),
-        ("supervision imports no asgi", "nvpair.lifecycle:36 imports nvpair.views"),
-        ("supervision imports no asgi", "nvpair.lifecycle:32 imports nvpair.router.traffic"),
-        ("peers import no api", "nvpair.peers.broker:12 imports nvpair.api"),
-        ("peers import no api", "nvpair.peers.advert:17 imports nvpair.views"),
-        ("peers import no api", "nvpair.peers.table:27 imports nvpair.views"),
-        ("peers import no api", "nvpair.peers.etcd:38 imports nvpair.views"),
+        ("imports point down the ranks", "nvpair.config.settings:32 imports nvpair.peers.settings"),
+        ("supervision imports no asgi",
+         "nvpair.probing.prober:21 imports nvpair.router.traffic"),
+        ("supervision imports no asgi",
+         "nvpair.supervision.supervisor:12 imports nvpair.router.traffic"),
+        ("supervision imports no asgi",
+         "nvpair.supervision.lifecycle:26 imports nvpair.http.asgi"),
+        ("supervision imports no asgi",
+         "nvpair.supervision.lifecycle:36 imports nvpair.http.views"),
+        ("supervision imports no asgi",
+         "nvpair.supervision.lifecycle:32 imports nvpair.router.traffic"),
+        ("peers import no api", "nvpair.peers.broker:12 imports nvpair.http.api"),
+        ("peers import no api", "nvpair.peers.advert:17 imports nvpair.http.views"),
+        ("peers import no api", "nvpair.peers.table:27 imports nvpair.http.views"),
+        ("peers import no api", "nvpair.peers.etcd:38 imports nvpair.http.views"),
         ("router imports no peers", "nvpair.router.select:9 imports nvpair.peers.table"),
         ("router imports no peers", "nvpair.router.relay:39 imports nvpair.peers.table"),
         ("no nvpair module is imported by name",
@@ -327,9 +426,11 @@ def main(argv: list[str] | None = None) -> int:
                                      description="check the layers of a source tree")
     parser.add_argument("--root", type=Path, default=SRC,
                         help="the src directory that holds nvpair/ (default: this checkout)")
+    parser.add_argument("--flat", action="store_true",
+                        help="the tree has the flat layout of before issue 32 (read it by FLAT)")
     args = parser.parse_args(argv)
     failed = 0
-    for rule, found in all_violations(args.root).items():
+    for rule, found in all_violations(args.root, FLAT if args.flat else None).items():
         print(f"{'FAIL' if found else 'ok  '} {rule}")
         for line in found:
             print(f"       {line}")

@@ -16,11 +16,11 @@ from tests.managed import wait_state
 from tests.ports import free_port
 
 from nvpair import service
-from nvpair.api import ENGINE_ACTIONS, FIXED_ROUTES
-from nvpair.config import load_settings
-from nvpair.dashboard import Dashboard, HistoryView
-from nvpair.group.view import ACTIONS as GROUP_ACTIONS
-from nvpair.group.view import PREFIX as GROUPS
+from nvpair.config.settings import load_settings
+from nvpair.http.api import ENGINE_ACTIONS, FIXED_ROUTES
+from nvpair.http.dashboard import Dashboard, HistoryView
+from nvpair.http.groups import ACTIONS as GROUP_ACTIONS
+from nvpair.http.groups import PREFIX as GROUPS
 from nvpair.openapi import PARTS, document, document_json
 from nvpair.peers.receiver import ADVERTS_PATH
 from nvpair.peers.status import PEERS_PATH
@@ -36,7 +36,7 @@ def test_the_document_is_valid_openapi_3_1(parts: frozenset[str]) -> None:
 
 
 def dispatched() -> dict[str, str]:
-    """Every route of the API's route table (``nvpair.api`` and the mounts), as a
+    """Every route of the API's route table (``nvpair.http.api`` and the mounts), as a
     documented path -> its method."""
     routes = {path: "get" for path in FIXED_ROUTES}
     routes["/v1/engines/{name}"] = "get"

@@ -24,7 +24,7 @@ import trio
 from tests.managed import free_port, wait_state
 
 from nvpair import service
-from nvpair.config import load_settings
+from nvpair.config.settings import load_settings
 from nvpair.sim import SimOptions, serve_sim
 
 TOKEN = "prom-test-token"

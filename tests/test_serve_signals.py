@@ -22,7 +22,7 @@ import msgspec
 import trio
 from tests.managed import FAST_PROBES, alive, fast_manifest, free_port, group_members, sim_command
 
-from nvpair.orphans import Record, boot_id, stat
+from nvpair.supervision.orphans import Record, boot_id, stat
 
 #: the engine's stop grace: long enough that a stop which waits it out is told apart from
 #: one that kills at once (the checks below allow KILLED_WITHIN_S)

@@ -14,7 +14,7 @@ import trio.testing
 from tests.managed import free_port, group_members, wait_state
 
 from nvpair import service
-from nvpair.config import load_settings
+from nvpair.config.settings import load_settings
 from nvpair.sim import SimOptions, serve_sim
 
 FAST_READ_S = 0.1  # generous for a 2-core machine; a read that waited on a probe takes 1 s+

@@ -26,7 +26,7 @@ NvpairError                      base of every error nvpair raises on purpose
 CommandError (a ValueError)      a command template with a placeholder nothing fills
 
 The classes down to BodyTooLarge, and CommandError, are defined here; the others beside
-the one module that raises them. ``nvpair.boundary`` treats an ``NvpairError`` as an
+the one module that raises them. ``nvpair.base.boundary`` treats an ``NvpairError`` as an
 expected failure (one line in the log) and anything else as a bug (a traceback), so an
 error nvpair raises on purpose belongs in this tree. ``CommandError`` is the one exception
 outside it, on purpose: the config check turns each one into a ``ConfigError`` before

@@ -2,9 +2,11 @@
 api``), its bodies' schemas generated from msgspec types.
 
 The answers' types are the wire shapes the handlers send: the ``/v1/models`` item is
-``nvpair.listing``'s own ``_Item``, a router counter is ``nvpair.traffic.EngineTraffic``'s
+``nvpair.state.listing``'s own ``_Item``, a router counter is
+``nvpair.state.traffic.EngineTraffic``'s
 doc, and the others are written here field for field from the handlers' dicts
-(``nvpair.views``, ``nvpair.api``, ``nvpair.control``). The paths come from the same names
+(``nvpair.http.views``, ``nvpair.http.api``, ``nvpair.http.control``). The paths come from the same
+names
 the API routes by (``ROUTED_PATHS``, ``ENGINE_ACTIONS``, the mounts' paths), and
 tests/test_openapi.py holds the document to the route table and to real answers, so it
 cannot drift from what is served. Every operation lists each status it can answer; every
@@ -18,14 +20,14 @@ from typing import Any
 import msgspec
 
 from nvpair import __version__
-from nvpair.api import ENGINE_ACTIONS, LOG_WAIT_MAX_S
-from nvpair.dashboard import HistoryView
-from nvpair.group.view import ACTIONS as GROUP_ACTIONS
-from nvpair.group.view import PREFIX as GROUPS_PATH
-from nvpair.listing import _Item as ModelItem
+from nvpair.http.api import ENGINE_ACTIONS, LOG_WAIT_MAX_S
+from nvpair.http.dashboard import HistoryView
+from nvpair.http.groups import ACTIONS as GROUP_ACTIONS
+from nvpair.http.groups import PREFIX as GROUPS_PATH
 from nvpair.peers.receiver import ADVERTS_PATH
 from nvpair.peers.status import PEERS_PATH
 from nvpair.router import ROUTED_PATHS
+from nvpair.state.listing import _Item as ModelItem
 
 UNSET = msgspec.UNSET
 #: the optional parts of the API, each present when configured (``document(parts)``)
@@ -406,7 +408,7 @@ def document(parts: frozenset[str] = PARTS, engines: tuple[str, ...] = (),
     examples of ``{name}`` and of a routed request's ``model``."""
     _, schemas = msgspec.json.schema_components(
         TYPES, ref_template="#/components/schemas/{name}")
-    # nvpair.listing's wire types are private there; here they get public names
+    # nvpair.state.listing's wire types are private there; here they get public names
     text = msgspec.json.encode(schemas)
     for private, public in _RENAMED.items():
         text = text.replace(b'"%s"' % private.encode(), b'"%s"' % public.encode())

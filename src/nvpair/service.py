@@ -11,35 +11,36 @@ import msgspec
 import trio
 from hypercorn.config import Config as HypercornConfig
 
-from nvpair import looplag, orphans
-from nvpair.api import Api
-from nvpair.asgi import Mount
-from nvpair.boundary import Part
-from nvpair.collector import Collector, left_alone
-from nvpair.config import Settings, url_host
-from nvpair.control import Control
-from nvpair.dashboard import Dashboard, HistoryView
-from nvpair.events import Journal
-from nvpair.group.link import Groups
-from nvpair.history import History
-from nvpair.lifecycle import EngineRunner
-from nvpair.logs import RateCap
-from nvpair.memwatch import MemoryWatch
-from nvpair.metrics import Metrics
+from nvpair.base.boundary import Part
+from nvpair.base.logs import RateCap
+from nvpair.config.settings import Settings, url_host
+from nvpair.http.api import Api
+from nvpair.http.asgi import Mount
+from nvpair.http.control import Control
+from nvpair.http.dashboard import Dashboard, HistoryView
+from nvpair.http.metrics import Metrics
+from nvpair.http.server import Connections, Limits, connection_cap
+from nvpair.http.server import serve as serve_http
 from nvpair.openapi import document_json
 from nvpair.peers.broker import Broker
 from nvpair.peers.feed import PeerFeed
+from nvpair.peers.groups import Groups
 from nvpair.peers.push import keep_alive_for
 from nvpair.peers.receiver import ADVERTS_PATH
-from nvpair.prober import node_probe_rate
+from nvpair.probing.prober import node_probe_rate
+from nvpair.probing.sweep import Sweep
 from nvpair.router import ROUTED_PATHS, Router, Traffic
 from nvpair.router.activation import Activator
-from nvpair.router.view import TrafficView
-from nvpair.server import Connections, Limits, connection_cap
-from nvpair.server import serve as serve_http
-from nvpair.snapshot import Board
-from nvpair.state import initial_state
-from nvpair.sweep import Sweep
+from nvpair.router.counters import TrafficView
+from nvpair.runtime import looplag
+from nvpair.runtime.collector import Collector, left_alone
+from nvpair.state.events import Journal
+from nvpair.state.history import History
+from nvpair.state.snapshot import Board
+from nvpair.state.transitions import initial_state
+from nvpair.supervision import orphans
+from nvpair.supervision.lifecycle import EngineRunner
+from nvpair.supervision.memwatch import MemoryWatch
 
 log = logging.getLogger("nvpair")
 
@@ -55,7 +56,7 @@ class Running(msgspec.Struct, frozen=False):
     stop: Callable[[], None]
     peers: Broker | None = None
     procs: orphans.EngineProcs | None = None
-    #: the API's open client connections (nvpair.server).
+    #: the API's open client connections (nvpair.http.server).
     connections: Connections | None = None
     #: the change journal of GET /v1/events
     events: Journal | None = None
@@ -115,7 +116,7 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
     traffic = Traffic(settings.router)
     procs = orphans.EngineProcs(settings.state_dir) if procs is None else procs
     log_rate = RateCap(settings.log_lines_per_s, settings.log_bytes_per_s)
-    rate = node_probe_rate(settings.engines)  # (the probes' wake grid: nvpair.wakes)
+    rate = node_probe_rate(settings.engines)  # (the probes' wake grid: nvpair.runtime.wakes)
     runners = {spec.name: EngineRunner(spec, board, sweep, settings.log_dir, traffic, procs,
                                        log_rate=log_rate, probe_rate=rate)
                for spec in settings.engines}
@@ -315,7 +316,7 @@ async def _serve(settings: Settings, procs: orphans.EngineProcs, signals: Signal
                 # What is alive is frozen out of the cyclic collector's walk, now and after
                 # each collection of the young generations, which are held to a size, so
                 # that every collection stays short at any size of the node
-                # (nvpair.collector)
+                # (nvpair.runtime.collector)
                 why_not = left_alone()
                 if why_not is None:
                     with collector_part.guard():

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from nvpair.cli import check
-from nvpair.config import Settings, decode_config, resolve
-from nvpair.group.spec import RANK_ENV
+from nvpair.config.group import RANK_ENV
+from nvpair.config.settings import Settings, decode_config, resolve
 
 
 def settings(tmp_path: Path, node: str, kind: str = "sglang") -> Settings:

@@ -12,7 +12,7 @@ from tests.managed import free_port, managed_config, sim_command, wait_state
 
 from nvpair import service
 from nvpair.cli.memory import duration, lines, size, slope
-from nvpair.config import load_settings
+from nvpair.config.settings import load_settings
 
 MEMORY = "[memory]\ninterval_s = 0.1\nwindow_h = 0.003\nhorizon_h = 1\n"
 

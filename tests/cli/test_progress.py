@@ -7,7 +7,7 @@ import trio
 import trio.testing
 
 from nvpair.cli.progress import print_transitions
-from nvpair.snapshot import Board, EngineState, Model
+from nvpair.state.snapshot import Board, EngineState, Model
 
 
 async def test_one_line_per_state_change_and_none_for_probe_counters() -> None:

@@ -15,7 +15,7 @@ from tests.router.script_engine import JSON
 
 from nvpair import service
 from nvpair.cli.client import STATUS_HEADER
-from nvpair.lifecycle import last_said
+from nvpair.supervision.lifecycle import last_said
 
 # what llama-server 11434 printed with a -m that does not exist (measured with the cached
 # build), then its exit code 1

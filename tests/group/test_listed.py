@@ -9,10 +9,10 @@ import msgspec
 import trio
 from tests.listing_oracle import models_doc
 
-from nvpair.asgi import encoder
-from nvpair.group.machine import GroupTag
-from nvpair.listing import ModelsBody
-from nvpair.snapshot import Board, EngineState, Model
+from nvpair.http.asgi import encoder
+from nvpair.state.group import GroupTag
+from nvpair.state.listing import ModelsBody
+from nvpair.state.snapshot import Board, EngineState, Model
 
 
 def listed(board: Board, built: ModelsBody, now: float) -> list[dict[str, object]]:

@@ -28,8 +28,8 @@ from tests.integration.llamacpp_process import DEFAULT_ALIAS, LlamaAssets, Llama
 from tests.managed import alive, free_port, group_members, wait_state
 
 from nvpair import service
-from nvpair.config import load_settings
-from nvpair.snapshot import EngineState
+from nvpair.config.settings import load_settings
+from nvpair.state.snapshot import EngineState
 
 pytestmark = pytest.mark.integration
 

@@ -13,8 +13,8 @@ from tests.integration.llamacpp_process import DEFAULT_ALIAS, LlamaServer
 from tests.managed import wait_state
 
 from nvpair import service
-from nvpair.config import load_settings
-from nvpair.streams import close_early
+from nvpair.base.streams import close_early
+from nvpair.config.settings import load_settings
 
 pytestmark = pytest.mark.integration
 

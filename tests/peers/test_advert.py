@@ -19,7 +19,7 @@ from nvpair.peers.advert import (
     AdvertRejected,
     decode,
 )
-from nvpair.snapshot import Board, EngineState, Model
+from nvpair.state.snapshot import Board, EngineState, Model
 
 GOOD = Advert(node="peer", boot_id="b1", seq=1, ttl_s=15, url="http://10.1.1.1:1")
 

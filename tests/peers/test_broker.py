@@ -6,9 +6,9 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from nvpair.cluster import ClusterSettings
+from nvpair.config.cluster import ClusterSettings
 from nvpair.peers.broker import Broker
-from nvpair.snapshot import Board
+from nvpair.state.snapshot import Board
 
 SETTINGS = ClusterSettings(backend="push", token="t", advertise_url=None, interval_s=1.0,
                            ttl_s=3.0, push_timeout_s=1.0)

@@ -41,12 +41,12 @@ from tests.peers.etcd_server import EtcdServer, open_etcd
 from tests.peers.etcd_standin import GARBAGE, FakeEtcd
 
 from nvpair import service
-from nvpair.cluster import EtcdSettings
-from nvpair.config import load_settings
+from nvpair.config.cluster import EtcdSettings
+from nvpair.config.settings import load_settings
 from nvpair.peers.advert import Advert, AdvertEngine, Advertiser, AdvertModel
 from nvpair.peers.etcd import EtcdBackend
 from nvpair.peers.table import PeerTable
-from nvpair.snapshot import Board
+from nvpair.state.snapshot import Board
 
 TTL = 3
 DEBOUNCE = TTL / 2  # the default min(5, TTL/2)

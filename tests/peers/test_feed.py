@@ -7,10 +7,10 @@ import msgspec
 import trio
 from tests.peers.test_table import advert
 
-from nvpair.events import Journal
 from nvpair.peers.feed import PeerFeed
 from nvpair.peers.table import PeerTable
-from nvpair.snapshot import Board
+from nvpair.state.events import Journal
+from nvpair.state.snapshot import Board
 
 
 def peer_events(journal: Journal) -> list[dict[str, object]]:

@@ -12,11 +12,11 @@ import msgspec
 import pytest
 import trio
 
-from nvpair.cluster import PeerTarget
+from nvpair.config.cluster import PeerTarget
 from nvpair.peers.advert import Advert, Advertiser
 from nvpair.peers.push import Pusher
 from nvpair.peers.table import Link
-from nvpair.snapshot import Board, EngineState, Model
+from nvpair.state.snapshot import Board, EngineState, Model
 
 INTERVAL = 5.0
 Handler = Callable[[httpx2.Request], Awaitable[httpx2.Response]]

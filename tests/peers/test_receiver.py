@@ -11,12 +11,12 @@ import pytest
 import trio
 
 from nvpair import service
-from nvpair.cluster import PeerTarget
-from nvpair.config import load_settings
+from nvpair.config.cluster import PeerTarget
+from nvpair.config.settings import load_settings
 from nvpair.peers.advert import MAX_ADVERT_BYTES, Advert, AdvertEngine, Advertiser, AdvertModel
 from nvpair.peers.push import Pusher
 from nvpair.peers.table import Link
-from nvpair.snapshot import Board, EngineState, Model
+from nvpair.state.snapshot import Board, EngineState, Model
 
 CLUSTER = "cluster-secret"
 USER = "user-secret"

@@ -15,7 +15,7 @@ from nvpair.peers.advert import (
 )
 from nvpair.peers.table import FORGET_AFTER_S, Link, PeerTable
 from nvpair.router.peering import PeerRoutes
-from nvpair.snapshot import Board, EngineState, Model, ProbeStats
+from nvpair.state.snapshot import Board, EngineState, Model, ProbeStats
 
 
 def advert(node: str = "a", *, boot: str = "b1", seq: int = 1, ttl: float = 3.0,

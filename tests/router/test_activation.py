@@ -18,15 +18,15 @@ import trio
 from tests.fakes import FakeEngine, engine_spec, vllm_routes
 from tests.managed import FAST_PROBES, fast_manifest, free_port, reading, sim_command, wait_state
 from tests.router.script_engine import JSON
-from tests.test_process import FakeSpawn
+from tests.supervision.test_process import FakeSpawn
 
 from nvpair import service
-from nvpair.config import ActivationConfig, Settings, load_settings
-from nvpair.lifecycle import EngineRunner
+from nvpair.config.settings import ActivationConfig, Settings, load_settings
 from nvpair.router.activation import Activator
-from nvpair.snapshot import Board
-from nvpair.state import initial_state
-from nvpair.traffic import Traffic
+from nvpair.state.snapshot import Board
+from nvpair.state.traffic import Traffic
+from nvpair.state.transitions import initial_state
+from nvpair.supervision.lifecycle import EngineRunner
 
 GB = 10**9
 
@@ -556,7 +556,7 @@ def test_the_footprint_is_the_memory_watch_reading_else_the_configured_one() -> 
     from tests.fakes import engine_spec
 
     from nvpair.router.activation import footprint
-    from nvpair.state import initial_state
+    from nvpair.state.transitions import initial_state
 
     spec = engine_spec("vllm", managed=True, model="m", command=["srv"],
                        activation="on_demand", memory_bytes=5 * GB)
@@ -594,11 +594,11 @@ async def test_an_engine_a_request_was_just_let_through_to_is_no_victim() -> Non
     eviction test above)."""
     from tests.fakes import engine_spec
 
-    from nvpair.config import ActivationConfig
+    from nvpair.config.settings import ActivationConfig
     from nvpair.router.activation import Activator, Ticket
-    from nvpair.snapshot import Board
-    from nvpair.state import initial_state
-    from nvpair.traffic import Traffic
+    from nvpair.state.snapshot import Board
+    from nvpair.state.traffic import Traffic
+    from nvpair.state.transitions import initial_state
 
     specs = [engine_spec("vllm", name=n, managed=True, model=n, command=["srv"],
                          activation="on_demand", idle_unload_s=1) for n in ("a", "b")]
@@ -628,11 +628,11 @@ def test_a_cold_engine_is_planned_with_what_it_measured_when_it_was_up() -> None
 
     from tests.fakes import engine_spec
 
-    from nvpair.config import ActivationConfig
+    from nvpair.config.settings import ActivationConfig
     from nvpair.router.activation import Activator
-    from nvpair.snapshot import Board
-    from nvpair.state import initial_state
-    from nvpair.traffic import Traffic
+    from nvpair.state.snapshot import Board
+    from nvpair.state.traffic import Traffic
+    from nvpair.state.transitions import initial_state
 
     specs = [engine_spec("vllm", name=n, managed=True, model=n, command=["srv"],
                          activation="on_demand") for n in ("a", "b")]
@@ -656,12 +656,13 @@ def test_a_cold_engine_is_planned_with_what_it_measured_when_it_was_up() -> None
 
 def test_the_auto_budget_keeps_the_memory_watchs_reserve() -> None:
     """One reserve for both features: the [memory] table's reserve_bytes ("auto":
-    nvpair.memtrend.reserve_bytes), on /proc/meminfo read now, else on the memory watch's
+    nvpair.supervision.memtrend.reserve_bytes), on /proc/meminfo read now, else on the memory
+    watch's
     node reading; a cgroup limit the watch read caps it."""
-    from nvpair.memproc import Meminfo
-    from nvpair.memstate import NodeMemory
-    from nvpair.memtrend import reserve_bytes
     from nvpair.router.activation import auto_budget
+    from nvpair.state.memory import NodeMemory
+    from nvpair.supervision.memproc import Meminfo
+    from nvpair.supervision.memtrend import reserve_bytes
 
     info = Meminfo(mem_total=64 * GB, mem_available=40 * GB, anon_pages=10 * GB)
     assert auto_budget(6 * GB, "auto", info, None) == 46 * GB - reserve_bytes(40 * GB, 10 * GB)
@@ -680,7 +681,7 @@ def test_the_auto_budget_keeps_the_memory_watchs_reserve() -> None:
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 async def test_the_queue_and_each_activation_are_events(nursery, tmp_path) -> None:
     """GET /v1/events: the engine's events carry its queue (queued) and its activity."""
-    from tests.test_sse import stream
+    from tests.http.test_sse import stream
 
     settings = on_demand(tmp_path, {"a": sim_command("vllm", "--load-s", "1")})
     with trio.fail_after(40):
@@ -793,15 +794,15 @@ async def test_a_cold_start_with_requests_waiting_is_seen_ready_within_a_quarter
     0.25 s (and its jitter) after it is, not up to 2 s. Once nobody waits, it is probed at
     the manifest's rate again."""
     from tests.fakes import FakeEngine, engine_spec, vllm_routes
-    from tests.test_process import FakeSpawn
+    from tests.supervision.test_process import FakeSpawn
 
-    from nvpair.config import ActivationConfig
-    from nvpair.lifecycle import EngineRunner
-    from nvpair.prober import AWAITED_READY_INTERVAL_S
+    from nvpair.config.settings import ActivationConfig
+    from nvpair.probing.prober import AWAITED_READY_INTERVAL_S
     from nvpair.router.activation import Activator
-    from nvpair.snapshot import Board
-    from nvpair.state import initial_state
-    from nvpair.traffic import Traffic
+    from nvpair.state.snapshot import Board
+    from nvpair.state.traffic import Traffic
+    from nvpair.state.transitions import initial_state
+    from nvpair.supervision.lifecycle import EngineRunner
 
     spec = engine_spec("vllm", managed=True, port=free_port(), model="m",
                        command=["srv", "--port", "{port}"], activation="on_demand")
@@ -854,8 +855,8 @@ async def test_the_status_shows_how_many_wait_and_the_oldest_wait(
         nursery, autojump_clock) -> None:
     """GET /v1/engines/{name} carries ``queued`` and ``queued_oldest_s`` (the longest wait
     now, computed when read); the event stream carries ``queued`` only (no ages)."""
-    from nvpair.events import engine_content
-    from nvpair.views import engine_status
+    from nvpair.http.views import engine_status
+    from nvpair.state.events import engine_content
 
     board, fake, _, activator = await one_on_demand(nursery, loading=True)
 
@@ -1039,7 +1040,7 @@ def test_the_capacity_is_max_in_flight_else_what_the_engine_says_else_none() -> 
     """A queue sends as many requests at once as: the engine's max_in_flight; else the
     slots the engine said it has (llama-server's total_slots, read by the identity probe);
     else Ollama's OLLAMA_NUM_PARALLEL in its configured environment; else all (None)."""
-    from nvpair.snapshot import Identity
+    from nvpair.state.snapshot import Identity
 
     def activator_of(kind: str, **kw: Any) -> Activator:
         spec = engine_spec(kind, managed=True, model="m", command=["srv"],

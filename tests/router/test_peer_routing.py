@@ -16,13 +16,13 @@ from tests.peers.cluster import Sock, sockets
 from tests.router.script_engine import JSON, ScriptEngine, json_script, sse_script
 
 from nvpair import service
-from nvpair.config import RouterConfig, load_settings
+from nvpair.config.settings import RouterConfig, load_settings
 from nvpair.peers.advert import Advert, AdvertEngine, AdvertModel
 from nvpair.peers.table import PeerTable
 from nvpair.router import Router, Traffic
 from nvpair.router.peering import PeerRoute, PeerRoutes
 from nvpair.sim import SimOptions, serve_sim
-from nvpair.snapshot import Board
+from nvpair.state.snapshot import Board
 
 CHAT = "/v1/chat/completions"
 def cluster_token(node: str) -> str:

@@ -13,8 +13,8 @@ from tests.managed import wait_state
 from tests.router.script_engine import JSON, ScriptEngine, json_script, sse_script
 
 from nvpair import service
-from nvpair.config import load_settings
-from nvpair.streams import close_early
+from nvpair.base.streams import close_early
+from nvpair.config.settings import load_settings
 
 CHAT = "/v1/chat/completions"
 

@@ -11,11 +11,11 @@ from tests.fakes import engine_spec
 from tests.managed import FAST_PROBES, wait_state
 
 from nvpair import service
-from nvpair.config import load_settings
+from nvpair.config.settings import load_settings
 from nvpair.router.select import Known, choose
 from nvpair.sim import SimOptions, serve_sim
-from nvpair.snapshot import Board, EngineState, Model
-from nvpair.traffic import Traffic
+from nvpair.state.snapshot import Board, EngineState, Model
+from nvpair.state.traffic import Traffic
 
 
 def engine(name: str, models: tuple[str, ...], state: str = "ready",

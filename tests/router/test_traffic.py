@@ -9,7 +9,7 @@ from tests.managed import wait_state
 from tests.router.script_engine import JSON, ScriptEngine, json_script
 
 from nvpair import service
-from nvpair.config import load_settings
+from nvpair.config.settings import load_settings
 
 CHAT = "/v1/chat/completions"
 BUSY = {"error": {"message": "busy", "type": "rate_limit_error", "code": 429}}
@@ -60,8 +60,8 @@ async def test_a_429_proves_nothing_and_a_failing_health_probe_still_counts(
 def test_a_passive_tick_keeps_the_probes_failures_in_a_row() -> None:
     """Real traffic stands in for a probe tick; it is no answer of the probe's path, so it
     must not wipe the failures that make an engine unhealthy."""
-    from nvpair.snapshot import ProbeStats
-    from nvpair.state import Outcome, record
+    from nvpair.state.snapshot import ProbeStats
+    from nvpair.state.transitions import Outcome, record
 
     failing = ProbeStats(path="/health", ok=False, consecutive_failures=2, requests=2,
                          failures=2)

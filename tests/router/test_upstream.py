@@ -11,7 +11,7 @@ import pytest
 import trio
 from tests.test_http_client import fd_count, sockets
 
-from nvpair.config import Config, EngineConfig, RouterConfig, resolve
+from nvpair.config.settings import Config, EngineConfig, RouterConfig, resolve
 from nvpair.router.upstream import SEND_ERRORS, Upstream
 
 

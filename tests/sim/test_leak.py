@@ -13,8 +13,8 @@ import pytest
 import trio
 from tests.managed import free_port
 
-from nvpair.memproc import read_status
 from nvpair.sim.leak import PAGE, Leak
+from nvpair.supervision.memproc import read_status
 
 MIB = 1024 * 1024
 

@@ -12,9 +12,9 @@ import msgspec
 from nvpair.cli.memory import size
 from nvpair.cli.preflight import findings
 from nvpair.cli.table import render
-from nvpair.cluster import PeerTarget
-from nvpair.command import SECRET_ENV, build_command
-from nvpair.config import EngineSpec, Settings, placeholder_values
+from nvpair.config.cluster import PeerTarget
+from nvpair.config.command import SECRET_ENV, build_command
+from nvpair.config.settings import EngineSpec, Settings, placeholder_values
 
 #: environment names whose values ``check`` never prints
 _SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASS|CREDENTIAL|AUTH", re.IGNORECASE)
@@ -89,7 +89,7 @@ def report(settings: Settings) -> dict[str, object]:
 def _local(settings: Settings) -> Settings:
     """What this node runs as engines: a group's engine is adopted on its head (its group
     runner starts the process) and absent on its ranks (``Groups.local``)."""
-    from nvpair.group.link import Groups
+    from nvpair.peers.groups import Groups
 
     return Groups(settings).local(settings)
 

@@ -12,7 +12,7 @@ import msgspec
 
 from nvpair.cli.memory import TREND_COLOURS, trend_cell
 from nvpair.cli.table import STATE_COLOURS, render
-from nvpair.config import find_config_path, load_settings, url_host
+from nvpair.config.settings import find_config_path, load_settings, url_host
 from nvpair.errors import ConfigError, InputError
 
 

@@ -14,7 +14,7 @@ import trio
 from nvpair import service
 from nvpair.cli.progress import print_transitions
 from nvpair.cli.serve import os_error
-from nvpair.config import Config, resolve
+from nvpair.config.settings import Config, resolve
 
 #: (name, kind, model, extra simulator flags)
 DEMO_ENGINES: tuple[tuple[str, str, str, list[str]], ...] = (

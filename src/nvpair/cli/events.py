@@ -12,8 +12,8 @@ from typing import Any
 import httpx2
 import msgspec
 
+from nvpair.base.decoding import is_digits
 from nvpair.cli.client import base_url, call, print_status
-from nvpair.decoding import is_digits
 from nvpair.errors import InputError
 
 #: how long to wait before reconnecting when the server sent no ``retry:``

@@ -117,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def dispatch(args: argparse.Namespace) -> int:
-    from nvpair.config import load_settings
+    from nvpair.config.settings import load_settings
 
     if args.command == "check":
         from nvpair.cli import check
@@ -133,7 +133,7 @@ def dispatch(args: argparse.Namespace) -> int:
 
             sys.stdout.write(document_json().decode() + "\n")
             return 0
-        from nvpair.schema import schema_json
+        from nvpair.config.schema import schema_json
 
         sys.stdout.write(schema_json(args.what) + "\n")
         return 0
@@ -142,7 +142,7 @@ def dispatch(args: argparse.Namespace) -> int:
 
         return run_serve(load_settings(args.config, listen=args.listen))
     if args.command == "unit":
-        from nvpair.deploy import unit_text
+        from nvpair.config.deploy import unit_text
 
         sys.stdout.write(unit_text(config=args.config, user=args.user))
         config = args.config or "/etc/nvpair/nvpair.toml"

@@ -16,8 +16,8 @@ import socket
 from pathlib import Path
 from typing import Literal, NamedTuple
 
-from nvpair.command import build_command, engine_env, key_in_argv
-from nvpair.config import EngineSpec, Settings, placeholder_values
+from nvpair.config.command import build_command, engine_env, key_in_argv
+from nvpair.config.settings import EngineSpec, Settings, placeholder_values
 
 Level = Literal["error", "warning"]
 #: how long the look at a port that may be taken now waits for a connection (loopback
@@ -37,7 +37,7 @@ def findings(settings: Settings, *, now: bool = True) -> list[Finding]:
     """Everything found wrong with the engines of ``settings``, errors first. ``now``:
     also look at what listens on the managed engines' ports at this moment (``check``;
     ``serve`` leaves it to each engine's own port check)."""
-    from nvpair.group.link import Groups
+    from nvpair.peers.groups import Groups
 
     settings = Groups(settings).local(settings)  # what this node runs (a rank: no engine)
     found = _clashes(settings) + _keys_in_argv(settings)
@@ -57,7 +57,7 @@ def _keys_in_argv(settings: Settings) -> list[Finding]:
     local user can read it: SGLang takes its key no other way, and a command may say
     ``{api_key}`` (the built-in vLLM and llama.cpp manifests pass it by environment and
     file)."""
-    from nvpair.group.spec import role_manifest
+    from nvpair.config.group import role_manifest
 
     found = []
     for e in settings.engines:

@@ -10,7 +10,7 @@ import trio
 import trio.lowlevel
 
 from nvpair.cli.table import STATE_COLOURS, paint, use_colour
-from nvpair.snapshot import Board, EngineState
+from nvpair.state.snapshot import Board, EngineState
 
 
 def describe(e: EngineState) -> str:

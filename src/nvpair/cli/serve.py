@@ -10,8 +10,8 @@ import trio
 
 from nvpair import service
 from nvpair.cli.progress import print_transitions
-from nvpair.config import Settings
-from nvpair.server import raise_fd_limit
+from nvpair.config.settings import Settings
+from nvpair.http.server import raise_fd_limit
 
 
 def run_serve(settings: Settings) -> int:

@@ -1,13 +1,21 @@
 """The peers broker: every node keeps the cluster's models in memory, fed by a background
-channel (HTTP push between nodes, or etcd), so a cluster listing never calls out.
 
-Module map: ``advert`` (what a node says about itself), ``table`` (the peer table and its
-states; the API's ``ClusterView``), ``receiver`` (``POST /v1/peers/adverts``), ``status``
-(``GET /v1/peers``), ``push`` (one pusher per peer), ``gateway`` (etcd's v3 JSON gateway),
-``etcd`` (the etcd backend), ``broker`` (builds and runs the lot for the service). See
-docs/peers.md.
+The modules:
 
-The ``[cluster]`` table is config (``nvpair.cluster``); peers read what it resolves to and
-sit above the ``asgi`` helpers and the router's ``peering`` protocol, never below the API:
-nothing here imports ``nvpair.api`` or ``nvpair.views`` (tests/test_layers.py).
+* ``advert``: what a node says about itself (`Advert`), and the `Advertiser` that keeps it
+  current.
+* ``table``: the peer table: each peer's newest advert, its state computed when read.
+* ``feed``: the peer table as the event journal reads it (each peer's state and models).
+* ``receiver``: `POST /v1/peers/adverts`, where pushed adverts arrive.
+* ``status``: `GET /v1/peers`.
+* ``push``: one `Pusher` per configured peer, over one kept-alive connection.
+* ``gateway``: the few calls of etcd's v3 JSON gateway the etcd backend needs.
+* ``etcd``: the etcd backend: this node's advert under a leased key, every node's from a
+  watch.
+* ``broker``: builds and runs the node's peers for the service.
+* ``groups``: `Groups`, the groups wired to the peers (`GroupLink`: what each node last said
+  about a group).
+* ``epochkey``: `EpochKey`, with etcd: the head claims each epoch under one key tied to its
+  lease (a compare-and-swap), and `EpochWatch`, its ranks' watch of that key, so two heads
+  never both run one and a rank fences itself once its head's lease is gone.
 """

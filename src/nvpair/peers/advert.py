@@ -14,16 +14,16 @@ from typing import Annotated, Any, NamedTuple
 import msgspec
 import trio
 
-from nvpair.boundary import Part
-from nvpair.changes import Changes
-from nvpair.cluster import NODE_PATTERN
-from nvpair.decoding import decode_json
+from nvpair.base.boundary import Part
+from nvpair.base.changes import Changes
+from nvpair.base.decoding import decode_json
+from nvpair.base.urls import url_problem
+from nvpair.config.cluster import NODE_PATTERN
 from nvpair.errors import NvpairError
-from nvpair.group.machine import Report as GroupReport
-from nvpair.group.runner import Reports
-from nvpair.listing import NAME_MAX, TEXT_MAX, ModelItem, Name, Text, catalog, visible
-from nvpair.snapshot import Board
-from nvpair.urls import url_problem
+from nvpair.state.group import Report as GroupReport
+from nvpair.state.listing import NAME_MAX, TEXT_MAX, ModelItem, Name, Text, catalog, visible
+from nvpair.state.snapshot import Board
+from nvpair.supervision.group import Reports
 
 #: An advert larger than this is refused by receivers (413) and never sent: a node with
 #: more models than fit advertises the first ones and how many it left out.
@@ -32,7 +32,7 @@ MAX_ADVERT_BYTES = 64 * 1024
 log = logging.getLogger("nvpair.peers")
 
 #: the longest model id, owner or alias receivers take (and names: engines, kinds, states)
-#: are ``nvpair.listing``'s TEXT_MAX and NAME_MAX.
+#: are ``nvpair.state.listing``'s TEXT_MAX and NAME_MAX.
 NodeName = Annotated[str, msgspec.Meta(pattern=NODE_PATTERN)]
 #: where a node says it can be reached: requests for its models are sent there (checked
 #: further by ``Advert.__post_init__``: scheme, host, port, IPv6 literal).

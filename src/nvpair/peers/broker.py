@@ -10,16 +10,16 @@ from urllib.parse import urlsplit, urlunsplit
 
 import trio
 
-from nvpair.asgi import Mount
-from nvpair.boundary import Part
-from nvpair.cluster import ClusterSettings
+from nvpair.base.boundary import Part
+from nvpair.config.cluster import ClusterSettings
+from nvpair.http.asgi import Mount
 from nvpair.peers.advert import Advertiser
 from nvpair.peers.etcd import EtcdBackend
 from nvpair.peers.push import LEAVE_BUDGET_S, Pusher
 from nvpair.peers.receiver import ADVERTS_PATH, Receiver
 from nvpair.peers.status import PEERS_PATH, Status
 from nvpair.peers.table import Link, PeerTable
-from nvpair.snapshot import Board
+from nvpair.state.snapshot import Board
 
 
 def default_url(bound: str) -> str:

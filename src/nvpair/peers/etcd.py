@@ -17,7 +17,7 @@ takes its client with it, so nothing a cancelled request leaves in a pool can we
 When etcd cannot be reached the table keeps its entries: no contact for a TTL makes them
 stale, for 3 x TTL gone. Nothing here ever blocks a read.
 
-Each loop is a fault boundary (``nvpair.boundary.Part``): a failed call is ``unreachable``
+Each loop is a fault boundary (``nvpair.base.boundary.Part``): a failed call is ``unreachable``
 (no answer), anything else at all (an answer that is not the gateway's, etcd's own error, a
 bug here) is ``failed`` with the reason; both are retried with backoff and jitter (doubling
 from 0.2 s to TTL/3) and never leave the backend.
@@ -34,14 +34,14 @@ from typing import Any
 import httpx2
 import trio
 
-from nvpair.ages import age
-from nvpair.boundary import Part
-from nvpair.cluster import EtcdSettings
+from nvpair.base.ages import age
+from nvpair.base.boundary import Part
+from nvpair.base.tls import client_tls
+from nvpair.config.cluster import EtcdSettings
 from nvpair.errors import NvpairError
 from nvpair.peers.advert import Advertiser, AdvertRejected, decode
 from nvpair.peers.gateway import KV, EtcdError, Gateway, LeaseNotFound, WatchResult
 from nvpair.peers.table import PeerTable
-from nvpair.tls import client_tls
 
 log = logging.getLogger("nvpair.peers")
 

@@ -1,4 +1,4 @@
-"""The peer table as the event journal reads it (``nvpair.events.PeerSource``): each
+"""The peer table as the event journal reads it (``nvpair.state.events.PeerSource``): each
 peer's state and models, without ages or counters, and a wait that also wakes when a
 peer's state changes with time alone (fresh to stale to gone)."""
 

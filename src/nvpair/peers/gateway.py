@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import httpx2
 import msgspec
 
-from nvpair.decoding import decode_json, is_digits
+from nvpair.base.decoding import decode_json, is_digits
 from nvpair.errors import NvpairError
 
 T = TypeVar("T")

@@ -11,7 +11,7 @@ total deadline per push. The client keeps an idle connection ``2 x interval`` an
 receiving nvpair ``3 x interval`` (see ``keep_alive_for``), so steady pushes reuse their
 connection and the client, not the server, closes an idle one (no CLOSE-WAIT piles up here).
 Failures are recorded in the ``Link`` and logged (the 1st, 2nd, 4th, 8th... in a row), never
-raised. The loop is a fault boundary (``nvpair.boundary.Part``): anything else that goes
+raised. The loop is a fault boundary (``nvpair.base.boundary.Part``): anything else that goes
 wrong in it (a bug of nvpair's) is a failed push of this link with the reason (``fault`` in
 ``/v1/peers``), retried after a backoff; it never reaches the other links or the node.
 """
@@ -27,13 +27,13 @@ import httpx2
 import msgspec
 import trio
 
-from nvpair.boundary import Part
-from nvpair.cluster import PeerTarget
-from nvpair.decoding import is_digits
+from nvpair.base.boundary import Part
+from nvpair.base.decoding import is_digits
+from nvpair.base.tls import client_tls
+from nvpair.config.cluster import PeerTarget
 from nvpair.peers.advert import Advertiser
 from nvpair.peers.receiver import ADVERTS_PATH
 from nvpair.peers.table import Link
-from nvpair.tls import client_tls
 
 log = logging.getLogger("nvpair.peers")
 

@@ -13,7 +13,7 @@ import logging
 
 import trio
 
-from nvpair.asgi import (
+from nvpair.http.asgi import (
     BodyTooLarge,
     Receive,
     Scope,

@@ -10,7 +10,7 @@ from typing import Any
 
 import trio
 
-from nvpair.asgi import Receive, Scope, Send, send_json, send_wrong_method
+from nvpair.http.asgi import Receive, Scope, Send, send_json, send_wrong_method
 
 PEERS_PATH = "/v1/peers"
 

@@ -20,12 +20,12 @@ from typing import Any, Literal
 
 import trio
 
-from nvpair.ages import age
-from nvpair.changes import Changes
-from nvpair.cluster import MAX_TTL_S
+from nvpair.base.ages import age
+from nvpair.base.changes import Changes
+from nvpair.config.cluster import MAX_TTL_S
 from nvpair.peers.advert import Advert
 from nvpair.router.peering import PeerRoute, PeerRoutes
-from nvpair.snapshot import LISTED_STATES
+from nvpair.state.snapshot import LISTED_STATES
 
 PeerState = Literal["fresh", "one-way", "stale", "gone", "left"]
 LISTED: frozenset[str] = frozenset({"fresh", "one-way", "stale"})

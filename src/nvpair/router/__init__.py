@@ -1,14 +1,24 @@
 """The OpenAI front door: route requests to the engine that serves the model.
 
-Module map: ``select`` (which engines may take a request, from the snapshot), ``relay`` (the
-ASGI handler that passes bytes through and ends the engine's work when the client goes),
-``upstream`` (the pools), ``view`` (GET /v1/router). The router's memory of real requests,
-``nvpair.traffic``, lives below both the router, which writes it, and the prober, which reads
-it. Peers come in through the ``PeerRouter`` protocol (``router.peering``): the router imports
-nothing of ``nvpair.peers``.
+The modules:
+
+* ``evict``: which running on-demand engines make room for another (`plan`), pure: idle ones
+  first (a busy one only when they do not free enough), then by priority, least recently
+  used.
+* ``select``: which engines may take a request for a model, from the snapshot, never probed.
+* ``relay``: the ASGI handler that passes a request to an engine and its answer back.
+* ``upstream``: a connection pool per engine or peer, on httpcore2.
+* ``counters``: `GET /v1/router`, the router's own counters.
+* ``peering``: what the router knows of peers: `PeerRouter`, the routes to a model.
+* ``activation``: engines on demand: `Activator`, the single-flight start, the bounded queue
+  per engine, evictions and idle unloads.
+
+The router's memory of real requests, ``nvpair.state.traffic``, lives below both the router,
+which writes it, and the prober, which reads it. Peers come in through the ``PeerRouter``
+protocol (``peering``): the router imports nothing of ``nvpair.peers``.
 """
 
 from nvpair.router.relay import ROUTED_PATHS, Router
-from nvpair.traffic import Traffic
+from nvpair.state.traffic import Traffic
 
 __all__ = ["ROUTED_PATHS", "Router", "Traffic"]

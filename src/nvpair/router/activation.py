@@ -12,7 +12,7 @@ request for a model an on-demand engine serves (docs/on-demand.md):
   ``queue_wait_s`` (``Unavailable`` 503 with Retry-After and why), or until the start fails
   (``Unavailable`` 503, the engine's last log line). A client that leaves is cancelled and
   leaves the queue at once (``Ticket.leave``).
-* Before a start the memory budget is checked (``nvpair.evict.plan``); victims drain (no
+* Before a start the memory budget is checked (``nvpair.router.evict.plan``); victims drain (no
   new requests, those in flight finish however long they take) and stop, then the engine
   starts. Nothing can make room: every waiter gets 503 with the reason. Once no request
   waits for the engine any more, drains still waiting for requests in flight are called
@@ -37,16 +37,16 @@ from typing import Literal
 import msgspec
 import trio
 
-from nvpair.boundary import Part
-from nvpair.config import ActivationConfig, EngineSpec, MemoryConfig
+from nvpair.base.boundary import Part
+from nvpair.config.settings import ActivationConfig, EngineSpec, MemoryConfig
 from nvpair.errors import NvpairError
-from nvpair.evict import Candidate, gigabytes, plan
-from nvpair.lifecycle import Busy, EngineRunner
-from nvpair.memproc import Meminfo, MemorySourceError, read_meminfo
-from nvpair.memstate import NodeMemory
-from nvpair.memtrend import reserve_bytes
-from nvpair.snapshot import LISTED_STATES, Board, EngineState
-from nvpair.traffic import Traffic
+from nvpair.router.evict import Candidate, gigabytes, plan
+from nvpair.state.memory import NodeMemory
+from nvpair.state.snapshot import LISTED_STATES, Board, EngineState
+from nvpair.state.traffic import Traffic
+from nvpair.supervision.lifecycle import Busy, EngineRunner
+from nvpair.supervision.memproc import Meminfo, MemorySourceError, read_meminfo
+from nvpair.supervision.memtrend import reserve_bytes
 
 log = logging.getLogger("nvpair.activation")
 
@@ -166,7 +166,8 @@ def auto_budget(using: int, reserve: int | str, info: Meminfo | None,
 
     Available: ``info`` (``/proc/meminfo`` read now), else the memory watch's last node
     reading, else nothing. The reserve: the ``[memory]`` table's ``reserve_bytes``, and for
-    ``"auto"`` the watch's own rule (``nvpair.memtrend.reserve_bytes``, earlyoom's line).
+    ``"auto"`` the watch's own rule (``nvpair.supervision.memtrend.reserve_bytes``, earlyoom's
+    line).
     Where the watch read a cgroup limit, the room left under it caps the headroom."""
     if info is not None:
         available, anon = info.mem_available, info.anon_pages

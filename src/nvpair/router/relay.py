@@ -25,8 +25,12 @@ import httpcore2
 import msgspec
 import trio
 
-from nvpair import wakes
-from nvpair.asgi import (
+from nvpair.base.boundary import Part
+from nvpair.base.decoding import decode_json
+from nvpair.base.streams import close_early
+from nvpair.config.settings import EngineSpec, RouterConfig
+from nvpair.errors import NvpairError
+from nvpair.http.asgi import (
     FORWARDED_BY,
     BodyTooLarge,
     Receive,
@@ -39,17 +43,13 @@ from nvpair.asgi import (
     send_error,
     send_wrong_method,
 )
-from nvpair.boundary import Part
-from nvpair.config import EngineSpec, RouterConfig
-from nvpair.decoding import decode_json
-from nvpair.errors import NvpairError
 from nvpair.router.activation import Activator, QueueFull, Ticket, Unavailable
 from nvpair.router.peering import PeerRoute, PeerRouter
 from nvpair.router.select import Known, choose, order_peers
 from nvpair.router.upstream import BODY_ERRORS, SEND_ERRORS, Refused, Upstream
-from nvpair.snapshot import Board
-from nvpair.streams import close_early
-from nvpair.traffic import Traffic, peer_key
+from nvpair.runtime import wakes
+from nvpair.state.snapshot import Board
+from nvpair.state.traffic import Traffic, peer_key
 
 ROUTED_PATHS = frozenset({
     "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",

@@ -7,11 +7,11 @@ from collections.abc import Iterable
 
 import msgspec
 
-from nvpair.config import EngineSpec
+from nvpair.config.settings import EngineSpec
 from nvpair.router.peering import PeerRoute
-from nvpair.snapshot import LISTED_STATES, Snapshot
-from nvpair.state import effective_state
-from nvpair.traffic import Traffic, peer_key
+from nvpair.state.snapshot import LISTED_STATES, Snapshot
+from nvpair.state.traffic import Traffic, peer_key
+from nvpair.state.transitions import effective_state
 
 
 class Choice(msgspec.Struct, frozen=True):

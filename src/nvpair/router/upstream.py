@@ -25,8 +25,8 @@ from urllib.parse import urlsplit
 import httpcore2
 import trio
 
-from nvpair.config import EngineSpec, RouterConfig
-from nvpair.tls import client_tls
+from nvpair.base.tls import client_tls
+from nvpair.config.settings import EngineSpec, RouterConfig
 
 #: errors of a response body being read (the engine cut it, or broke the protocol).
 BODY_ERRORS = (httpcore2.NetworkError, httpcore2.ProtocolError)

@@ -1,0 +1,17 @@
+"""Small helpers with nothing of nvpair above them: ages, decoding, streams, URLs.
+
+The modules:
+
+* ``decoding``: strict JSON decoding with limits; msgspec's errors as one line naming the
+  file and path.
+* ``ages``: seconds since a monotonic timestamp, computed at read time.
+* ``urls``: whether a URL from the config or an advert is one nvpair's clients can open.
+* ``tls``: the one shared TLS context for every HTTP client (building one costs ~55 ms).
+* ``streams``: closing httpx2's and httpcore2's body iterators early without leaks.
+* ``boundary``: fault boundaries: `Part` (`failed`, `ok`, `guard`, `supervise`), `Backoff`,
+  `describe`.
+* ``logs``: a managed engine's output: a bounded ring of lines and a size-capped file,
+* ``changes``: `Changes`, a version that moves with each change (`bump`, `wait_changed`).
+* ``histogram``: `Histogram`, fixed buckets of durations the router and the sweep observe
+  for `/metrics`.
+"""

@@ -1,0 +1,16 @@
+"""The config file, engine manifests, commands, cluster and group specs (no I/O).
+
+The modules:
+
+* ``manifest``: engine manifests (`engines/<kind>.json`): how each kind starts and is
+  probed.
+* ``command``: a managed engine's argv and environment from its template, never through a
+  shell.
+* ``cluster``: the `[cluster]` table and the peer settings it resolves to.
+* ``settings``: `nvpair.toml`, decoded strictly, resolved to `Settings` and one `EngineSpec`
+  per engine.
+* ``schema``: JSON Schemas of the config and the manifests, generated from the types.
+* ``deploy``: the systemd unit nvpair ships (docs/deploy.md).
+* ``group``: `[engines.group]`, resolved to `GroupSettings`: this node's rank and its role's
+  start template (docs/groups.md).
+"""

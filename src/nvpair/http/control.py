@@ -1,0 +1,57 @@
+"""The API's controller: engine requests in HTTP terms, and the engines' logs.
+
+Supervision answers a request with a domain result (``nvpair.supervision.lifecycle.Accepted`` or
+``Busy``); this module says what that is on the wire: ``Accepted`` is 202 with the engine's
+status object (the one ``GET /v1/engines/{name}`` returns) and the operation in progress,
+``Busy`` is 409 with the reason in OpenAI's error shape (``engine_busy``). It never waits:
+the request only records what is wanted, and the body comes from the current snapshot.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import trio
+
+from nvpair.base.logs import EngineLog
+from nvpair.http.asgi import error_doc
+from nvpair.http.views import engine_status
+from nvpair.state.snapshot import Board
+from nvpair.supervision.lifecycle import Action, Busy, EngineRunner
+
+ADOPTED_NOTE = ("adopted engine: nvpair never signals it; stop unlists it and stops probing, "
+                "start resumes probing")
+
+
+class Control:
+    """The API's ``Controller``: requests and logs for every engine, by name."""
+
+    def __init__(self, runners: dict[str, EngineRunner], board: Board, node: str) -> None:
+        self.runners = runners
+        self.board = board
+        self.node = node
+
+    async def command(self, name: str, action: str) -> tuple[int, dict[str, Any]]:
+        """Ask engine ``name``'s runner for ``action`` (start, stop, restart or drain): 202 with
+        the engine's status, or 409 with why not. Raises KeyError for an unknown engine
+        (the API checks the name first)."""
+        runner = self.runners[name]
+        if action == "drain":  # finish the routed requests in flight, then stop
+            result = runner.drain(then="stop", reason="asked by the operator")
+        else:
+            result = runner.request(cast(Action, action))
+        if isinstance(result, Busy):
+            return 409, error_doc(409, result.reason, "engine_busy")
+        snap = self.board.current
+        engine = snap.engine(name)
+        assert engine is not None
+        doc = engine_status(engine, snap, trio.current_time(), self.node)
+        doc["operation"] = result.operation
+        if not runner.spec.managed:
+            doc["note"] = ADOPTED_NOTE
+        return 202, doc
+
+    def log(self, name: str) -> EngineLog | None:
+        """The engine's log (None for an unknown or adopted engine: it has none)."""
+        runner = self.runners.get(name)
+        return None if runner is None else runner.log

@@ -1,0 +1,64 @@
+"""The systemd unit nvpair ships, and `nvpair unit`, which prints it."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nvpair.config.deploy import unit_template, unit_text
+
+
+def _keys(text: str) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in text.splitlines()
+                if "=" in line and not line.startswith("#"))
+
+
+def test_the_shipped_unit_contains_nvpair_s_containment() -> None:
+    keys = _keys(unit_template())
+    assert keys["ExecStart"] == "/usr/local/bin/nvpair serve --config /etc/nvpair/nvpair.toml"
+    assert keys["KillMode"] == "mixed"  # SIGTERM to nvpair; SIGKILL to the whole cgroup
+    assert keys["Delegate"] == "yes"
+    assert keys["StateDirectory"] == "nvpair"
+    assert keys["Restart"] == "on-failure"
+    assert keys["OOMPolicy"] == "continue"  # an engine's OOM kill is not the unit's end
+    assert keys["User"] == "nvpair"
+    # nvpair's own shutdown (5 s drain, then the longest built-in grace, 30 s) fits
+    assert int(keys["TimeoutStopSec"]) >= 5 + 30
+
+
+def test_unit_text_names_this_nvpair_its_config_and_user(tmp_path: Path) -> None:
+    keys = _keys(unit_text(executable="/opt/nv/bin/nvpair", config=str(tmp_path / "n.toml"),
+                           user="gpu"))
+    assert keys["ExecStart"] == f"/opt/nv/bin/nvpair serve --config {tmp_path / 'n.toml'}"
+    assert keys["User"] == "gpu"
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--user", "9lives"], "nvpair: error: --user: '9lives' is not a user name"),
+    (["--user", "a b"], "nvpair: error: --user: 'a b' is not a user name"),
+    (["--config", "/etc/my nvpair.toml"], "nvpair: error: --config: '/etc/my nvpair.toml' has"),
+    (["--config", "/etc/%h.toml"], "nvpair: error: --config: '/etc/%h.toml' has"),
+])
+def test_nvpair_unit_refuses_what_a_unit_would_misread(args: list[str], says: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "nvpair", "unit", *args], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.startswith(says) and r.stderr.count("\n") == 1
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")
+def test_systemd_accepts_the_printed_unit(tmp_path: Path) -> None:
+    unit = tmp_path / "nvpair.service"
+    r = subprocess.run([sys.executable, "-m", "nvpair", "unit", "--config",
+                        str(tmp_path / "nvpair.toml")], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    # ExecStart must name an executable that exists for verify to pass
+    unit.write_text(r.stdout.replace(_keys(r.stdout)["ExecStart"].split()[0], sys.executable))
+    v = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
+                       text=True, timeout=60, cwd=tmp_path)
+    assert v.returncode == 0 and v.stdout + v.stderr == "", v.stdout + v.stderr

@@ -1,0 +1,172 @@
+"""``[engines.group]``: this node's rank from its name or NVPAIR_NODE_RANK, the roles'
+templates from the manifest, and a one-line error for every group that cannot run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from nvpair.config.command import build_command
+from nvpair.config.group import RANK_ENV, role_manifest, role_values
+from nvpair.config.manifest import decode_manifest, load_manifest
+from nvpair.config.settings import decode_config, resolve
+from nvpair.errors import ConfigError, ManifestError
+
+PEERS = """
+[cluster]
+token_file = "token"
+[[peers]]
+url = "http://127.0.0.1:1"
+"""
+
+
+def config(tmp_path: Path, *, node: str = "spark-2", kind: str = "sglang", group: str = "",
+           peers: bool = True, extra: str = "managed = true\n", receive_only: bool = False
+           ) -> str:
+    (tmp_path / "token").write_text("secret\n")
+    cluster = '[cluster]\ntoken_file = "token"\n' if receive_only else ""
+    return (f'node = "{node}"\n' + (PEERS if peers else cluster)
+            + f'[[engines]]\nname = "big"\nkind = "{kind}"\nmodel = "m"\n{extra}'
+            + '[engines.args]\ntp = 4\n[engines.group]\n'
+            + (group or 'ranks = ["spark-1", "spark-2", "spark-3"]\ndist_port = 50000\n'))
+
+
+def settings(tmp_path: Path, **kw: object):
+    text = config(tmp_path, **kw)  # type: ignore[arg-type]
+    return resolve(decode_config(text.encode(), "n.toml"), "n.toml", tmp_path)
+
+
+def error(tmp_path: Path, **kw: object) -> str:
+    with pytest.raises(ConfigError) as info:
+        settings(tmp_path, **kw)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_the_rank_is_the_nodes_place_in_ranks(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv(RANK_ENV, raising=False)
+    g = settings(tmp_path).engines[0].group
+    assert g is not None and (g.rank, g.role, g.nnodes, g.head_node) == (1, "rank", 3, "spark-1")
+    head = settings(tmp_path, node="spark-1").engines[0].group
+    assert head is not None and head.role == "head" and head.restart == "group"
+    assert (head.rank_lost_grace_s, head.fence_after_s) == (5.0, 30.0)
+    assert (head.backoff.initial_s, head.backoff.max_s, head.backoff.reset_after_s) == (
+        10.0, 300.0, 600.0)
+    assert (head.max_restarts.count, head.max_restarts.per_s) == (10, 3600.0)
+
+
+def test_the_environment_overrides_the_name(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv(RANK_ENV, "2")
+    g = settings(tmp_path, node="somewhere-else").engines[0].group
+    assert g is not None and g.rank == 2
+    monkeypatch.setenv(RANK_ENV, "3")
+    assert error(tmp_path) == (
+        f"{RANK_ENV}='3': expected a rank 0-2 of n.toml: engines[0].group.ranks")
+
+
+@pytest.mark.parametrize(("kw", "expected"), [
+    ({"node": "laptop"}, "n.toml: engines[0].group.ranks: this node ('laptop') is in no rank;"),
+    ({"group": 'ranks = ["a", "spark-2", "a"]\ndist_port = 1\n'},
+     "n.toml: engines[0].group.ranks[2]: 'a' is in ranks twice"),
+    ({"kind": "ollama"}, "n.toml: engines[0].group: the ollama manifest has no group roles"),
+    ({"peers": False}, "n.toml: engines[0].group: a group needs peers"),
+    ({"peers": False, "receive_only": True}, "n.toml: engines[0].group: a group needs peers"),
+    ({"extra": 'managed = true\nactivation = "on_demand"\n'},
+     "n.toml: engines[0].activation: a group runs always"),
+    ({"extra": ""}, "n.toml: engines[0].group: a group needs managed = true"),
+    ({"extra": 'managed = true\ncommand = ["x"]\n'},
+     "n.toml: engines[0].group: command cannot be used with a group"),
+    ({"group": 'ranks = ["spark-2"]\ndist_port = 1\n'}, "n.toml: engines[0].group.ranks:"),
+    ({"group": 'ranks = ["spark-1", "spark-2"]\n'}, "dist_port"),
+    ({"group": 'ranks = ["spark-1", "spark-2"]\ndist_port = 1\nrank = 5\n'},
+     "n.toml: engines[0].group.rank: 5 is not a rank of ranks (0-1)"),
+    ({"group": 'ranks = ["spark-1", "spark-2"]\ndist_port = 1\nrestart = "some"\n'},
+     "engines[0].group.restart"),
+    ({"group": 'ranks = ["spark-1", "spark-2"]\ndist_port = 1\n'
+               'restart_backoff = {initial_s = 400}\n'},
+     "n.toml: engines[0].group.restart_backoff: initial_s is above max_s"),
+])
+def test_a_group_that_cannot_run_is_one_line(tmp_path: Path, monkeypatch, kw, expected) -> None:
+    monkeypatch.delenv(RANK_ENV, raising=False)
+    assert expected in error(tmp_path, **kw)
+
+
+@given(st.text(max_size=8))
+def test_any_rank_variable_is_a_rank_or_one_line(tmp_path_factory, text: str) -> None:
+    tmp_path = tmp_path_factory.mktemp("c")
+    import os
+    old = os.environ.get(RANK_ENV)
+    try:
+        if "\0" in text:
+            return
+        os.environ[RANK_ENV] = text
+        try:
+            g = settings(tmp_path).engines[0].group
+        except ConfigError as exc:
+            assert "\n" not in str(exc) and RANK_ENV in str(exc)
+        else:
+            assert g is not None and 0 <= g.rank < 3
+            assert g.rank == (int(text) if text.strip() else 1)
+    finally:
+        if old is None:
+            os.environ.pop(RANK_ENV, None)
+        else:
+            os.environ[RANK_ENV] = old
+
+
+@pytest.mark.parametrize(("kind", "order", "rank_ready"), [
+    ("sglang", "together", "probe"), ("vllm", "head_first", "process"),
+    ("llamacpp", "ranks_first", "listen")])
+def test_builtin_roles(kind: str, order: str, rank_ready: str) -> None:
+    m = load_manifest(kind)
+    assert m.group is not None
+    assert (m.group.start_order, m.group.roles.rank.ready) == (order, rank_ready)
+
+
+def test_role_templates_fill_the_groups_placeholders(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv(RANK_ENV, raising=False)
+    spec = settings(tmp_path, node="spark-1", kind="llamacpp").engines[0]
+    g = spec.group
+    assert g is not None
+    hosts = ["10.0.0.1", "10.0.0.2", "fd00::3"]
+    head = role_values(g, g.head, {"model": "m", "host": "0.0.0.0", "port": 8080}, rank=0,
+                       dist_host="10.0.0.1", rank_hosts=hosts)
+    argv, _ = build_command(role_manifest(spec.manifest, g.head), None, head)
+    assert argv[-2:] == ["--rpc", "10.0.0.2:50000,[fd00::3]:50000"]
+    rank = role_values(g, g.member, {"host": "0.0.0.0"}, rank=2, dist_host="10.0.0.1",
+                       rank_hosts=hosts)
+    assert build_command(role_manifest(spec.manifest, g.member), None, rank)[0] == [
+        "rpc-server", "-H", "0.0.0.0", "-p", "50000"]
+    sg = settings(tmp_path, node="spark-3").engines[0]
+    assert sg.group is not None
+    values = role_values(sg.group, sg.group.member, {"model": "m", "host": "h", "port": 1},
+                         rank=2, dist_host="10.0.0.1", rank_hosts=hosts)
+    argv, _ = build_command(role_manifest(sg.manifest, sg.group.member), None, values)
+    assert argv[-6:] == ["--nnodes", "3", "--node-rank", "2", "--dist-init-addr",
+                         "10.0.0.1:50000"]
+
+
+BASE = ('{"kind": "x", "display_name": "X", "default_port": 1, "probes": {'
+        '"ready": {"path": "/r"}, "health": {"path": "/h"}}, "group": %s}')
+
+
+@pytest.mark.parametrize(("group", "expected"), [
+    ('{"roles": {"head": {"start": {"argv": ["a"]}}, "rank": {"start": {"argv": ["b"]}}}}',
+     "m.json: group.roles.rank: ready = 'probe' needs a probe"),
+    ('{"roles": {"head": {"start": {"argv": ["a"]}, "ready": "process"}, '
+     '"rank": {"start": {"argv": ["b"]}, "ready": "process"}}}',
+     "m.json: group.roles.head.ready: the head is ready by the engine's own probes"),
+    ('{"roles": {"head": {"start": {}}, "rank": {"start": {"argv": ["b"]}, "ready": "process"}}}',
+     "m.json: group.roles.head.start.argv: empty"),
+    ('{"roles": {"head": {"start": {"argv": ["a"]}}, "rank": {"start": {"argv": ["b"]}, '
+     '"probe": {"path": "/x", "cost": "queued"}}}}', "m.json: group.roles.rank.probe: a rank's"),
+    ('{"start_order": "sideways", "roles": {}}', "m.json: "),
+])
+def test_bad_group_roles_in_a_manifest(group: str, expected: str) -> None:
+    with pytest.raises(ManifestError) as info:
+        decode_manifest((BASE % group).encode(), "m.json")
+    assert expected in str(info.value) and "\n" not in str(info.value)
