@@ -9,7 +9,7 @@ import pytest
 import trio
 import trio.testing
 
-from nvpair.base.boundary import Backoff, Part, describe, expected
+from nvpair.base.boundary import Backoff, Part, expected, failure_line
 from nvpair.errors import ProbeError
 
 ERRORS: list[Exception] = [
@@ -48,7 +48,7 @@ async def test_each_kind_of_error_is_the_parts_failure_and_is_retried(
     assert runs == 5
     waited = trio.current_time() - started
     assert 15.0 <= waited <= 15.0 * 1.2 + 1e-9
-    assert published[:4] == [describe(error)] * 4 and published[-1] is None
+    assert published[:4] == [failure_line(error)] * 4 and published[-1] is None
     assert part.failure is None and part.failures == 4
     # logged once per transition: one failure record, one recovery record
     records = [r for r in caplog.records if r.name == "nvpair"]
@@ -56,10 +56,10 @@ async def test_each_kind_of_error_is_the_parts_failure_and_is_retried(
     failure, recovery = records
     if expected(error):
         assert failure.levelno == logging.WARNING and failure.exc_info is None
-        assert describe(error) in failure.getMessage()
+        assert failure_line(error) in failure.getMessage()
     else:
         assert failure.levelno == logging.ERROR and failure.exc_info is not None
-        assert "internal error in nvpair" in describe(error)
+        assert "internal error in nvpair" in failure_line(error)
     assert recovery.levelno == logging.INFO and "works again" in recovery.getMessage()
 
 
@@ -119,9 +119,9 @@ def test_same_failure_is_logged_once_a_new_one_again(caplog: pytest.LogCaptureFi
 
 
 def test_descriptions_are_one_short_line() -> None:
-    text = describe(ValueError("line one\nline two " + "x" * 1000))
+    text = failure_line(ValueError("line one\nline two " + "x" * 1000))
     assert "\n" not in text and len(text) <= 300
-    assert describe(ExceptionGroup("g", [ExceptionGroup("h", [ProbeError("s", "deep")])])) \
+    assert failure_line(ExceptionGroup("g", [ExceptionGroup("h", [ProbeError("s", "deep")])])) \
         == "deep"
 
 

@@ -33,9 +33,9 @@ from nvpair.supervision.memtrend import (
     TrendReading,
     TrendSettings,
     _theil_sen,
-    describe,
     reserve_bytes,
     slope_bound,
+    trend_line,
 )
 
 DT = 60.0
@@ -204,19 +204,19 @@ def test_reserve_is_earlyooms_line_or_2_gib() -> None:
 def test_describe_says_it_in_words() -> None:
     leaking = TrendReading(Trend.LEAKING, 0.39e9, 22.3 * HOUR, 21 * 10**9, 6 * HOUR,
                            "steady rise", 6 * HOUR)
-    assert describe("head", leaking, int(8.7e9)) == (
+    assert trend_line("head", leaking, int(8.7e9)) == (
         "head: anonymous memory +0.39 GB/h for 6 h; headroom 8.7 GB runs out in about 22 h")
     critical = TrendReading(Trend.CRITICAL, 3.1e9, 23 * 60, None, 1800, "x", 1800)
-    assert describe("a", critical, int(1.2e9)) == (
+    assert trend_line("a", critical, int(1.2e9)) == (
         "a: anonymous memory +3.10 GB/h for 30 min; headroom 1.2 GB runs out in about 23 min")
     growing = TrendReading(Trend.GROWING, 0.08e9, 109 * HOUR, None, 6 * HOUR, "x", 6 * HOUR)
-    assert describe("b", growing, int(8.7e9), what="node memory") == (
+    assert trend_line("b", growing, int(8.7e9), what="node memory") == (
         "b: node memory +0.08 GB/h for 6 h; headroom 8.7 GB lasts about 109 h")
     flat = TrendReading(Trend.FLAT, 0.0, None, 12 * 10**9, 6 * HOUR, "no rise", 6 * HOUR)
-    assert describe("c", flat, None) == "c: anonymous memory flat at 12.0 GB over 6 h"
+    assert trend_line("c", flat, None) == "c: anonymous memory flat at 12.0 GB over 6 h"
     watching = TrendReading(Trend.FLAT, 0.0, None, None, 2 * HOUR, "window not yet covered",
                             6 * HOUR)
-    assert describe("d", watching, None) == "d: anonymous memory, watching (2 h of 6 h seen)"
+    assert trend_line("d", watching, None) == "d: anonymous memory, watching (2 h of 6 h seen)"
 
 
 def test_settings_that_cannot_work_are_refused_in_one_line() -> None:

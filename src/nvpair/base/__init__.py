@@ -9,7 +9,7 @@ The modules:
 * ``tls``: the one shared TLS context for every HTTP client (building one costs ~55 ms).
 * ``streams``: closing httpx2's and httpcore2's body iterators early without leaks.
 * ``boundary``: fault boundaries: `Part` (`failed`, `ok`, `guard`, `supervise`), `Backoff`,
-  `describe`.
+  `failure_line`.
 * ``logs``: a managed engine's output: a bounded ring of lines and a size-capped file,
 * ``changes``: `Changes`, a version that moves with each change (`bump`, `wait_changed`).
 * ``histogram``: `Histogram`, fixed buckets of durations the router and the sweep observe

@@ -54,7 +54,7 @@ def expected(exc: BaseException) -> bool:
     return isinstance(inner, NvpairError)
 
 
-def describe(exc: BaseException) -> str:
+def failure_line(exc: BaseException) -> str:
     """One line of words for a failure: the message of an expected failure; type and message
     of an unexpected one, marked as nvpair's own bug."""
     inner = leaf(exc)
@@ -132,7 +132,7 @@ class Part:
 
     def failed(self, exc: BaseException) -> str:
         """Record a failure: publish it, log it if it is news, and return its description."""
-        reason = describe(exc)
+        reason = failure_line(exc)
         self.failures += 1
         if reason != self.failure:  # a transition (or a different failure): log it once
             if expected(exc):

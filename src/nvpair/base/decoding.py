@@ -25,7 +25,7 @@ def is_digits(text: str) -> bool:
     return text.isascii() and text.isdigit()
 
 
-def describe(exc: Exception) -> tuple[str, str]:
+def where_and_what(exc: Exception) -> tuple[str, str]:
     """Split a msgspec error into (path, what) with a readable path such as ``engines[1].port``."""
     match = _AT.match(str(exc).strip())
     assert match is not None  # the pattern matches any string
@@ -80,7 +80,7 @@ def _join(path: str, key: str) -> str:
 
 def one_line(source: str, exc: Exception) -> str:
     """``source: path: what`` (or ``source: what`` without a path)."""
-    path, what = describe(exc)
+    path, what = where_and_what(exc)
     return f"{source}: {path}: {what}" if path else f"{source}: {what}"
 
 
@@ -92,7 +92,7 @@ def convert(obj: object, type_: type[T], source: str, error: type[Exception]) ->
     except msgspec.ValidationError as exc:
         message = one_line(source, exc)
         if _ENUM.search(message):
-            message += _allowed_words(type_, describe(exc)[0], _ENUM.search(message))
+            message += _allowed_words(type_, where_and_what(exc)[0], _ENUM.search(message))
         raise error(message) from None
 
 
@@ -177,7 +177,7 @@ def json_error(body: bytes, exc: BaseException) -> str:
     if isinstance(exc, UnicodeDecodeError) or _UTF8 in str(exc) or not _is_utf8(body):
         return "is not UTF-8"
     if isinstance(exc, msgspec.ValidationError):
-        path, what = describe(exc)
+        path, what = where_and_what(exc)
         return f"does not fit: {path}: {what}" if path else f"does not fit: {what}"
     return f"is not JSON{excerpt(body)}"
 

@@ -13,7 +13,7 @@ from nvpair.cli.table import STATE_COLOURS, paint, use_colour
 from nvpair.state.snapshot import Board, EngineState
 
 
-def describe(e: EngineState) -> str:
+def state_line(e: EngineState) -> str:
     detail = ""
     if e.state in ("ready", "stale") and e.models:
         detail = "serving " + ", ".join(m.id for m in e.models[:4])
@@ -43,7 +43,7 @@ async def print_transitions(board: Board, stream: TextIO = sys.stderr) -> None:
             state = paint(e.state, STATE_COLOURS.get(e.state), colour)
             stamp = time.strftime("%H:%M:%S")
             line = f"{stamp} {e.name.ljust(width)}  {arrow}{state}"
-            if detail := describe(e):
+            if detail := state_line(e):
                 line += f"  {paint(detail, 'dim', colour)}"
             print(line, file=stream, flush=True)
         await trio.lowlevel.checkpoint()  # let a burst of changes land before printing the next

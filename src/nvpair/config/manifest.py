@@ -14,7 +14,7 @@ from typing import Annotated, Literal, get_args
 
 import msgspec
 
-from nvpair.base.decoding import describe, one_line
+from nvpair.base.decoding import one_line, where_and_what
 from nvpair.errors import ManifestError
 
 Cost = Literal["cheap", "queued", "generating"]
@@ -220,7 +220,7 @@ def decode_manifest(data: bytes, source: str) -> Manifest:
     try:
         manifest = msgspec.json.decode(data, type=Manifest)
     except msgspec.ValidationError as exc:
-        path, what = describe(exc)
+        path, what = where_and_what(exc)
         if path in REMOVED_KEYS and what.startswith("unknown key"):
             raise ManifestError(f"{source}: {path}: no longer a manifest key "
                                 f"({REMOVED_KEYS[path]}); remove it") from None

@@ -148,7 +148,7 @@ class Described(NamedTuple):
     beyond: int = 0
 
 
-def describe(board: Board, node: str, now: float,
+def advertised(board: Board, node: str, now: float,
              budget: int = MAX_ADVERT_BYTES) -> Described:
     """The engines and models part of this node's advert, from the board's listing.
 
@@ -255,7 +255,7 @@ class Advertiser:
         built = (self.board.listed(now), self.url, groups)
         if self._advert.seq and built == self._built:
             return False
-        engines, models, unfit, why, beyond = describe(self.board, self.node, now)
+        engines, models, unfit, why, beyond = advertised(self.board, self.node, now)
         content = (self.url, engines, _stable(models), beyond, unfit, groups)  # unfit: left_out
         self._built = built
         if self._advert.seq and content == self._content:

@@ -26,7 +26,7 @@ import msgspec
 import trio
 
 from nvpair.base.ages import age
-from nvpair.base.boundary import Part, describe
+from nvpair.base.boundary import Part, failure_line
 from nvpair.base.changes import Changes
 from nvpair.base.logs import DEFAULT_RATE, EngineLog, RateCap
 from nvpair.config.command import build_command, engine_env
@@ -441,7 +441,7 @@ class GroupRunner:
             with trio.move_on_after(5.0):
                 why = await self.claim(epoch)
         except Exception as exc:  # etcd away, an answer not etcd's: said, tried again
-            why = f"cannot claim the epoch in etcd: {describe(exc)}"
+            why = f"cannot claim the epoch in etcd: {failure_line(exc)}"
         self.claim_error = None if why is None else f"epoch {epoch} not claimed: {why}"
         if why is None:
             self._claimed = epoch

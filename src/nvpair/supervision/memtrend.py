@@ -435,7 +435,7 @@ def _duration(seconds: float) -> str:
     return f"{round(seconds / 3600)} h"
 
 
-def describe(name: str, reading: TrendReading, headroom_bytes: int | None,
+def trend_line(name: str, reading: TrendReading, headroom_bytes: int | None,
              what: str = "anonymous memory") -> str:
     """One line in words, e.g. ``head: anonymous memory +0.39 GB/h for 6 h; headroom 8.7 GB
     runs out in about 22 h``."""

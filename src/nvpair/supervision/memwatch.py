@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import msgspec
 import trio
 
-from nvpair.base.boundary import Part, describe
+from nvpair.base.boundary import Part, failure_line
 from nvpair.config.settings import EngineSpec, MemoryConfig
 from nvpair.runtime import wakes
 from nvpair.state.memory import EngineMemory, NodeMemory, ProcMemory
@@ -47,8 +47,13 @@ from nvpair.state.traffic import Traffic
 from nvpair.supervision import memproc
 from nvpair.supervision.lifecycle import Busy
 from nvpair.supervision.memproc import MemorySourceError, ProcStatus
-from nvpair.supervision.memtrend import Trend, TrendDetector, TrendReading, TrendSettings
-from nvpair.supervision.memtrend import describe as describe_trend
+from nvpair.supervision.memtrend import (
+    Trend,
+    TrendDetector,
+    TrendReading,
+    TrendSettings,
+    trend_line,
+)
 from nvpair.supervision.memtrend import reserve_bytes as auto_reserve
 
 log = logging.getLogger("nvpair.memory")
@@ -462,7 +467,7 @@ class MemoryWatch:
                     what: str = "anonymous memory") -> None:
         if r.trend.value == old:
             return
-        line = describe_trend(name, r, headroom, what)
+        line = trend_line(name, r, headroom, what)
         level = logging.WARNING if r.trend in (Trend.LEAKING, Trend.CRITICAL) else logging.INFO
         log.log(level, "%s (was %s, now %s)", line, old, r.trend.value)
 
@@ -580,7 +585,7 @@ class MemoryWatch:
             info = memproc.read_meminfo(self.proc)
         except Exception as exc:
             log.info("%s: could not tell whether the exit was for memory: %s", name,
-                     describe(exc))
+                     failure_line(exc))
             return None
         reserve = (auto_reserve(info.mem_available, info.anon_pages)
                    if self.config.reserve_bytes == "auto" else int(self.config.reserve_bytes))
