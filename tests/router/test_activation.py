@@ -6,8 +6,10 @@ Each test runs the real service (real subprocesses, real sockets, real HTTP); th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -64,6 +66,20 @@ class OnDemand(NamedTuple):
     activator: Activator
 
 
+@contextlib.asynccontextmanager
+async def on_demand_service(
+        nursery: trio.Nursery, settings: Settings, *,
+        read: bool = False) -> AsyncIterator[tuple[Any, httpx2.AsyncClient, Any]]:
+    """A running nvpair of ``settings`` (in ``nursery``), a client of its API, and with
+    ``read`` a reader that times its reads all along (``tests.managed.reading``)."""
+    running = await nursery.start(service.run, settings)
+    async with contextlib.AsyncExitStack() as stack:
+        reader = await stack.enter_async_context(reading(running.url)) if read else None
+        client = await stack.enter_async_context(
+            httpx2.AsyncClient(headers=JSON, base_url=running.url, timeout=30))
+        yield running, client, reader
+
+
 async def one_on_demand(nursery: trio.Nursery, *, loading: bool = False,
                         config: ActivationConfig | None = None, **spec_kw: Any) -> OnDemand:
     """One managed on-demand vLLM engine "e" (a fake process through the spawn seam, a
@@ -91,9 +107,8 @@ async def test_eight_requests_for_a_cold_model_start_it_once_and_go_in_order(
     settings = on_demand(tmp_path, {"a": sim_command("vllm", "--load-s", "1.5")},
                          a="max_in_flight = 1")
     with trio.fail_after(40):
-        running = await nursery.start(service.run, settings)
-        async with reading(running.url) as reader, httpx2.AsyncClient(
-                headers=JSON, base_url=running.url, timeout=30) as client:
+        async with on_demand_service(nursery, settings, read=True) as (
+                running, client, reader):
             listed = (await client.get("/v1/models")).json()["data"]
             assert [(m["id"], m["nvpair"]["state"]) for m in listed] == [("model-a", "cold")]
             heads: list[int] = []
@@ -180,8 +195,7 @@ async def test_two_slots_serve_eight_waiting_requests_in_four_waves_without_a_50
         "llamacpp", "-np", "2", "--load-s", "1", "--token-rate", "10")}, kind="llamacpp",
         activation="queue_wait_s = 5")
     with trio.fail_after(40):
-        running = await nursery.start(service.run, settings)
-        async with httpx2.AsyncClient(headers=JSON, base_url=running.url, timeout=30) as client:
+        async with on_demand_service(nursery, settings) as (_, client, _):
             ended = await burst(client, "model-a", 8, tokens=10)  # 1 s each
             traffic = (await client.get("/v1/engines/a")).json()
     assert [status for _, status in ended] == [200] * 8, ended
@@ -198,8 +212,7 @@ async def test_two_slots_serve_eight_waiting_requests_in_four_waves_without_a_50
 async def test_a_client_that_leaves_while_queued_leaves_the_queue(nursery, tmp_path) -> None:
     settings = on_demand(tmp_path, {"a": sim_command("vllm", "--load-s", "1.5")})
     with trio.fail_after(40):
-        running = await nursery.start(service.run, settings)
-        async with httpx2.AsyncClient(headers=JSON, base_url=running.url, timeout=30) as client:
+        async with on_demand_service(nursery, settings) as (running, client, _):
             with trio.CancelScope() as gone:
                 async with trio.open_nursery() as n:
                     n.start_soon(lambda: client.post("/v1/chat/completions",
@@ -218,9 +231,8 @@ async def test_a_full_queue_is_429_and_a_long_wait_is_503(nursery, tmp_path) -> 
     settings = on_demand(tmp_path, {"a": sim_command("vllm", "--load-s", "30")},
                          activation="queue_max = 2\nqueue_wait_s = 1.0")
     with trio.fail_after(30):
-        running = await nursery.start(service.run, settings)
-        async with reading(running.url) as reader, httpx2.AsyncClient(
-                headers=JSON, base_url=running.url, timeout=30) as client:
+        async with on_demand_service(nursery, settings, read=True) as (
+                running, client, reader):
             waited: list[httpx2.Response] = []
 
             async def one() -> None:
@@ -245,8 +257,7 @@ async def test_a_start_that_fails_is_503_for_every_waiter_with_the_reason(
     settings = on_demand(tmp_path, {"a": sim_command("vllm", "--load-s", "0.5",
                                                      "--fail-on-load", "3")})
     with trio.fail_after(30):
-        running = await nursery.start(service.run, settings)
-        async with httpx2.AsyncClient(headers=JSON, base_url=running.url, timeout=30) as client:
+        async with on_demand_service(nursery, settings) as (running, client, _):
             answers: list[httpx2.Response] = []
 
             async def one() -> None:
@@ -274,9 +285,8 @@ async def test_a_budget_for_one_drains_the_first_engine_then_starts_the_second(
                    "b": sim_command("vllm", "--load-s", "0.5")},
         activation=f"memory_budget_bytes = {10 * GB}", extra=f"memory_bytes = {6 * GB}")
     with trio.fail_after(40):
-        running = await nursery.start(service.run, settings)
-        async with reading(running.url) as reader, httpx2.AsyncClient(
-                headers=JSON, base_url=running.url, timeout=30) as client:
+        async with on_demand_service(nursery, settings, read=True) as (
+                running, client, reader):
             first = await client.post("/v1/chat/completions", content=payload("model-a"))
             assert first.status_code == 200, first.text
             chunks: list[bytes] = []
@@ -358,9 +368,8 @@ async def test_an_eviction_waits_for_a_stream_longer_than_the_stop_grace(
     lets its stream end intact (every token, [DONE]), then a stops and b
     starts and answers. Before, a was stopped 0.5 s into the drain and its stream cut."""
     with trio.fail_after(40), caplog.at_level(logging.INFO, logger="nvpair"):
-        running = await nursery.start(service.run, evicting(tmp_path, 30))
-        async with reading(running.url) as reader, httpx2.AsyncClient(
-                headers=JSON, base_url=running.url, timeout=30) as client:
+        async with on_demand_service(nursery, evicting(tmp_path, 30), read=True) as (
+                running, client, reader):
             assert (await client.post("/v1/chat/completions",
                                       content=payload("model-a"))).status_code == 200
             body, b, after = await stream_and_ask_b(client, 40)
@@ -385,8 +394,7 @@ async def test_a_request_that_cannot_wait_for_the_stream_gets_503_and_the_stream
     saying what it waited for; a's stream still ends intact, and once nobody waits for b
     a's drain is called off (a admits again, b never started)."""
     with trio.fail_after(40):
-        running = await nursery.start(service.run, evicting(tmp_path, 1))
-        async with httpx2.AsyncClient(headers=JSON, base_url=running.url, timeout=30) as client:
+        async with on_demand_service(nursery, evicting(tmp_path, 1)) as (running, client, _):
             assert (await client.post("/v1/chat/completions",
                                       content=payload("model-a"))).status_code == 200
             body, b, after = await stream_and_ask_b(client, 40)
@@ -409,8 +417,7 @@ async def test_nothing_can_make_room_is_503_in_words(nursery, tmp_path) -> None:
                          activation=f"memory_budget_bytes = {4 * GB}",
                          extra=f"memory_bytes = {6 * GB}")
     with trio.fail_after(20):
-        running = await nursery.start(service.run, settings)
-        async with httpx2.AsyncClient(headers=JSON, base_url=running.url, timeout=30) as client:
+        async with on_demand_service(nursery, settings) as (running, client, _):
             r = await client.post("/v1/chat/completions", content=payload("model-a"))
     assert r.status_code == 503
     assert r.json()["error"]["message"] == (
@@ -424,8 +431,7 @@ async def test_an_idle_engine_unloads_after_idle_unload_s_and_probes_do_not_coun
     settings = on_demand(tmp_path, {"a": sim_command("vllm")},
                          extra="idle_unload_s = 1.5")
     with trio.fail_after(30):
-        running = await nursery.start(service.run, settings)
-        async with httpx2.AsyncClient(headers=JSON, base_url=running.url, timeout=30) as client:
+        async with on_demand_service(nursery, settings) as (running, client, _):
             r = await client.post("/v1/chat/completions", content=payload("model-a"))
             assert r.status_code == 200, r.text
             used = trio.current_time()
@@ -685,8 +691,7 @@ async def test_the_queue_and_each_activation_are_events(nursery, tmp_path) -> No
 
     settings = on_demand(tmp_path, {"a": sim_command("vllm", "--load-s", "1")})
     with trio.fail_after(40):
-        running = await nursery.start(service.run, settings)
-        async with httpx2.AsyncClient(headers=JSON, base_url=running.url, timeout=30) as client:
+        async with on_demand_service(nursery, settings) as (_, client, _):
             seen: list[dict[str, Any]] = []
             async with stream(client, "/v1/events?types=engine") as events:
                 snapshot = await events.start()
@@ -711,9 +716,8 @@ async def test_a_request_for_the_engine_being_evicted_waits_and_is_served(
                    "b": sim_command("vllm", "--load-s", "0.5")},
         activation=f"memory_budget_bytes = {10 * GB}", extra=f"memory_bytes = {6 * GB}")
     with trio.fail_after(40):
-        running = await nursery.start(service.run, settings)
-        async with reading(running.url) as reader, httpx2.AsyncClient(
-                headers=JSON, base_url=running.url, timeout=30) as client:
+        async with on_demand_service(nursery, settings, read=True) as (
+                running, client, reader):
             assert (await client.post("/v1/chat/completions",
                                       content=payload("model-a"))).status_code == 200
             streaming = trio.Event()
