@@ -29,6 +29,7 @@ from nvpair.supervision.orphans import (
     parse_record,
     parse_stat,
     reclaim,
+    same_command,
     stat,
 )
 
@@ -393,3 +394,20 @@ def test_the_state_dir_is_systemd_s_then_xdg_s_then_the_config_s(
     config.write_text("listen = '127.0.0.1:0'\nstate_dir = 'st'\nlog_dir = '/l'\n")
     s = load_settings(str(config))
     assert (s.state_dir, s.log_dir) == (tmp_path / "st", Path("/l"))
+
+
+def test_a_script_shown_by_its_interpreter_is_the_same_command() -> None:
+    """``nvpair sim ...`` runs as ``python3 /venv/bin/nvpair sim ...`` once started: the
+    same command, not a changed one (newuser-3.md finding 16); other changes still are."""
+    started = ["nvpair", "sim", "vllm", "--port", "9"]
+    assert same_command(started, started)
+    assert same_command(started, ["/usr/bin/python3", "/v/bin/nvpair", "sim", "vllm",
+                                  "--port", "9"])
+    assert same_command(started, ["python3", "-I", "/v/bin/nvpair", "sim", "vllm",
+                                  "--port", "9"])
+    assert not same_command(started, ["/usr/bin/python3", "/v/bin/nvpair", "sim", "sglang",
+                                      "--port", "9"])
+    assert not same_command(started, ["/usr/bin/python3", "/v/bin/other", "sim", "vllm",
+                                      "--port", "9"])
+    assert not same_command(started, ["nvpair", "sim"])
+    assert not same_command([], ["x"])

@@ -30,7 +30,7 @@ import os
 import signal
 import sys
 import tempfile
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal
@@ -316,10 +316,24 @@ def _read(path: Path, procs: EngineProcs) -> Record | None:
         path.unlink(missing_ok=True)
         return None
     now = cmdline(record.pid)
-    if now is not None and now != record.argv:  # same pid, boot and start time: it is ours
-        log.info("engine %s: process %d changed its command line since it started (%s)",
+    if now is not None and not same_command(record.argv, now):  # (same pid, boot, start)
+        log.info("engine %s: process %d shows another command line than it was started with "
+                 "(%s); it is still the process nvpair started (same pid and start time)",
                  record.engine, record.pid, json.dumps(list(now))[:200])
     return record
+
+
+def same_command(started: Sequence[str], shown: Sequence[str]) -> bool:
+    """Whether ``shown`` (``/proc/PID/cmdline`` now) is the command ``started`` ran: the
+    same words, or a script's (``nvpair sim ...``) as its interpreter shows it once it runs
+    (``python3 /venv/bin/nvpair sim ...``): the script's path in place of its name."""
+    if list(shown) == list(started):
+        return True
+    if not started or len(shown) <= len(started):
+        return False
+    extra = len(shown) - len(started)  # the interpreter and its options
+    return (list(shown[extra + 1:]) == list(started[1:])
+            and Path(shown[extra]).name == Path(started[0]).name)
 
 
 def _remove(path: Path) -> None:
