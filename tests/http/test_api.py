@@ -478,6 +478,45 @@ async def test_a_reader_never_waits_for_another_readers_models_build() -> None:
     assert len(got) == 1 and got[0] == second and b'"m4"' in b"".join(second)
 
 
+async def test_at_a_buckets_turn_a_reader_answers_the_listing_another_reader_rebuilds(
+        autojump_clock) -> None:
+    """While one reader builds the next age bucket of a listing, another reader of the same
+    listing answers the body it has at once (its ages one bucket older), never waiting and
+    not building the same bytes again; a reader of a listing that changed builds its own."""
+    from nvpair.http.api import AGE_RESOLUTION_S
+
+    board = board_with(*(engine(f"e{i}", "ready", (f"m{i}",)) for i in range(5)))
+    api = Api(board, node="n1")
+    real, release, builds = api._models.parts_stepwise, trio.Event(), []
+
+    async def counted(*args: Any, **kw: Any) -> list[bytes]:
+        builds.append(trio.current_time())
+        if len(builds) == 2:  # (the build of the next bucket is held)
+            await release.wait()
+        return await real(*args, **kw)
+
+    api._models.parts_stepwise = counted  # type: ignore[method-assign]
+    first = await api.models_chunks(False)
+    await trio.sleep(AGE_RESOLUTION_S)  # (the bucket turns)
+    got: list[tuple[bytes, ...]] = []
+
+    async def read() -> None:
+        got.append(await api.models_chunks(False))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read)
+        await trio.testing.wait_all_tasks_blocked()  # (the next bucket's build is held)
+        start = trio.current_time()
+        assert await api.models_chunks(False) is first  # (at once, and no third build)
+        assert trio.current_time() == start and len(builds) == 2
+        board.update("e4", lambda e: msgspec.structs.replace(e, state="down"))
+        changed = await api.models_chunks(False)  # (a new listing: built, not the old body)
+        assert len(builds) == 3 and b'"m4"' not in b"".join(changed)
+        release.set()
+    assert len(got) == 1  # (the held build answered too; the newer listing stays cached)
+    assert b"".join(await api.models_chunks(False)) == b"".join(changed)
+
+
 async def test_a_models_answer_built_across_checkpoints_is_of_the_version_it_took(
         autojump_clock) -> None:
     """The listing moves (a big engine unlisted) while a /v1/models build waits at a

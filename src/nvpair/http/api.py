@@ -131,6 +131,8 @@ class Api:
         self.cluster = cluster
         self._cache: dict[str, tuple[tuple[int, int], int, bytes]] = {}
         self._chunks: dict[str, tuple[tuple[int, int], int, tuple[bytes, ...]]] = {}
+        #: the listing versions whose next bucket a reader is building now, per key
+        self._building: dict[str, tuple[int, int]] = {}
         #: this node's /v1/models, encoded per engine (see nvpair.state.listing)
         self._models = ModelsBody(node)
 
@@ -154,23 +156,32 @@ class Api:
 
         On a miss the reader builds it, in steps of the loop
         (``ModelsBody.parts_stepwise``), from the one catalog version it took at the
-        start; it never waits for another reader's build (two readers of one miss both
-        build: a few milliseconds each at 1,024 engines, and most of it the parts the
-        first left for the second). A build of an older version never replaces a newer
-        one in the cache."""
+        start; it never waits for another reader's build. A reader that misses only
+        because the age bucket turned, while another reader builds the new bucket of the
+        same listing, answers the body it has of that listing at once: the same models,
+        its ages one bucket older (so at most twice ``AGE_RESOLUTION_S``). Without that,
+        eight clients at a bucket's turn made eight builds of the same bytes. A reader of
+        a listing that changed builds its own. A build of an older version never replaces
+        a newer one in the cache."""
         now = trio.current_time()
         version = (self.board.listed(now),
                    self.cluster.version if cluster and self.cluster else 0)
         bucket = int(now / AGE_RESOLUTION_S)
         key = "cluster-models" if cluster else "models"
         hit = self._chunks.get(key)
-        if hit is not None and hit[0] == version and hit[1] == bucket:
+        if hit is not None and hit[0] == version and (
+                hit[1] == bucket or self._building.get(key) == version):
             return hit[2]
-        # ages as at the start of the bucket (so at most AGE_RESOLUTION_S old, as
-        # before): an engine neither changed nor probed since the last answer is not
-        # joined again
-        parts = await self._models.parts_stepwise(self.board, now,
-                                                  ages_at=bucket * AGE_RESOLUTION_S)
+        self._building[key] = version
+        try:
+            # ages as at the start of the bucket (so at most AGE_RESOLUTION_S old, as
+            # before): an engine neither changed nor probed since the last answer is not
+            # joined again
+            parts = await self._models.parts_stepwise(self.board, now,
+                                                      ages_at=bucket * AGE_RESOLUTION_S)
+        finally:
+            if self._building.get(key) == version:
+                del self._building[key]
         if cluster and self.cluster is not None and (peers := self.cluster.models(now)):
             parts.append(encoder.encode(peers)[1:-1])
         body = tuple(_chunked(parts))
