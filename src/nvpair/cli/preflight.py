@@ -9,7 +9,6 @@ Each finding is one line; it names the engine by its place in the config and its
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import shutil
 import socket
@@ -17,7 +16,7 @@ from pathlib import Path
 from typing import Literal, NamedTuple
 
 from nvpair.config.command import build_command, engine_env, key_in_argv
-from nvpair.config.settings import EngineSpec, Settings, placeholder_values
+from nvpair.config.settings import EngineSpec, Settings, is_loopback, placeholder_values
 
 Level = Literal["error", "warning"]
 #: how long the look at a port that may be taken now waits for a connection (loopback
@@ -85,20 +84,11 @@ def _overlap(a: str, b: str) -> bool:
     address, a wildcard (0.0.0.0, ::) on either side, or loopback on both."""
     if a == b or _wildcard(a) or _wildcard(b):
         return True
-    return _loopback(a) and _loopback(b)
+    return is_loopback(a) and is_loopback(b)
 
 
 def _wildcard(host: str) -> bool:
     return host in ("0.0.0.0", "::", "")
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _clashes(settings: Settings) -> list[Finding]:
