@@ -54,6 +54,8 @@ class Mount(msgspec.Struct, frozen=True):
     adverts), so the user token is not asked for. ``peer_auth``: a request another node
     passes on (``x-nvpair-forwarded-by``) may present the cluster token instead of the
     user token (the router's paths: peers route requests to each other's engines).
+    ``routed``: its requests use models (the router's paths): a user key may make them
+    (``nvpair.http.keys.route_kind``).
     """
 
     handler: Handler
@@ -61,6 +63,7 @@ class Mount(msgspec.Struct, frozen=True):
     prefix: str | None = None
     own_auth: bool = False
     peer_auth: bool = False
+    routed: bool = False
 
     def matches(self, path: str) -> bool:
         return path in self.paths or (self.prefix is not None and path.startswith(self.prefix))
