@@ -34,6 +34,7 @@ ERROR_TYPES = {
     409: "conflict_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
+    429: "rate_limit_error",  # (OpenAI's clients go by the status; code: rate_limit_exceeded)
     500: "server_error",
     502: "server_error",  # the engine failed
     503: "unavailable_error",
