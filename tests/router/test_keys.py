@@ -10,6 +10,7 @@ from typing import Any
 import httpx2
 import msgspec
 import trio
+import trio.testing
 from tests.router.script_engine import JSON, SSE_HEAD, ScriptEngine, json_script
 from tests.router.test_relay import CHAT, body, start
 
@@ -78,9 +79,11 @@ async def test_max_in_flight_is_429_at_the_limit_and_not_before(nursery, tmp_pat
             assert other.status_code == 401  # (no such token)
             admin = await client.post(CHAT, content=body("m1"), headers=as_key("token-admin"))
             assert admin.status_code == 200  # another key's limit is not this one's
+            eng.closed = trio.Event()  # (set by the next connection the engine sees close)
             await first.aclose()  # one ends: a slot is free again
-            while (await key_doc(client, "batch"))["in_flight"] != 1:
-                await trio.sleep(0.01)
+            await eng.closed.wait()  # (the engine saw it go; then nvpair settles)
+            await trio.testing.wait_all_tasks_blocked(0.05)
+            assert (await key_doc(client, "batch"))["in_flight"] == 1
             again = await client.post(CHAT, content=body("m1"), headers=as_key("token-batch"))
             assert again.status_code == 200, again.text
             metrics = (await client.get("/metrics", headers=as_key("token-grafana"))).text

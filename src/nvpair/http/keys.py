@@ -28,8 +28,8 @@ from typing import Any, Literal, NamedTuple
 import trio
 
 from nvpair.base.changes import Changes
-from nvpair.http.asgi import Scope
 from nvpair.config.keys import TOKEN_FILE_KEY, KeySpec, open_to_others, read_token, token_digest
+from nvpair.http.asgi import Scope
 from nvpair.runtime import wakes
 
 log = logging.getLogger("nvpair.keys")

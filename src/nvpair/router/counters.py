@@ -3,9 +3,9 @@ and per key when the API has keys (nvpair.http.keys)."""
 
 from __future__ import annotations
 
-import trio
-
 from typing import Any
+
+import trio
 
 from nvpair.http.asgi import Receive, Scope, Send, send_json, send_wrong_method
 from nvpair.http.keys import Keyring

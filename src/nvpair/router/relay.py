@@ -30,7 +30,6 @@ from nvpair.base.decoding import decode_json
 from nvpair.base.streams import close_early
 from nvpair.config.settings import EngineSpec, RouterConfig
 from nvpair.errors import NvpairError
-from nvpair.http.keys import request_key
 from nvpair.http.asgi import (
     FORWARDED_BY,
     BodyTooLarge,
@@ -44,6 +43,7 @@ from nvpair.http.asgi import (
     send_error,
     send_wrong_method,
 )
+from nvpair.http.keys import request_key
 from nvpair.router.activation import Activator, QueueFull, Ticket, Unavailable
 from nvpair.router.peering import PeerRoute, PeerRouter
 from nvpair.router.select import Known, choose, order_peers
