@@ -11,8 +11,12 @@ import httpx2
 import msgspec
 import trio
 import trio.testing
+from tests.managed import sim_command
 from tests.router.script_engine import JSON, SSE_HEAD, ScriptEngine, json_script
+from tests.router.test_activation import on_demand, payload
 from tests.router.test_relay import CHAT, body, start
+
+from nvpair import service
 
 KEYS = """
 token_file = 'admin'
@@ -54,8 +58,9 @@ async def node(nursery: trio.Nursery, tmp: Path, eng: ScriptEngine) -> Any:
     return await start(nursery, tmp, {"e": eng}, top=KEYS)
 
 
-async def key_doc(client: httpx2.AsyncClient, name: str) -> dict[str, Any]:
-    r = await client.get("/v1/router", headers=as_key("token-grafana"))
+async def key_doc(client: httpx2.AsyncClient, name: str, token: str = "token-grafana"
+                  ) -> dict[str, Any]:
+    r = await client.get("/v1/router", headers=as_key(token))
     doc: dict[str, Any] = r.json()["keys"][name]
     return doc
 
@@ -140,3 +145,25 @@ async def test_only_an_admin_key_stops_an_engine(nursery, tmp_path) -> None:
     assert reader.json()["error"]["code"] == "forbidden_role"
     assert admin.status_code == 202, admin.text
     assert msgspec.json.decode(admin.content)["operation"] == "stopping"
+
+
+async def test_an_on_demand_start_names_the_key_and_its_queue_wait_is_counted(
+        nursery, tmp_path) -> None:
+    (tmp_path / "batch").write_text("token-batch\n")
+    (tmp_path / "batch").chmod(0o600)
+    settings = on_demand(tmp_path, {"a": sim_command("vllm", "--load-s", "0.5")},
+                         activation="[[keys]]\nname = 'batch'\ntoken_file = 'batch'\n"
+                                    "role = 'admin'\n")
+    with trio.fail_after(40):
+        running = await nursery.start(service.run, settings)
+        async with httpx2.AsyncClient(base_url=running.url, headers=as_key("token-batch"),
+                                      timeout=30) as client:
+            r = await client.post(CHAT, content=payload("model-a"))
+            doc = await key_doc(client, "batch", "token-batch")
+            metrics = (await client.get("/metrics")).text
+    assert r.status_code == 200, r.text
+    engine = running.board.current.engine("a")
+    assert engine is not None and engine.activity == (
+        "started a for a request of key 'batch' (queued 1)")
+    assert doc["queued"] == 1 and doc["queue_wait_s"] >= 0.5  # (it loads for 0.5 s)
+    assert 'nvpair_key_queue_wait_seconds_count{key="batch"} 1\n' in metrics

@@ -326,7 +326,7 @@ class Router:
             nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
             try:
                 try:
-                    ticket = await self.activator.admit(name)
+                    ticket = await self.activator.admit(name, None if key is None else key.name)
                 except QueueFull as exc:
                     await send_error(send, 429, str(exc), "queue_full", [(b"retry-after", b"5")])
                 except Unavailable as exc:
