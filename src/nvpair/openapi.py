@@ -171,10 +171,28 @@ class RouterEngine(msgspec.Struct):
     last_error: str | None
 
 
+class RouterKey(msgspec.Struct):
+    """A key's counters (``nvpair.http.keys.Key.doc``; never its token)."""
+
+    role: str
+    priority: int
+    max_in_flight: int | None
+    requests_per_minute: int | None
+    models: list[str] | None
+    in_flight: int
+    requests: int
+    rejected: dict[str, int]
+    queued: int
+    queue_wait_s: float
+    refused: bool
+
+
 class RouterCounters(msgspec.Struct):
-    """``GET /v1/router``: per engine (or ``peer NODE``)."""
+    """``GET /v1/router``: per engine (or ``peer NODE``), and per key when the API has
+    keys (docs/keys.md)."""
 
     engines: dict[str, RouterEngine]
+    keys: dict[str, RouterKey] | msgspec.UnsetType = UNSET
 
 
 class HistoryEngine(msgspec.Struct):
@@ -223,7 +241,8 @@ TYPES: tuple[Any, ...] = (Error, Health, ModelList, ClusterModelList, Engines, E
 
 #: component names of types whose class names are private in their modules
 _RENAMED = {"_Item": "ModelItem", "_Nvpair": "ModelNvpair"}
-_READ_ERRORS = (401, 403)  # every route behind the token (403: no token, a browser's)
+_READ_ERRORS = (401, 403)  # every route behind the token (403: a key's role, or no token
+# and a browser's request)
 
 
 def _ref(t: Any) -> dict[str, str]:
@@ -252,14 +271,16 @@ def _answers(ok: dict[int | str, tuple[str, dict[str, Any]]], errors: tuple[int,
 _ERROR_WORDS = {
     400: "a bad query or body (what is wrong, in one line)",
     401: "a missing or wrong bearer token",
-    403: "without token_file: a request that may come from a web page (docs/api.md)",
+    403: "the key's role does not allow this kind of route (docs/keys.md); or, without "
+         "keys, a request that may come from a web page (docs/api.md)",
     404: "no such engine, model, group or file",
     405: "another method than the one this path takes",
     408: "the body did not arrive in time",
     409: "conflicts with the operation in progress",
     413: "a body over the cap",
     415: "the body is not sent as application/json",
-    429: "the on-demand engine's queue is full",
+    429: "over the key's max_in_flight or requests_per_minute (rate_limit_exceeded, "
+         "Retry-After), or the on-demand engine's queue is full",
     500: "a bug in nvpair: the reason is in its log",
     502: "the engine failed before answering",
     503: "no engine can take it now (Retry-After), or no lifecycle controller",
@@ -419,7 +440,9 @@ def document(parts: frozenset[str] = PARTS, engines: tuple[str, ...] = (),
         "info": {"title": "nvpair", "version": __version__,
                  "description": "nvpair's HTTP API (docs/api.md). Every route but /healthz, "
                                 "/openapi.json and the dashboard's files needs "
-                                "Authorization: Bearer <token> when token_file is set."},
+                                "Authorization: Bearer <token> when token_file or [[keys]] "
+                                "are set; a key's role decides which routes it may use "
+                                "(docs/keys.md)."},
         "paths": _paths(parts, engines, models),
         "components": {"schemas": schemas, "securitySchemes": {
             "bearer": {"type": "http", "scheme": "bearer"}}},

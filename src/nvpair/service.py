@@ -18,6 +18,7 @@ from nvpair.http.api import Api
 from nvpair.http.asgi import Mount
 from nvpair.http.control import Control
 from nvpair.http.dashboard import Dashboard, HistoryView
+from nvpair.http.keys import Keyring
 from nvpair.http.metrics import Metrics
 from nvpair.http.server import Connections, Limits, connection_cap
 from nvpair.http.server import serve as serve_http
@@ -134,15 +135,17 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
     router = Router(board, settings.engines, settings.router, traffic, node=settings.node,
                     peers=None if peers is None else peers.table, cluster_token=cluster_token,
                     activator=activator)
-    mounts = [Mount(handler=TrafficView(traffic), paths=frozenset({"/v1/router"}))]
+    keys = Keyring(settings.keys) if settings.keys else None  # (docs/keys.md)
+    mounts = [Mount(handler=TrafficView(traffic, keys), paths=frozenset({"/v1/router"}))]
     history = History(board)  # the dashboard's charts (docs/dashboard.md)
-    mounts += [Mount(handler=Dashboard(token_set=settings.token is not None,
+    mounts += [Mount(handler=Dashboard(token_set=keys is not None,
                                        allowed_hosts=frozenset(settings.allowed_hosts)),
                      paths=Dashboard.paths, prefix=Dashboard.prefix, own_auth=True),
                Mount(handler=HistoryView(history, settings.node, mounts),
                      paths=frozenset({HistoryView.path}))]
     if settings.router.enabled:
-        mounts.append(Mount(handler=router, paths=ROUTED_PATHS, peer_auth=True))
+        mounts.append(Mount(handler=router, paths=ROUTED_PATHS, peer_auth=True,
+                            routed=True))
     if peers is not None:
         mounts.extend(peers.mounts)
     mounts.extend(groups.mounts)
@@ -152,7 +155,7 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
     parts = frozenset({"router"} if settings.router.enabled else set()) | (
         frozenset() if peers is None else {"peers"}) | (
         frozenset({"groups"}) if groups.mounts else frozenset())
-    api = Api(board, node=settings.node, token=settings.token, events=events,
+    api = Api(board, node=settings.node, keys=keys, events=events,
               spec=document_json(parts, tuple(spec.name for spec in settings.engines),
                                  tuple(dict.fromkeys(m for spec in settings.engines
                                                      for m in (spec.model, *spec.aliases)
@@ -162,7 +165,7 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
               allowed_hosts=settings.allowed_hosts,
               metrics=Metrics(board, traffic, node=settings.node, sweep=sweep.durations,
                               peers=None if peers is None else peers.table,
-                              streams=lambda: len(events.streams)))
+                              streams=lambda: len(events.streams), keys=keys))
     shutdown = trio.Event()
 
     async def drain() -> None:  # event streams say bye and end, so the drain waits for none
@@ -183,6 +186,8 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
             await outer.start(activator.run)
         outer.start_soon(Part("events journal").supervise, events.run)  # a bug: retried
         outer.start_soon(Part("history").supervise, history.run)
+        if keys is not None:  # a changed key file is read again (rotation)
+            outer.start_soon(Part("keys: token files").supervise, keys.watch)
         async with trio.open_nursery() as engines:
             await engines.start(sweep.run)
             await engines.start(groups.run)

@@ -94,3 +94,27 @@ def test_a_key_in_an_engines_command_line_is_warned_of_in_one_line(
     check.run(given, as_json=True)
     found = json.loads(capsys.readouterr().out)["findings"]
     assert [f"{f['level']}: {f['text']}" for f in found if "API key" in f["text"]] == keys
+
+
+def test_check_shows_the_keys_names_roles_and_limits_never_their_tokens(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for name in ("admin", "batch"):
+        (tmp_path / name).write_text(f"tok-{name}-secret\n")
+        (tmp_path / name).chmod(0o600)
+    text = ('token_file = "admin"\n[[keys]]\nname = "batch"\ntoken_file = "batch"\n'
+            'role = "user"\npriority = -1\nmax_in_flight = 2\nrequests_per_minute = 600\n'
+            'models = ["qwen*", "gemma3-270m"]\n')
+    s = resolve(decode_config(text.encode(), "n.toml"), "n.toml", tmp_path)
+    assert check.run(s, as_json=False) == 0
+    out = capsys.readouterr().out
+    assert "bearer token required: 2 keys" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("token_file ", "batch "))]
+    assert rows[0][:5] == ["token_file", "admin", "0", "-", "-"]
+    assert rows[1][:7] == ["batch", "user", "-1", "2", "600", "qwen*,", "gemma3-270m"]
+    assert check.run(s, as_json=True) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["token"] is True
+    assert doc["keys"][1] == {"name": "batch", "role": "user", "priority": -1,
+                              "token_file": str(tmp_path / "batch"), "max_in_flight": 2,
+                              "requests_per_minute": 600, "models": ["qwen*", "gemma3-270m"]}
+    assert "secret" not in out + json.dumps(doc)

@@ -14,6 +14,7 @@ from nvpair.cli.preflight import findings
 from nvpair.cli.table import render
 from nvpair.config.cluster import PeerTarget
 from nvpair.config.command import SECRET_ENV, build_command
+from nvpair.config.keys import KeySpec
 from nvpair.config.settings import EngineSpec, Settings, placeholder_values
 
 #: environment names whose values ``check`` never prints
@@ -77,13 +78,33 @@ def report(settings: Settings) -> dict[str, object]:
         "config": settings.source,
         "listen": f"{settings.listen_host}:{settings.listen_port}",
         "node": settings.node,
-        "token": settings.token is not None,
+        "token": bool(settings.keys),
+        "keys": [key_part(k) for k in settings.keys],
         "peers": [p.url for p in _peers(settings)],
         "engines": engines,
         "groups": [group_part(e) for e in settings.engines if e.group is not None],
         "memory_budget_bytes": settings.activation.memory_budget_bytes,
         "findings": [{"level": f.level, "text": f.text} for f in findings(settings)],
     }
+
+
+def key_part(k: KeySpec) -> dict[str, object]:
+    """What ``nvpair check`` shows of a key: never its token (docs/keys.md)."""
+    return {"name": k.name, "role": k.role, "token_file": k.path, "priority": k.priority,
+            "max_in_flight": k.max_in_flight, "requests_per_minute": k.requests_per_minute,
+            "models": None if k.models is None else list(k.models)}
+
+
+def _print_keys(settings: Settings) -> None:
+    if not settings.keys:
+        return
+    rows = [(k.name, k.role, k.priority, "-" if k.max_in_flight is None else k.max_in_flight,
+             "-" if k.requests_per_minute is None else k.requests_per_minute,
+             "all" if k.models is None else ", ".join(k.models), k.path)
+            for k in settings.keys]
+    print(render(("KEY", "ROLE", "PRIORITY", "IN FLIGHT", "PER MINUTE", "MODELS", "TOKEN FILE"),
+                 rows))
+    print()
 
 
 def _local(settings: Settings) -> Settings:
@@ -149,13 +170,16 @@ def run(settings: Settings, *, as_json: bool, show_commands: bool = False) -> in
 
 
 def _print_report(settings: Settings, *, show_commands: bool) -> None:
-    auth = "bearer token required" if settings.token else "no token (loopback only)"
+    auth = (f"bearer token required: {len(settings.keys)} key"
+            f"{'s' if len(settings.keys) != 1 else ''}" if settings.keys
+            else "no token (loopback only)")
     print(f"config   {settings.source}")
     print(f"listen   http://{settings.listen_host}:{settings.listen_port}  ({auth})")
     print(f"node     {settings.node}")
     if peers := _peers(settings):
         print(f"peers    {', '.join(p.url for p in peers)}")
     print()
+    _print_keys(settings)
     parts = [group_part(e) for e in settings.engines if e.group is not None]
     for part in parts:
         print(_group_line(part))

@@ -17,7 +17,7 @@ from nvpair.errors import ConfigError, InputError
 
 
 def base_url(args: argparse.Namespace) -> tuple[str, str | None]:
-    """nvpair's URL and token: --url, else the config's listen address and token."""
+    """nvpair's URL and token: --url, else the config's listen address and admin key."""
     token = os.environ.get("NVPAIR_TOKEN")
     if args.url:
         return args.url.rstrip("/"), token
@@ -26,7 +26,9 @@ def base_url(args: argparse.Namespace) -> tuple[str, str | None]:
     settings = load_settings(args.config)
     host = "127.0.0.1" if settings.listen_host in ("0.0.0.0", "::") else settings.listen_host
     host = url_host(host)
-    return f"http://{host}:{settings.listen_port}", token or settings.token
+    # the config's own key: token_file, else the first admin key (the CLI stops engines)
+    admin = next((k.token for k in settings.keys if k.role == "admin"), None)
+    return f"http://{host}:{settings.listen_port}", token or admin
 
 
 def call(args: argparse.Namespace, method: str, path: str, *, timeout: float = 10.0) -> Any:

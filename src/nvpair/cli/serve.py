@@ -27,7 +27,7 @@ def run_serve(settings: Settings) -> int:
             logging.ERROR if found.level == "error" else logging.WARNING, "%s", found.text)
 
     def announce(url: str) -> None:
-        auth = " (bearer token required)" if settings.token else ""
+        auth = " (bearer token required)" if settings.keys else ""
         print(f"nvpair {settings.node}: {len(settings.engines)} engine(s) from {settings.source}",
               file=sys.stderr)
         print(f"nvpair listening on {url}{auth}  models: {url}/v1/models  "

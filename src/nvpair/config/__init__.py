@@ -7,6 +7,8 @@ The modules:
 * ``command``: a managed engine's argv and environment from its template, never through a
   shell.
 * ``cluster``: the `[cluster]` table and the peer settings it resolves to.
+* ``keys``: `[[keys]]` and `token_file`, resolved to one `KeySpec` per key: name, role,
+  limits, model patterns, and the token read from its file.
 * ``settings``: `nvpair.toml`, decoded strictly, resolved to `Settings` and one `EngineSpec`
   per engine.
 * ``schema``: JSON Schemas of the config and the manifests, generated from the types.

@@ -16,6 +16,7 @@ import msgspec
 from nvpair.base.decoding import SIZE_HELP, convert, one_line, parse_size
 from nvpair.config.cluster import ClusterConfig, ClusterSettings, resolve_cluster
 from nvpair.config.group import GroupConfig, GroupSettings, resolve_group
+from nvpair.config.keys import KeyConfig, KeySpec, resolve_keys, token_digest
 from nvpair.config.manifest import (
     BUILTIN_KINDS,
     PROBE_NAMES,
@@ -140,7 +141,10 @@ class RouterConfig(Base, frozen=True):
 class Config(Base, frozen=True):
     listen: str = DEFAULT_LISTEN
     node: str | None = None
+    #: one admin key (named ``token_file``), as before ``[[keys]]``
     token_file: str | None = None
+    #: the API's keys: a name, a token file, a role and limits each (docs/keys.md)
+    keys: tuple[KeyConfig, ...] = ()
     #: without token_file: host names besides loopback and localhost that clients may use
     #: to reach the API (the Host header; docs/api.md, browsers and cross-site requests).
     allowed_hosts: tuple[str, ...] = ()
@@ -254,6 +258,8 @@ class Settings(msgspec.Struct, frozen=True):
     body_timeout_s: float = 60.0
     memory: MemoryConfig = MemoryConfig()
     activation: ActivationConfig = ActivationConfig()
+    #: the API's keys, ``token_file``'s first (empty: no token; loopback only)
+    keys: tuple[KeySpec, ...] = ()
 
 
 def parse_listen(value: str, source: str) -> tuple[str, int]:
@@ -374,13 +380,12 @@ def load_settings(explicit: str | None = None, *, listen: str | None = None) -> 
 def resolve(config: Config, source: str, base: Path, *, listen: str | None = None) -> Settings:
     where = "--listen" if listen else f"{source}: listen"
     host, port = parse_listen(listen or config.listen, where)
-    token = None
-    if config.token_file:
-        token = read_secret(config.token_file, source, "token_file", base)
-    elif not is_loopback(host):
+    keys = resolve_keys(config.keys, config.token_file or None, source, base)
+    token = keys[0].token if config.token_file else None
+    if not keys and not is_loopback(host):
         raise ConfigError(
-            f"{where}: {host} is not a loopback address; set token_file in the config so "
-            "that the API requires a bearer token"
+            f"{where}: {host} is not a loopback address; set token_file (or [[keys]]) in "
+            "the config so that the API requires a bearer token"
         )
     for i, name in enumerate(config.allowed_hosts):
         if not re.fullmatch(r"[A-Za-z0-9_]([A-Za-z0-9._-]*[A-Za-z0-9_])?", name):
@@ -404,6 +409,12 @@ def resolve(config: Config, source: str, base: Path, *, listen: str | None = Non
     cluster = resolve_cluster(config.cluster, config.peers, source=source, base=base,
                               node=config.node or socket.gethostname(), api_token=token,
                               read_secret=read_secret)
+    if cluster is not None and cluster.token is not None:
+        same = next((k for k in keys if token_digest(k.token.encode())
+                     == token_digest(cluster.token.encode())), None)
+        if same is not None:
+            raise ConfigError(f"{source}: cluster.token_file: must differ from every key's "
+                              f"token (it is key {same.name!r}'s)")
     engines = [_grouped(eng, spec, f"{source}: engines[{i}]", config.node or socket.gethostname(),
                         cluster is not None and bool(cluster.etcd or cluster.peers))
                for i, (eng, spec) in
@@ -436,6 +447,7 @@ def resolve(config: Config, source: str, base: Path, *, listen: str | None = Non
         body_timeout_s=config.body_timeout_s,
         memory=_checked_memory(config.memory, source),
         activation=config.activation,
+        keys=keys,
     )
 
 

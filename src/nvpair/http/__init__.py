@@ -7,6 +7,8 @@ The modules:
 * ``views``: what the API answers, computed from one snapshot (pure functions).
 * ``sse``: `GET /v1/events`, the journal as server-sent events: pacing, heartbeat, dropping
   a client that stops reading.
+* ``keys``: `Keyring`, the API's keys: who a token is, what its role may do by the kind of
+  route, its limits and counts, and its token file read again when it changes.
 * ``api``: `Api`, the ASGI app: `/healthz`, `/v1/models`, `/v1/engines`, auth, and the
   mounts.
 * ``control``: the API's controller: lifecycle requests as 202/409, and the engines' logs.

@@ -36,6 +36,7 @@ from nvpair.http.asgi import (
     send_json,
     send_wrong_method,
 )
+from nvpair.http.keys import KEY, Key, Keyring, request_key, route_kind
 from nvpair.http.metrics import CONTENT_TYPE, Metrics
 from nvpair.state.events import Journal
 from nvpair.state.listing import ModelsBody
@@ -99,8 +100,8 @@ class ClusterView(Protocol):
 
 class Api:
     """The ASGI app of nvpair's HTTP API: ``/healthz``, ``/v1/models``, ``/v1/engines`` and
-    the mounts (router, peers, ``/v1/router``), behind the bearer token or, without one,
-    the browser checks (``browser_refusal``).
+    the mounts (router, peers, ``/v1/router``), behind the keys' bearer tokens (``keys``,
+    or one admin ``token``) or, without any, the browser checks (``browser_refusal``).
 
     Reads take ``board.current`` once and answer from it, never waiting on another reader
     (a large ``/v1/models`` is built in steps of the loop, from the version it took at its
@@ -112,7 +113,8 @@ class Api:
                  controller: Controller | None = None, mounts: Sequence[Mount] = (),
                  cluster: ClusterView | None = None, cluster_token: str | None = None,
                  allowed_hosts: Iterable[str] = (), events: Journal | None = None,
-                 metrics: Metrics | None = None, spec: bytes | None = None) -> None:
+                 metrics: Metrics | None = None, spec: bytes | None = None,
+                 keys: Keyring | None = None) -> None:
         self.board = board
         #: ``GET /openapi.json``: this API's OpenAPI document (nvpair.openapi; none: 404)
         self.spec = spec
@@ -122,7 +124,9 @@ class Api:
         #: the change journal of GET /v1/events and the long-poll (nvpair.state.events)
         self.events = events
         self.node = node
-        self.token = token.encode() if token else None
+        #: who may ask: every key's token and role (None: no token, loopback only)
+        self.keys = keys if keys is not None and keys.keys else (
+            Keyring.single(token) if token else None)
         self.cluster_token = cluster_token.encode() if cluster_token else None
         #: names besides loopback that mean this machine (``allowed_hosts``), lower-case
         self.allowed_hosts = frozenset(h.lower() for h in allowed_hosts)
@@ -133,6 +137,9 @@ class Api:
         self._chunks: dict[str, tuple[tuple[int, int], int, tuple[bytes, ...]]] = {}
         #: the listing versions whose next bucket a reader is building now, per key
         self._building: dict[str, tuple[int, int]] = {}
+        #: the lists of keys with model patterns, by (key name, cluster scope)
+        self._key_chunks: dict[tuple[str, bool],
+                               tuple[tuple[int, int], int, tuple[bytes, ...]]] = {}
         #: this node's /v1/models, encoded per engine (see nvpair.state.listing)
         self._models = ModelsBody(node)
 
@@ -190,6 +197,28 @@ class Api:
             self._chunks[key] = (version, bucket, body)
         return body
 
+    async def key_models_chunks(self, key: Key, cluster: bool) -> tuple[bytes, ...]:
+        """``/v1/models`` as ``key`` sees it: the items its model patterns match, cached
+        per key, listing version and age bucket (built from the catalog by the reader, as
+        ``models_chunks``)."""
+        now = trio.current_time()
+        version = (self.board.listed(now),
+                   self.cluster.version if cluster and self.cluster else 0)
+        bucket = int(now / AGE_RESOLUTION_S)
+        hit = self._key_chunks.get((key.name, cluster))
+        if hit is not None and hit[0] == version and hit[1] == bucket:
+            return hit[2]
+        parts = await self._models.parts_where(self.board, now, key.sees,
+                                               ages_at=bucket * AGE_RESOLUTION_S)
+        if cluster and self.cluster is not None and (peers := [
+                item for item in self.cluster.models(now) if key.sees(str(item.get("id")))]):
+            parts.append(encoder.encode(peers)[1:-1])
+        body = tuple(_chunked(parts))
+        cached = self._key_chunks.get((key.name, cluster))
+        if cached is None or (cached[0], cached[1]) <= (version, bucket):
+            self._key_chunks[(key.name, cluster)] = (version, bucket, body)
+        return body
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             await lifespan(receive, send)
@@ -230,11 +259,20 @@ class Api:
         if mount is not None and mount.own_auth:
             await mount.handler(scope, receive, send)
             return
-        if self.token is not None:
-            if not self._authorized(scope, mount):
-                await send_error(send, 401, "missing or wrong bearer token", "invalid_api_key",
-                                 [(b"www-authenticate", b"Bearer")])
-                return
+        if self.keys is not None:
+            key = self.keys.identify(bearer(scope))
+            if key is None:
+                if not self._peer_forwarded(scope, mount):
+                    await send_error(send, 401, "missing or wrong bearer token",
+                                     "invalid_api_key", [(b"www-authenticate", b"Bearer")])
+                    return
+            else:
+                kind = route_kind(method, path, mount is not None and mount.routed)
+                if not key.may(kind):
+                    await send_error(send, 403, f"key {key.name!r} (role {key.role}) may not "
+                                                f"{KIND_WORDS[kind]}", "forbidden_role")
+                    return
+                scope[KEY] = key
         elif not self._peer_forwarded(scope, mount):
             # No token: anyone who can reach the port is trusted, so only this machine's own
             # programs may: not a web page that rebinds a name to 127.0.0.1, nor one posting
@@ -256,10 +294,14 @@ class Api:
                 return
             query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
             cluster = path == "/v1/cluster/models" or "cluster" in query.get("scope", ())
-            await send_chunks(send, 200, await self.models_chunks(cluster))
+            key = request_key(scope)
+            await send_chunks(send, 200, await (
+                self.models_chunks(cluster) if key is None or key.spec.models is None
+                else self.key_models_chunks(key, cluster)))
             return
         if len(parts) >= 4 and parts[:3] == ["", "v1", "models"] and path != "/v1/models/":
-            await self.model_route(scope, send, path.removeprefix("/v1/models/"))
+            await self.model_route(scope, send, path.removeprefix("/v1/models/"),
+                                   request_key(scope))
             return
         if path.rstrip("/") == "/v1/engines":
             if method != "GET":
@@ -302,13 +344,15 @@ class Api:
                                                      journal.boot_id.encode())
         await send_bytes(send, 200, body)
 
-    async def model_route(self, scope: Scope, send: Send, model: str) -> None:
+    async def model_route(self, scope: Scope, send: Send, model: str,
+                          key: Key | None = None) -> None:
         """OpenAI's retrieve-model: the item ``GET /v1/models`` lists for ``model`` (ids may
-        hold slashes: ``org/name``)."""
+        hold slashes: ``org/name``); 404 for a model ``key``'s patterns do not match."""
         if scope["method"] != "GET":
             await send_wrong_method(send, "GET", scope["path"])
             return
-        item = self._models.item(self.board, trio.current_time(), model)
+        item = (None if key is not None and not key.sees(model)
+                else self._models.item(self.board, trio.current_time(), model))
         if item is None:
             await send_error(send, 404, f"The model `{model}` does not exist.",
                              "model_not_found")
@@ -367,15 +411,6 @@ class Api:
             return
         await send_chunks(send, 200, await log_page(name, lines))
 
-    def _authorized(self, scope: Scope, mount: Mount | None) -> bool:
-        assert self.token is not None
-        given = bearer(scope)
-        if given is None:
-            return False
-        if hmac.compare_digest(given, self.token):
-            return True
-        return self._peer_forwarded(scope, mount)
-
     def _peer_forwarded(self, scope: Scope, mount: Mount | None) -> bool:
         """A request a peer passes on, with the cluster token, on a path peers route to."""
         if mount is None or not mount.peer_auth or self.cluster_token is None:
@@ -385,6 +420,10 @@ class Api:
                 and hmac.compare_digest(given, self.cluster_token))
 
 
+#: what each kind of route is, for the 403 of a key whose role does not allow it
+KIND_WORDS = {"read": "read status (a reader's or an admin's)",
+              "use": "list or use models (a user's or an admin's)",
+              "control": "control engines or groups (an admin's)"}
 #: routes counted under their own path; others by their shape (``route_label``)
 FIXED_ROUTES = frozenset({"/healthz", "/openapi.json", "/metrics", "/v1/models",
                           "/v1/cluster/models", "/v1/engines", "/v1/events"})

@@ -34,6 +34,7 @@ ERROR_TYPES = {
     409: "conflict_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
+    429: "rate_limit_error",  # (OpenAI's clients go by the status; code: rate_limit_exceeded)
     500: "server_error",
     502: "server_error",  # the engine failed
     503: "unavailable_error",
@@ -54,6 +55,8 @@ class Mount(msgspec.Struct, frozen=True):
     adverts), so the user token is not asked for. ``peer_auth``: a request another node
     passes on (``x-nvpair-forwarded-by``) may present the cluster token instead of the
     user token (the router's paths: peers route requests to each other's engines).
+    ``routed``: its requests use models (the router's paths): a user key may make them
+    (``nvpair.http.keys.route_kind``).
     """
 
     handler: Handler
@@ -61,6 +64,7 @@ class Mount(msgspec.Struct, frozen=True):
     prefix: str | None = None
     own_auth: bool = False
     peer_auth: bool = False
+    routed: bool = False
 
     def matches(self, path: str) -> bool:
         return path in self.paths or (self.prefix is not None and path.startswith(self.prefix))

@@ -24,6 +24,7 @@ import trio
 
 from nvpair import __version__
 from nvpair.base.histogram import Histogram
+from nvpair.http.keys import Keyring
 from nvpair.state.memory import trend_level
 from nvpair.state.snapshot import Board, EngineState, Snapshot, shown_state
 from nvpair.state.traffic import Traffic
@@ -71,7 +72,7 @@ class Metrics:
     def __init__(self, board: Board, traffic: Traffic | None = None, *, node: str,
                  peers: PeerStates | None = None, sweep: Histogram | None = None,
                  streams: Callable[[], int] | None = None,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time, keys: Keyring | None = None) -> None:
         self.board = board
         self.traffic = traffic
         self.node = node
@@ -80,6 +81,8 @@ class Metrics:
         #: open event streams (``/v1/events``), when that part is wired in
         self.streams = streams
         self.wall = wall
+        #: the API's keys (docs/keys.md): their requests, refusals and queue waits
+        self.keys = keys
         #: (route, status code) -> requests answered (the API counts them)
         self.api: dict[tuple[str, int], int] = {}
         self._cache: tuple[tuple[int, int, int], bytes] | None = None
@@ -160,6 +163,8 @@ class Metrics:
         self._sweep(family, add)
         self._peers(now, family, add)
         self._router(engines, names, family, add)
+        if self.keys is not None:
+            key_families(self.keys, family, add)
         memory_families(snap, names, family, add)
         self._api(family, add)
         if self.streams is not None:
@@ -250,6 +255,31 @@ def _lines(e: EngineState, state: str, offset: float) -> _Engine:
         f"nvpair_engine_log_dropped_lines_total{{{lbl}}} {e.log_dropped}\n" if e.managed else "",
         "".join(probes),
         tuple(((e.kind, p), st.latency_ms_total, st.requests) for p, st in e.probes))
+
+
+def key_families(keys: Keyring, family: Callable[[str, str, str], None],
+                 add: Callable[[str], None]) -> None:
+    """Per key: routed requests, refusals by reason, in flight, and queue waits."""
+    family("nvpair_key_requests_total", "counter",
+           "Routed requests the key made that its limits let through.")
+    for k in keys.keys:
+        add(f'nvpair_key_requests_total{{key="{escape(k.name)}"}} {k.requests}\n')
+    family("nvpair_key_rejections_total", "counter",
+           "Routed requests of the key refused by its limits, by reason (in_flight, rate: "
+           "429; model: 404, outside its model patterns).")
+    for k in keys.keys:
+        for reason, n in sorted(k.rejected.items()):
+            add(f'nvpair_key_rejections_total{{key="{escape(k.name)}",reason="{reason}"}} '
+                f'{n}\n')
+    family("nvpair_key_in_flight", "gauge", "Routed requests of the key under way.")
+    for k in keys.keys:
+        add(f'nvpair_key_in_flight{{key="{escape(k.name)}"}} {k.in_flight}\n')
+    family("nvpair_key_queue_wait_seconds", "summary",
+           "Time the key's routed requests waited in on-demand engines' queues.")
+    for k in keys.keys:
+        lbl = f'key="{escape(k.name)}"'
+        add(f"nvpair_key_queue_wait_seconds_sum{{{lbl}}} {number(k.queue_wait_s)}\n"
+            f"nvpair_key_queue_wait_seconds_count{{{lbl}}} {k.queued}\n")
 
 
 def memory_families(snap: Snapshot, names: list[str], family: Callable[[str, str, str], None],

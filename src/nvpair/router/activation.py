@@ -81,6 +81,8 @@ class Ticket:
     at: float = field(default_factory=trio.current_time)
     failure: str | None = None
     stage: Literal["waiting", "sent", "started", "gone"] = "waiting"
+    #: the name of the API key it came with (None: no keys), for the engine's activity
+    key: str | None = None
 
     def started(self) -> None:
         """The router counts its request in flight now (``Traffic.started``)."""
@@ -292,7 +294,7 @@ class Activator:
             queue = self.queues[name] = EngineQueue(name, publish, partial(self._serve, name))
         return queue
 
-    async def admit(self, name: str) -> Ticket:
+    async def admit(self, name: str, key: str | None = None) -> Ticket:
         """Wait in engine ``name``'s queue until it is ready and it is this request's turn
         (a free slot).
 
@@ -304,7 +306,7 @@ class Activator:
         if len(queue.waiting) >= self.config.queue_max:
             raise QueueFull(f"{len(queue.waiting)} requests are waiting for engine {name} to "
                        f"start (queue_max {self.config.queue_max})")
-        ticket = Ticket(queue)
+        ticket = Ticket(queue, key=key)
         queue.waiting.append(ticket)
         queue.publish()
         self._serve(name)
@@ -382,12 +384,15 @@ class Activator:
                 failure = await self._make_room(name)
                 if failure is not None:
                     return failure
-                queued = len(self.queue(name).waiting)
+                waiting = self.queue(name).waiting
+                key = waiting[0].key if waiting else None  # (whose request woke it)
                 result = runner.request("start")
                 if isinstance(result, Busy):
                     return result.reason
                 started = True
-                activity = f"started {name} for a request (queued {queued})"
+                activity = (f"started {name} for a request"
+                            f"{'' if key is None else f' of key {key!r}'} "
+                            f"(queued {len(waiting)})")
                 self.board.update(name, partial(_replace, activity=activity))
                 log.info("%s", activity)
             settled = await self._settled(name, just_started=started)

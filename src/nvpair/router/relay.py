@@ -43,6 +43,7 @@ from nvpair.http.asgi import (
     send_error,
     send_wrong_method,
 )
+from nvpair.http.keys import request_key
 from nvpair.router.activation import Activator, QueueFull, Ticket, Unavailable
 from nvpair.router.peering import PeerRoute, PeerRouter
 from nvpair.router.select import Known, choose, order_peers
@@ -253,6 +254,25 @@ class Router:
         if not head.model:
             await send_error(send, 400, "the request names no model", "model_required")
             return
+        key = request_key(scope)
+        if key is None:
+            await self._route(scope, receive, send, body, head)
+            return
+        refusal = key.admit(head.model, trio.current_time())  # its models and limits
+        if refusal is not None:
+            await send_error(send, refusal.status, refusal.message, refusal.code,
+                             refusal.headers)
+            return
+        try:
+            await self._route(scope, receive, send, body, head)
+        finally:
+            key.release()
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send, body: bytes,
+                     head: RequestHead) -> None:
+        """Route a request for ``head.model``: a local engine, a peer, or an on-demand
+        engine's queue; else 503 (known, not ready) or 404."""
+        assert head.model
         now = trio.current_time()
         choice = choose(self.board.current, head.model, self.traffic, self.known, now, self.rng)
         if (self.activator is not None and choice.engines
@@ -301,16 +321,19 @@ class Router:
         goes on the wire before the engine answers. A client that leaves leaves the queue."""
         assert self.activator is not None
         ticket: Ticket | None = None
+        key, queued_at = request_key(scope), trio.current_time()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
             try:
                 try:
-                    ticket = await self.activator.admit(name)
+                    ticket = await self.activator.admit(name, None if key is None else key.name)
                 except QueueFull as exc:
                     await send_error(send, 429, str(exc), "queue_full", [(b"retry-after", b"5")])
                 except Unavailable as exc:
                     await send_error(send, 503, str(exc), "engine_not_ready",
                                      [(b"retry-after", b"5")])
+                if key is not None:  # (for /metrics: the queue's wait, per key)
+                    key.waited(trio.current_time() - queued_at)
                 if ticket is not None:  # (its turn: to the engine it waited for)
                     await self._forward(scope, body, [self._engine(name)], send,
                                         on_start=ticket.started)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import bisect
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Annotated, NamedTuple
 
 import msgspec
@@ -364,6 +364,23 @@ class ModelsBody:
             since += 1
             if (joined and len(part) >= STEP_BYTES) or since >= STEP_ENGINES:
                 since = 0
+                await trio.lowlevel.checkpoint()
+        return out
+
+    async def parts_where(self, board: Board, now: float, keep: Callable[[str], bool],
+                          ages_at: float | None = None) -> list[bytes]:
+        """The parts of ``parts``, of only the items whose id ``keep`` takes (the list a
+        key with model patterns sees: nvpair.http.keys), encoded at each call (nothing of
+        them is kept), a checkpoint every ``STEP_ENGINES`` engines. Of the one catalog
+        and snapshot it took at its start."""
+        cat, engines = catalog(board, now), board.current.engines
+        at = now if ages_at is None else ages_at
+        out = []
+        for n, pos in enumerate(cat.order, 1):
+            if items := [m for m in cat.owned[pos] if keep(m.id)]:
+                checked = age(at, engines[pos].checked_at)
+                out.append(_encoder.encode([wire(m, self.node, checked) for m in items])[1:-1])
+            if n % STEP_ENGINES == 0:
                 await trio.lowlevel.checkpoint()
         return out
 

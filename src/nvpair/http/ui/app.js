@@ -270,7 +270,10 @@ const refreshEngines = coalesced(async () => {
 }, 500);
 
 const refreshModels = coalesced(async () => {
-  renderModels((await getJSON('v1/models?scope=cluster')).data || []);
+  const response = await api('v1/models?scope=cluster');
+  if (response.status === 403) { renderModels([]); return; }  // a reader's key: no models
+  if (!response.ok) throw new Error(`v1/models: ${response.status}`);
+  renderModels((await response.json()).data || []);
 });
 
 function toPoints(series, step) {  // columns -> [age_s, latency_ms, latency_ms_max, memory_bytes]
