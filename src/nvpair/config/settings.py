@@ -167,6 +167,10 @@ class Config(Base, frozen=True):
     log_bytes_per_s: Annotated[int, msgspec.Meta(ge=4096, le=1 << 34)] = 2 * 1024 * 1024
     #: where nvpair keeps a state file per managed engine process (docs/deploy.md).
     state_dir: str | None = None
+    #: nvpair's own log lines: "text" for people, "json" one object per line (journald, Loki).
+    log_format: Literal["text", "json"] = "text"
+    #: one line per routed request: true (in nvpair's log), or a file's path; docs/observability.md.
+    access_log: bool | str = False
     router: RouterConfig = RouterConfig()
     #: the peers broker: cluster token, advertised URL, backend (push or etcd); docs/peers.md.
     cluster: ClusterConfig = ClusterConfig()
@@ -254,6 +258,9 @@ class Settings(msgspec.Struct, frozen=True):
     body_timeout_s: float = 60.0
     memory: MemoryConfig = MemoryConfig()
     activation: ActivationConfig = ActivationConfig()
+    log_format: Literal["text", "json"] = "text"
+    #: the access log: None (off), "log" (nvpair's log), or a file
+    access_log: Path | Literal["log"] | None = None
 
 
 def parse_listen(value: str, source: str) -> tuple[str, int]:
@@ -436,7 +443,22 @@ def resolve(config: Config, source: str, base: Path, *, listen: str | None = Non
         body_timeout_s=config.body_timeout_s,
         memory=_checked_memory(config.memory, source),
         activation=config.activation,
+        log_format=config.log_format,
+        access_log=_access_log(config.access_log, source, base),
     )
+
+
+def _access_log(value: bool | str, source: str, base: Path) -> Path | Literal["log"] | None:
+    """The ``access_log`` key: off, nvpair's own log, or a file (relative to the config)."""
+    if value is False:
+        return None
+    if value is True:
+        return "log"
+    if not value.strip() or "\n" in value or "\0" in value:
+        raise ConfigError(f"{source}: access_log: expected true, false or a file's path, "
+                          f"got {value!r}")
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else base / path
 
 
 def default_state_dir() -> Path:

@@ -350,6 +350,7 @@ class Activator:
 
     async def _activation(self, name: str) -> None:
         queue = self.queue(name)
+        began = trio.current_time()
         #: what the waiters hear when the boundary caught a bug of ours
         failure: str | None = f"engine {name} could not be started (a bug in nvpair's " \
                               "activation; see nvpair's log)"
@@ -365,6 +366,7 @@ class Activator:
             queue.fail_all(failure)
             return
         self.last_used[name] = trio.current_time()
+        self.traffic.activation.observe(self.last_used[name] - began)  # (/metrics)
         self._serve(name)
 
     async def _bring_up(self, name: str) -> str | None:
