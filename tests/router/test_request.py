@@ -27,6 +27,7 @@ from nvpair.config.settings import load_settings
 from nvpair.router.request import ID_MAX, valid_id
 
 HEX32 = re.compile(r"[0-9a-f]{32}")
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
 @given(st.binary(max_size=200))
@@ -50,8 +51,9 @@ async def test_the_id_is_echoed_sent_to_the_engine_and_a_bad_one_replaced(
     with trio.fail_after(30):
         running = await start(nursery, tmp_path, {"e": eng})
         async with httpx2.AsyncClient(headers=JSON, base_url=running.url) as client:
-            given_id = await client.post(CHAT, content=body(),
-                                         headers={"x-request-id": "client-7f3a"})
+            given_id = await client.post(CHAT, content=body(), headers={
+                "x-request-id": "client-7f3a", "traceparent": TRACEPARENT,
+                "tracestate": "vendor=opaque"})
             made = await client.post(CHAT, content=body())
             bad = {}
             for name, value in (("long", "x" * (ID_MAX + 1)), ("space", "a b"),
@@ -63,6 +65,9 @@ async def test_the_id_is_echoed_sent_to_the_engine_and_a_bad_one_replaced(
     assert given_id.status_code == 200
     assert given_id.headers["x-request-id"] == "client-7f3a"
     assert eng.requests[0][2]["x-request-id"] == "client-7f3a"
+    # W3C trace context passes through untouched, so the engine's spans join the trace
+    assert eng.requests[0][2]["traceparent"] == TRACEPARENT
+    assert eng.requests[0][2]["tracestate"] == "vendor=opaque"
     assert HEX32.fullmatch(made.headers["x-request-id"])
     assert eng.requests[1][2]["x-request-id"] == made.headers["x-request-id"]
     for i, (name, r) in enumerate(bad.items(), start=2):

@@ -57,9 +57,11 @@ ROUTED_PATHS = frozenset({
     "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
     "/v1/rerank", "/v1/score",
 })
-#: request headers passed to the engine (others, authorization included, are not).
+#: request headers passed to the engine (others, authorization included, are not);
+#: W3C trace context passes through, so an engine's spans join the client's trace.
 FORWARD_REQUEST = frozenset({b"content-type", b"accept", b"accept-encoding", b"user-agent",
-                             b"openai-organization", b"x-request-id"})
+                             b"openai-organization", b"x-request-id", b"traceparent",
+                             b"tracestate"})
 #: response headers never passed back (hop-by-hop, or set by our server).
 DROP_RESPONSE = frozenset({b"connection", b"keep-alive", b"proxy-authenticate",
                            b"proxy-authorization", b"te", b"trailer", b"transfer-encoding",
