@@ -24,7 +24,7 @@ from nvpair.http.asgi import Mount
 from nvpair.http.metrics import ENGINE_STATES, PEER_STATES, Metrics, escape, number
 from nvpair.peers.table import PeerState
 from nvpair.sim import SimOptions, serve_sim
-from nvpair.state.snapshot import Board, EngineState, ProbeStats, State
+from nvpair.state.snapshot import Board, EngineState, Identity, Model, ProbeStats, State
 from nvpair.state.traffic import Traffic
 
 SAMPLE = re.compile(r'^([a-zA-Z_][a-zA-Z0-9_]*)(?:\{(.*)\})? (\S+)$')
@@ -150,6 +150,32 @@ async def test_every_family_with_its_values() -> None:
         assert ":" not in name and name.startswith("nvpair_")
         assert name.endswith("_total") == (kind == "counter"), name
     assert text.endswith("\n")
+
+
+async def test_the_gateway_gauges_name_each_engine_and_its_one_model() -> None:
+    """Waiting (the board's queue) and running (the router's in-flight count) per engine,
+    with its one model as a label (escaped), none for an engine that lists several; the
+    queue-wait and activation histograms as observed."""
+    one = engine("a", queued=3, models=(Model('org/m"7b'),))
+    many = engine("b", models=(Model("x"), Model("y")))
+    unread = engine("c", state="starting", identity=Identity(model="from-identity"))
+    traffic = Traffic()
+    traffic.started("a")
+    traffic.started("b")
+    traffic.started("b")
+    traffic.queue_wait.observe(1.7)
+    traffic.activation.observe(1.6)
+    text = Metrics(Board((one, many, unread)), traffic, node="n").body().decode()
+    model = 'org/m"7b'  # (read back unescaped)
+    assert value(text, "nvpair_requests_waiting", engine="a", model=model) == "3"
+    assert value(text, "nvpair_requests_running", engine="a", model=model) == "1"
+    assert value(text, "nvpair_requests_waiting", engine="b", model="") == "0"
+    assert value(text, "nvpair_requests_running", engine="b", model="") == "2"
+    assert value(text, "nvpair_requests_running", engine="c", model="from-identity") == "0"
+    assert value(text, "nvpair_router_queue_wait_seconds_bucket", le="2.5") == "1"
+    assert value(text, "nvpair_router_queue_wait_seconds_bucket", le="1.0") == "0"
+    assert value(text, "nvpair_router_activation_seconds_count") == "1"
+    assert value(text, "nvpair_router_activation_seconds_bucket", le="2.5") == "1"
 
 
 def series_per_engine(text: str, name: str) -> int:
