@@ -11,6 +11,7 @@ import re
 from collections.abc import Iterator
 
 import httpx2
+import msgspec
 import pytest
 import trio
 from hypothesis import given
@@ -186,11 +187,14 @@ async def test_the_running_gauge_moves_with_a_request_in_flight(nursery, tmp_pat
 
 
 async def test_a_cold_start_is_in_the_histograms_the_gauge_and_the_queue_header(
-        nursery, tmp_path) -> None:
+        nursery, tmp_path, logging_restored) -> None:
     """The wait for an on-demand start is part of what the client waited: in the request
     duration and first-byte histograms (before: only the relay after it), and in
-    histograms of its own; the waiting gauge shows it while it waits."""
+    histograms of its own; the waiting gauge shows it while it waits. The log line of the
+    start names the request that caused it."""
     settings = on_demand(tmp_path, {"a": sim_command("vllm", "--load-s", "1.5")})
+    out = io.StringIO()
+    setup_logging(msgspec.structs.replace(settings, log_format="json"), out)
     with trio.fail_after(40):
         running = await nursery.start(service.run, settings)
         async with httpx2.AsyncClient(headers=JSON, base_url=running.url, timeout=30) as client:
@@ -223,3 +227,7 @@ async def test_a_cold_start_is_in_the_histograms_the_gauge_and_the_queue_header(
     activation = sample(text, "nvpair_router_activation_seconds_sum")
     assert activation is not None and 1.5 <= activation <= waited_ms / 1000 + 0.002
     assert sample(text, "nvpair_requests_waiting", engine="a", model="model-a") == 0
+    started = [line for line in map(json.loads, out.getvalue().splitlines())
+               if line["message"] == "started a for a request (queued 1)"]
+    assert [(line["engine"], line["request_id"]) for line in started] == [
+        ("a", r.headers["x-request-id"])]

@@ -38,6 +38,7 @@ import msgspec
 import trio
 
 from nvpair.base.boundary import Part
+from nvpair.base.logformat import about
 from nvpair.config.settings import ActivationConfig, EngineSpec, MemoryConfig
 from nvpair.errors import NvpairError
 from nvpair.router.evict import Candidate, gigabytes, plan
@@ -81,6 +82,9 @@ class Ticket:
     at: float = field(default_factory=trio.current_time)
     failure: str | None = None
     stage: Literal["waiting", "sent", "started", "gone"] = "waiting"
+    #: the id of the request that waits (its log lines name it: the start it caused too)
+    request_id: str | None = field(default_factory=lambda: getattr(about.get(), "request_id",
+                                                                   None))
 
     def started(self) -> None:
         """The router counts its request in flight now (``Traffic.started``)."""
@@ -391,7 +395,9 @@ class Activator:
                 started = True
                 activity = f"started {name} for a request (queued {queued})"
                 self.board.update(name, partial(_replace, activity=activity))
-                log.info("%s", activity)
+                waiting = self.queue(name).waiting  # (the line names the first request)
+                log.info("%s", activity, extra={"engine": name, "request_id": (
+                    waiting[0].request_id if waiting else None)})
             settled = await self._settled(name, just_started=started)
             if settled == "ready":
                 return None
