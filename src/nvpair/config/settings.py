@@ -75,6 +75,8 @@ class EngineConfig(Base, frozen=True):
     memory_bytes: Literal["measured"] | Annotated[int, msgspec.Meta(ge=0)] = "measured"
     #: on demand: requests its queue sends at once (default: what the engine says, else all).
     max_in_flight: Annotated[int, msgspec.Meta(ge=1, le=100_000)] | None = None
+    #: read the engine's KV-cache use this often, from its /metrics (opt in; docs/metrics.md).
+    kv_cache_probe_s: Annotated[float, msgspec.Meta(ge=1, le=3600)] | None = None
 
 
 class ActivationConfig(Base, frozen=True):
@@ -226,6 +228,8 @@ class EngineSpec(msgspec.Struct, frozen=True):
     memory_bytes: int | None = None
     #: on demand: requests the queue sends at once (None: what the engine says, else all)
     max_in_flight: int | None = None
+    #: how often its KV-cache use is read (None: never)
+    kv_cache_probe_s: float | None = None
 
     @property
     def url(self) -> str:
@@ -546,6 +550,7 @@ def _resolve_engine(eng: EngineConfig, where: str, base: Path) -> EngineSpec:
         priority=eng.priority,
         memory_bytes=None if eng.memory_bytes == "measured" else eng.memory_bytes,
         max_in_flight=eng.max_in_flight,
+        kv_cache_probe_s=eng.kv_cache_probe_s,
     )
     if spec.managed:
         from nvpair.config.command import CommandError, build_command

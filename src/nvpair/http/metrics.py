@@ -224,6 +224,13 @@ class Metrics:
         for e, lbl in zip(engines, models, strict=True):
             entry = traffic.engines.get(e.name)
             add(f"nvpair_requests_running{{{lbl}}} {entry.in_flight if entry else 0}\n")
+        read = [(e, lbl) for e, lbl in zip(engines, models, strict=True)
+                if e.kv_cache_usage is not None]
+        if read:
+            family("nvpair_kv_cache_usage_ratio", "gauge",
+                   "The engine's KV-cache use, 0-1, from its own /metrics (opt in).")
+            for e, lbl in read:
+                add(f"nvpair_kv_cache_usage_ratio{{{lbl}}} {number(e.kv_cache_usage or 0.0)}\n")
 
     def _api(self, family: Callable[[str, str, str], None], add: Callable[[str], None]) -> None:
         family("nvpair_api_requests_total", "counter",
