@@ -39,6 +39,8 @@ class ErrorBody(msgspec.Struct):
     type: str
     code: str | None
     param: None
+    #: a routed request's id (its x-request-id), on the router's errors
+    request_id: str | msgspec.UnsetType = UNSET
 
 
 class Error(msgspec.Struct):

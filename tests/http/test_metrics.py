@@ -24,7 +24,7 @@ from nvpair.http.asgi import Mount
 from nvpair.http.metrics import ENGINE_STATES, PEER_STATES, Metrics, escape, number
 from nvpair.peers.table import PeerState
 from nvpair.sim import SimOptions, serve_sim
-from nvpair.state.snapshot import Board, EngineState, ProbeStats, State
+from nvpair.state.snapshot import Board, EngineState, Identity, Model, ProbeStats, State
 from nvpair.state.traffic import Traffic
 
 SAMPLE = re.compile(r'^([a-zA-Z_][a-zA-Z0-9_]*)(?:\{(.*)\})? (\S+)$')
@@ -152,17 +152,44 @@ async def test_every_family_with_its_values() -> None:
     assert text.endswith("\n")
 
 
+async def test_the_gateway_gauges_name_each_engine_and_its_one_model() -> None:
+    """Waiting (the board's queue) and running (the router's in-flight count) per engine,
+    with its one model as a label (escaped), none for an engine that lists several; the
+    queue-wait and activation histograms as observed."""
+    one = engine("a", queued=3, models=(Model('org/m"7b'),))
+    many = engine("b", models=(Model("x"), Model("y")))
+    unread = engine("c", state="starting", identity=Identity(model="from-identity"))
+    traffic = Traffic()
+    traffic.started("a")
+    traffic.started("b")
+    traffic.started("b")
+    traffic.queue_wait.observe(1.7)
+    traffic.activation.observe(1.6)
+    text = Metrics(Board((one, many, unread)), traffic, node="n").body().decode()
+    model = 'org/m"7b'  # (read back unescaped)
+    assert value(text, "nvpair_requests_waiting", engine="a", model=model) == "3"
+    assert value(text, "nvpair_requests_running", engine="a", model=model) == "1"
+    assert value(text, "nvpair_requests_waiting", engine="b", model="") == "0"
+    assert value(text, "nvpair_requests_running", engine="b", model="") == "2"
+    assert value(text, "nvpair_requests_running", engine="c", model="from-identity") == "0"
+    assert value(text, "nvpair_router_queue_wait_seconds_bucket", le="2.5") == "1"
+    assert value(text, "nvpair_router_queue_wait_seconds_bucket", le="1.0") == "0"
+    assert value(text, "nvpair_router_activation_seconds_count") == "1"
+    assert value(text, "nvpair_router_activation_seconds_bucket", le="2.5") == "1"
+
+
 def series_per_engine(text: str, name: str) -> int:
     return sum(1 for _, labels, _ in samples(text) if labels.get("engine") == name)
 
 
 async def test_about_twenty_series_per_engine() -> None:
-    """A served engine shows 17 series; the most any engine shows is 10 + 3 per probe + 1 +
-    one per status code the router sent for it (27 with four probes failing both ways and
-    four codes): never one per model, request or error message."""
+    """A served engine shows 19 series; the most any engine shows is 12 + 3 per probe + 1 +
+    one per status code the router sent for it (29 with four probes failing both ways and
+    four codes): never one per model, request or error message. (The 2 of the gateway's
+    gauges, waiting and running, carry the engine's one model as a label.)"""
     now = trio.current_time()
     text = full_metrics(now).body().decode()
-    assert series_per_engine(text, "a") == 7 + 1 + 1 + 1 + 4 + 2 + 1  # 17 (7 states)
+    assert series_per_engine(text, "a") == 7 + 1 + 1 + 1 + 4 + 2 + 1 + 2  # 19 (7 states)
     # the worst an engine shows: every probe failed both ways, answers of four codes
     probes = tuple((p, stats(10, 5, 2)) for p in ("ready", "health", "identity", "models"))
     traffic = Traffic()
@@ -170,7 +197,7 @@ async def test_about_twenty_series_per_engine() -> None:
         traffic.answered("x", code, now, now)
     text = Metrics(Board((engine("x", checked_at=now, probes=probes),)), traffic,
                    node="n").body().decode()
-    assert series_per_engine(text, "x") == 27  # (7 states)
+    assert series_per_engine(text, "x") == 29  # (7 states)
     # a managed engine: one more, the lines of its output dropped above the rate cap
     flooded = msgspec.structs.replace(engine("m"), managed=True, log_dropped=171_200)
     text = Metrics(Board((flooded,)), node="n").body().decode()

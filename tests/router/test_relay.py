@@ -105,7 +105,8 @@ async def test_unknown_model_is_404_and_not_ready_is_503_without_connecting(
     assert missing.status_code == 404
     assert missing.json() == {"error": {"message": "The model `nope` does not exist.",
                                         "type": "not_found_error", "code": "model_not_found",
-                                        "param": None}}
+                                        "param": None,
+                                        "request_id": missing.headers["x-request-id"]}}
     assert busy.status_code == 503 and busy.headers["retry-after"]
     assert busy.json()["error"]["code"] == "engine_not_ready"
     assert eng.connections == connections  # answered from the snapshot

@@ -14,4 +14,6 @@ The modules:
 * ``changes``: `Changes`, a version that moves with each change (`bump`, `wait_changed`).
 * ``histogram``: `Histogram`, fixed buckets of durations the router and the sweep observe
   for `/metrics`.
+* ``logformat``: nvpair's own log lines as text or JSON, with the request and engine a line
+  is about (`about`).
 """

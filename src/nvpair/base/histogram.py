@@ -12,6 +12,9 @@ from collections.abc import Iterator, Sequence
 #: the router's first byte and request duration: 5 ms to 300 s (15 buckets)
 ROUTER_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
                     60.0, 120.0, 300.0)
+#: an on-demand start, from its first waiting request to ready: 0.5 s to 20 min (a large
+#: model loads for minutes)
+ACTIVATION_BUCKETS_S = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0)
 #: a model-list sweep: bounded by its shared deadline (seconds)
 SWEEP_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 

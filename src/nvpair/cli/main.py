@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run nvpair: probe the engines and serve the API")
     config_arg(p)
     p.add_argument("--listen", metavar="HOST:PORT", help="override the config's listen address")
+    p.add_argument("--log-format", choices=("text", "json"),
+                   help="nvpair's log lines: text (for people, the default) or json (one "
+                        "object per line); overrides the config's log_format")
 
     p = sub.add_parser("check", help="validate the config and manifests; show what nvpair would do")
     config_arg(p)
@@ -140,7 +143,12 @@ def dispatch(args: argparse.Namespace) -> int:
     if args.command == "serve":
         from nvpair.cli.serve import run_serve
 
-        return run_serve(load_settings(args.config, listen=args.listen))
+        settings = load_settings(args.config, listen=args.listen)
+        if args.log_format:
+            import msgspec
+
+            settings = msgspec.structs.replace(settings, log_format=args.log_format)
+        return run_serve(settings)
     if args.command == "unit":
         from nvpair.config.deploy import unit_text
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
+from collections.abc import Callable
 from typing import TextIO
 
 import trio
@@ -11,6 +13,8 @@ import trio.lowlevel
 
 from nvpair.cli.table import STATE_COLOURS, paint, use_colour
 from nvpair.state.snapshot import Board, EngineState
+
+log = logging.getLogger("nvpair.engines")
 
 
 def state_line(e: EngineState) -> str:
@@ -25,13 +29,40 @@ def state_line(e: EngineState) -> str:
 
 
 async def print_transitions(board: Board, stream: TextIO = sys.stderr) -> None:
-    """Print one line per engine state change (optional engines only once they answer).
+    """Print one line per engine state change (optional engines only once they answer)."""
+    colour = use_colour(stream)
+    width = max((len(e.name) for e in board.current.engines), default=8)
+
+    def say(e: EngineState, before: str | None) -> None:
+        arrow = f"{before} -> " if before else ""
+        state = paint(e.state, STATE_COLOURS.get(e.state), colour)
+        stamp = time.strftime("%H:%M:%S")
+        line = f"{stamp} {e.name.ljust(width)}  {arrow}{state}"
+        if detail := state_line(e):
+            line += f"  {paint(detail, 'dim', colour)}"
+        print(line, file=stream, flush=True)
+
+    await each_transition(board, say)
+
+
+async def log_transitions(board: Board) -> None:
+    """The same changes as lines of nvpair's log (``log_format = "json"``: stderr holds
+    JSON lines only), each with its engine and the event ``state``."""
+    def say(e: EngineState, before: str | None) -> None:
+        detail = state_line(e)
+        log.info("%s -> %s%s", before or "-", e.state, f": {detail}" if detail else "",
+                 extra={"engine": e.name, "event": "state"})
+
+    await each_transition(board, say)
+
+
+async def each_transition(board: Board,
+                          say: Callable[[EngineState, str | None], None]) -> None:
+    """Call ``say(engine, state before)`` once per engine state change.
 
     Wakes on the board's listing version, not on every probe."""
-    colour = use_colour(stream)
     seen: dict[str, str] = {}
     version = -1
-    width = max((len(e.name) for e in board.current.engines), default=8)
     while True:  # (states are listed: the listing version moves with each; counters not)
         version = await board.wait_listed(version)
         for e in board.current.engines:
@@ -39,11 +70,5 @@ async def print_transitions(board: Board, stream: TextIO = sys.stderr) -> None:
             if before == e.state or (e.optional and e.checked_at is None):
                 continue
             seen[e.name] = e.state
-            arrow = f"{before} -> " if before else ""
-            state = paint(e.state, STATE_COLOURS.get(e.state), colour)
-            stamp = time.strftime("%H:%M:%S")
-            line = f"{stamp} {e.name.ljust(width)}  {arrow}{state}"
-            if detail := state_line(e):
-                line += f"  {paint(detail, 'dim', colour)}"
-            print(line, file=stream, flush=True)
+            say(e, before)
         await trio.lowlevel.checkpoint()  # let a burst of changes land before printing the next

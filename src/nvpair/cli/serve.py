@@ -4,21 +4,52 @@ from __future__ import annotations
 
 import errno
 import logging
+import logging.handlers
 import sys
+from pathlib import Path
+from typing import TextIO
 
 import trio
 
 from nvpair import service
-from nvpair.cli.progress import print_transitions
+from nvpair.base.logformat import ACCESS, formatter
+from nvpair.cli.progress import log_transitions, print_transitions
 from nvpair.config.settings import Settings
 from nvpair.http.server import raise_fd_limit
 
 
-def run_serve(settings: Settings) -> int:
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def setup_logging(settings: Settings, stream: TextIO | None = None) -> None:
+    """nvpair's log on stderr in the configured format (``log_format``), and the access
+    log (``access_log``): off, into nvpair's log, or a file of its own (in the same format;
+    a ``WatchedFileHandler``, so logrotate may move it)."""
+    form = formatter(settings.log_format)
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(form)
+    root = logging.getLogger()
+    for old in root.handlers[:]:
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
     logging.getLogger("httpx2").setLevel(logging.WARNING)
     logging.getLogger("httpcore2").setLevel(logging.WARNING)
+    access = logging.getLogger(ACCESS)
+    for old in access.handlers[:]:
+        access.removeHandler(old)
+        old.close()
+    access.propagate = settings.access_log == "log"
+    if settings.access_log is None:
+        access.setLevel(logging.WARNING)  # (the router then skips building its line)
+        return
+    access.setLevel(logging.INFO)
+    if isinstance(settings.access_log, Path):
+        settings.access_log.parent.mkdir(parents=True, exist_ok=True)
+        to_file = logging.handlers.WatchedFileHandler(settings.access_log, encoding="utf-8")
+        to_file.setFormatter(form)
+        access.addHandler(to_file)
+
+
+def run_serve(settings: Settings) -> int:
+    setup_logging(settings)
     raise_fd_limit()  # client connections and engines' pipes; the cap fits under it
     from nvpair.cli.preflight import findings
 
@@ -28,14 +59,20 @@ def run_serve(settings: Settings) -> int:
 
     def announce(url: str) -> None:
         auth = " (bearer token required)" if settings.keys else ""
+        if settings.log_format == "json":  # (stderr holds JSON lines only)
+            logging.getLogger("nvpair").info(
+                "%s listening on %s%s with %d engine(s) from %s", settings.node, url, auth,
+                len(settings.engines), settings.source, extra={"event": "listening"})
+            return
         print(f"nvpair {settings.node}: {len(settings.engines)} engine(s) from {settings.source}",
               file=sys.stderr)
         print(f"nvpair listening on {url}{auth}  models: {url}/v1/models  "
               f"status: {url}/v1/engines  (Ctrl-C to stop)", file=sys.stderr, flush=True)
 
     try:
-        trio.run(lambda: service.main(settings, announce=announce,
-                                                   watch=print_transitions))
+        trio.run(lambda: service.main(  # (JSON: the transitions as log lines)
+            settings, announce=announce,
+            watch=log_transitions if settings.log_format == "json" else print_transitions))
     except (OSError, ExceptionGroup) as exc:
         error = os_error(exc)
         if error is None:

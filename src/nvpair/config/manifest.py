@@ -166,6 +166,15 @@ NOTES = ("For people reading the manifest, since JSON has no comments: why these
          "paths were chosen. nvpair never reads it.")
 
 
+class KvCacheSpec(Base, frozen=True):
+    """Where the engine exports its KV-cache use, as a ratio 0-1 (docs/metrics.md); read
+    only for engines that opt in (``kv_cache_probe_s``)."""
+
+    #: the gauge's name in the engine's Prometheus text (its largest series is taken)
+    gauge: Annotated[str, msgspec.Meta(pattern=r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")]
+    path: str = "/metrics"
+
+
 class Manifest(Base, frozen=True):
     """A kind of engine."""
 
@@ -182,6 +191,8 @@ class Manifest(Base, frozen=True):
     allow_generating_probes: bool = False
     #: how the engine runs across several nodes (``[engines.group]``); None: it cannot.
     group: GroupManifest | None = None
+    #: where it exports its KV-cache use (None: nowhere nvpair knows).
+    kv_cache: KvCacheSpec | None = None
     #: for people reading the manifest (JSON has no comments): why these probes; never read.
     notes: Annotated[str, msgspec.Meta(description=NOTES)] = ""
 

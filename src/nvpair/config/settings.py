@@ -76,6 +76,8 @@ class EngineConfig(Base, frozen=True):
     memory_bytes: Literal["measured"] | Annotated[int, msgspec.Meta(ge=0)] = "measured"
     #: on demand: requests its queue sends at once (default: what the engine says, else all).
     max_in_flight: Annotated[int, msgspec.Meta(ge=1, le=100_000)] | None = None
+    #: read the engine's KV-cache use this often, from its /metrics (opt in; docs/metrics.md).
+    kv_cache_probe_s: Annotated[float, msgspec.Meta(ge=1, le=3600)] | None = None
 
 
 class ActivationConfig(Base, frozen=True):
@@ -171,6 +173,10 @@ class Config(Base, frozen=True):
     log_bytes_per_s: Annotated[int, msgspec.Meta(ge=4096, le=1 << 34)] = 2 * 1024 * 1024
     #: where nvpair keeps a state file per managed engine process (docs/deploy.md).
     state_dir: str | None = None
+    #: nvpair's own log lines: "text" for people, "json" one object per line (journald, Loki).
+    log_format: Literal["text", "json"] = "text"
+    #: one line per routed request: true (in nvpair's log), or a file's path; docs/observability.md.
+    access_log: bool | str = False
     router: RouterConfig = RouterConfig()
     #: the peers broker: cluster token, advertised URL, backend (push or etcd); docs/peers.md.
     cluster: ClusterConfig = ClusterConfig()
@@ -226,6 +232,8 @@ class EngineSpec(msgspec.Struct, frozen=True):
     memory_bytes: int | None = None
     #: on demand: requests the queue sends at once (None: what the engine says, else all)
     max_in_flight: int | None = None
+    #: how often its KV-cache use is read (None: never)
+    kv_cache_probe_s: float | None = None
 
     @property
     def url(self) -> str:
@@ -260,6 +268,9 @@ class Settings(msgspec.Struct, frozen=True):
     activation: ActivationConfig = ActivationConfig()
     #: the API's keys, ``token_file``'s first (empty: no token; loopback only)
     keys: tuple[KeySpec, ...] = ()
+    log_format: Literal["text", "json"] = "text"
+    #: the access log: None (off), "log" (nvpair's log), or a file
+    access_log: Path | Literal["log"] | None = None
 
 
 def parse_listen(value: str, source: str) -> tuple[str, int]:
@@ -448,7 +459,22 @@ def resolve(config: Config, source: str, base: Path, *, listen: str | None = Non
         memory=_checked_memory(config.memory, source),
         activation=config.activation,
         keys=keys,
+        log_format=config.log_format,
+        access_log=_access_log(config.access_log, source, base),
     )
+
+
+def _access_log(value: bool | str, source: str, base: Path) -> Path | Literal["log"] | None:
+    """The ``access_log`` key: off, nvpair's own log, or a file (relative to the config)."""
+    if value is False:
+        return None
+    if value is True:
+        return "log"
+    if not value.strip() or "\n" in value or "\0" in value:
+        raise ConfigError(f"{source}: access_log: expected true, false or a file's path, "
+                          f"got {value!r}")
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else base / path
 
 
 def default_state_dir() -> Path:
@@ -536,6 +562,7 @@ def _resolve_engine(eng: EngineConfig, where: str, base: Path) -> EngineSpec:
         priority=eng.priority,
         memory_bytes=None if eng.memory_bytes == "measured" else eng.memory_bytes,
         max_in_flight=eng.max_in_flight,
+        kv_cache_probe_s=eng.kv_cache_probe_s,
     )
     if spec.managed:
         from nvpair.config.command import CommandError, build_command

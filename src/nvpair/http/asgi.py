@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from nvpair.base.logformat import about
 from nvpair.errors import BodyTooLarge as BodyTooLarge  # read_body raises it
 
 Scope = MutableMapping[str, Any]
@@ -85,8 +86,13 @@ async def send_json(send: Send, status: int, doc: object,
 
 
 def error_doc(status: int, message: str, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
-                      "code": code, "param": None}}
+    """OpenAI's error shape; made while a routed request is handled, it names its id
+    (``request_id``, also in the answer's ``x-request-id``) so a report can be traced."""
+    error = {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
+             "code": code, "param": None}
+    if (now := about.get()) is not None:
+        error["request_id"] = now.request_id
+    return {"error": error}
 
 
 async def send_error(send: Send, status: int, message: str, code: str | None = None,

@@ -204,17 +204,55 @@ class Metrics:
             entry = traffic.engines.get(e.name)
             add(f"nvpair_router_in_flight{{{lbl}}} {entry.in_flight if entry else 0}\n")
         family("nvpair_router_first_byte_seconds", "histogram",
-               "Time from a routed request's start to the first byte of its answer's body.")
+               "Time from a routed request's arrival (a queue's wait included) to the "
+               "first byte of its answer's body.")
         histogram(add, "nvpair_router_first_byte_seconds", "", traffic.first_byte)
         family("nvpair_router_request_duration_seconds", "histogram",
-               "Time from a routed request's start to the end of its answer.")
+               "Time from a routed request's arrival (a queue's wait included) to the end "
+               "of its answer.")
         histogram(add, "nvpair_router_request_duration_seconds", "", traffic.duration)
+        family("nvpair_router_queue_wait_seconds", "histogram",
+               "Time routed requests waited in an on-demand engine's queue.")
+        histogram(add, "nvpair_router_queue_wait_seconds", "", traffic.queue_wait)
+        family("nvpair_router_activation_seconds", "histogram",
+               "Time of each on-demand start requests waited for, to the engine ready.")
+        histogram(add, "nvpair_router_activation_seconds", "", traffic.activation)
+        # The gauges an inference gateway's endpoint picker reads (docs/metrics.md)
+        models = [f'{lbl},model="{escape(served_model(e))}"' for e, lbl in
+                  zip(engines, names, strict=True)]
+        family("nvpair_requests_waiting", "gauge",
+               "Requests waiting in nvpair's queue for the engine (on-demand engines).")
+        for e, lbl in zip(engines, models, strict=True):
+            add(f"nvpair_requests_waiting{{{lbl}}} {e.queued}\n")
+        family("nvpair_requests_running", "gauge",
+               "Requests nvpair is relaying to the engine now.")
+        for e, lbl in zip(engines, models, strict=True):
+            entry = traffic.engines.get(e.name)
+            add(f"nvpair_requests_running{{{lbl}}} {entry.in_flight if entry else 0}\n")
+        read = [(e, lbl) for e, lbl in zip(engines, models, strict=True)
+                if e.kv_cache_usage is not None]
+        if read:
+            family("nvpair_kv_cache_usage_ratio", "gauge",
+                   "The engine's KV-cache use, 0-1, from its own /metrics (opt in).")
+            for e, lbl in read:
+                add(f"nvpair_kv_cache_usage_ratio{{{lbl}}} {number(e.kv_cache_usage or 0.0)}\n")
 
     def _api(self, family: Callable[[str, str, str], None], add: Callable[[str], None]) -> None:
         family("nvpair_api_requests_total", "counter",
                "Requests nvpair's API answered, by route and status code.")
         for (route, code), n in sorted(self.api.items()):
             add(f'nvpair_api_requests_total{{route="{escape(route)}",code="{code}"}} {n}\n')
+
+
+def served_model(e: EngineState) -> str:
+    """The ``model`` label of an engine's gateway gauges: the one model it lists (or, before
+    its list is read, the one its identity names); empty when it lists several, whose
+    requests share its one queue and slots."""
+    if len(e.models) == 1:
+        return e.models[0].id
+    if not e.models and e.identity is not None and e.identity.model:
+        return e.identity.model
+    return ""
 
 
 class _Engine(NamedTuple):

@@ -12,6 +12,8 @@ The modules:
 * ``probes``: one probe request and what its answer means (no loops, no timeouts).
 * ``prober``: one engine's probe loops (liveness, identity), each under its deadline, and
   `run_probes`.
+* ``kvcache``: an engine's KV-cache use read from its own `/metrics`, opt in
+  (`watch_kv_cache`, `gauge_value`); never a health signal.
 * ``sweep``: the model-list sweep: every due engine listed at once under one shared
   deadline; due times in a heap, and only the engines the board changed looked at again.
 """

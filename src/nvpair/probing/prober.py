@@ -32,6 +32,7 @@ from nvpair.config.manifest import GENERATING_MIN_INTERVAL_S, ProbeSpec
 from nvpair.config.settings import EngineSpec
 from nvpair.errors import ProbeError
 from nvpair.probing import probes
+from nvpair.probing.kvcache import watch_kv_cache
 from nvpair.runtime import wakes
 from nvpair.state.snapshot import Board, EngineState
 from nvpair.state.traffic import Traffic
@@ -507,5 +508,10 @@ async def run_probes(
                 part = LoopPart(f"engine {spec.name}: {what}", board, spec.name, names, by,
                                 nursery=nursery)
                 nursery.start_soon(partial(part.supervise, loop))
+            if spec.kv_cache_probe_s is not None and spec.manifest.kv_cache is not None:
+                # (its own boundary: a reading is never a health signal, docs/metrics.md)
+                kv = Part(f"engine {spec.name}: KV-cache reading")
+                nursery.start_soon(partial(kv.supervise, partial(
+                    watch_kv_cache, spec, board, spec.kv_cache_probe_s)))
             task_status.started(prober)
             await trio.sleep_forever()

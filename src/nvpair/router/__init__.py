@@ -7,6 +7,7 @@ The modules:
   used.
 * ``select``: which engines may take a request for a model, from the snapshot, never probed.
 * ``relay``: the ASGI handler that passes a request to an engine and its answer back.
+* ``request``: one routed request: its id (`Routed`, `valid_id`), times, answer, access line.
 * ``upstream``: a connection pool per engine or peer, on httpcore2.
 * ``counters``: `GET /v1/router`, the router's own counters.
 * ``peering``: what the router knows of peers: `PeerRouter`, the routes to a model.

@@ -38,6 +38,7 @@ import msgspec
 import trio
 
 from nvpair.base.boundary import Part
+from nvpair.base.logformat import about
 from nvpair.config.settings import ActivationConfig, EngineSpec, MemoryConfig
 from nvpair.errors import NvpairError
 from nvpair.router.evict import Candidate, gigabytes, plan
@@ -83,6 +84,9 @@ class Ticket:
     stage: Literal["waiting", "sent", "started", "gone"] = "waiting"
     #: the name of the API key it came with (None: no keys), for the engine's activity
     key: str | None = None
+    #: the id of the request that waits (its log lines name it: the start it caused too)
+    request_id: str | None = field(default_factory=lambda: getattr(about.get(), "request_id",
+                                                                   None))
 
     def started(self) -> None:
         """The router counts its request in flight now (``Traffic.started``)."""
@@ -352,6 +356,7 @@ class Activator:
 
     async def _activation(self, name: str) -> None:
         queue = self.queue(name)
+        began = trio.current_time()
         #: what the waiters hear when the boundary caught a bug of ours
         failure: str | None = f"engine {name} could not be started (a bug in nvpair's " \
                               "activation; see nvpair's log)"
@@ -367,6 +372,7 @@ class Activator:
             queue.fail_all(failure)
             return
         self.last_used[name] = trio.current_time()
+        self.traffic.activation.observe(self.last_used[name] - began)  # (/metrics)
         self._serve(name)
 
     async def _bring_up(self, name: str) -> str | None:
@@ -394,7 +400,9 @@ class Activator:
                             f"{'' if key is None else f' of key {key!r}'} "
                             f"(queued {len(waiting)})")
                 self.board.update(name, partial(_replace, activity=activity))
-                log.info("%s", activity)
+                waiting = self.queue(name).waiting  # (the line names the first request)
+                log.info("%s", activity, extra={"engine": name, "request_id": (
+                    waiting[0].request_id if waiting else None)})
             settled = await self._settled(name, just_started=started)
             if settled == "ready":
                 return None

@@ -27,6 +27,7 @@ import trio
 
 from nvpair.base.boundary import Part
 from nvpair.base.decoding import decode_json
+from nvpair.base.logformat import About, about
 from nvpair.base.streams import close_early
 from nvpair.config.settings import EngineSpec, RouterConfig
 from nvpair.errors import NvpairError
@@ -46,6 +47,7 @@ from nvpair.http.asgi import (
 from nvpair.http.keys import request_key
 from nvpair.router.activation import Activator, QueueFull, Ticket, Unavailable
 from nvpair.router.peering import PeerRoute, PeerRouter
+from nvpair.router.request import ID_MAX, Routed, current
 from nvpair.router.select import Known, choose, order_peers
 from nvpair.router.upstream import BODY_ERRORS, SEND_ERRORS, Refused, Upstream
 from nvpair.runtime import wakes
@@ -56,9 +58,11 @@ ROUTED_PATHS = frozenset({
     "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
     "/v1/rerank", "/v1/score",
 })
-#: request headers passed to the engine (others, authorization included, are not).
+#: request headers passed to the engine (others, authorization included, are not);
+#: W3C trace context passes through, so an engine's spans join the client's trace.
 FORWARD_REQUEST = frozenset({b"content-type", b"accept", b"accept-encoding", b"user-agent",
-                             b"openai-organization", b"x-request-id"})
+                             b"openai-organization", b"x-request-id", b"traceparent",
+                             b"tracestate"})
 #: response headers never passed back (hop-by-hop, or set by our server).
 DROP_RESPONSE = frozenset({b"connection", b"keep-alive", b"proxy-authenticate",
                            b"proxy-authorization", b"te", b"trailer", b"transfer-encoding",
@@ -93,7 +97,8 @@ class Result:
         self.done = False
         #: for /metrics: the status sent to the client (None: none yet), and when
         self.status: int | None = None
-        self.started = trio.current_time()
+        routed = current()  # (from the request's arrival: a wait in a queue included)
+        self.started = trio.current_time() if routed is None else routed.arrived
         self.first_byte_at: float | None = None
 
     def finish(self, outcome: str, error: str | None) -> None:
@@ -232,6 +237,21 @@ class Router:
             await upstream.aclose()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Route one request under its id (``nvpair.router.request``): the id goes to the
+        engine, back to the client and into every log line about it; then its access line."""
+        request = Routed(scope)
+        entered, told = request.enter(), about.set(About(request.id))
+        try:
+            if request.replaced:
+                log.debug("the client's x-request-id was not kept (empty, over %d "
+                          "characters, or not printable ASCII)", ID_MAX)
+            await self._route(request.scope(scope), receive, request.sender(send))
+        finally:
+            request.log_access()  # (if the answer's end did not: a client gone, a cut)
+            about.reset(told)
+            Routed.leave(entered)
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] != "POST":
             await send_wrong_method(send, "POST", scope["path"])
             return
@@ -254,22 +274,26 @@ class Router:
         if not head.model:
             await send_error(send, 400, "the request names no model", "model_required")
             return
+        if (routed := current()) is not None:
+            routed.model = head.model
         key = request_key(scope)
         if key is None:
-            await self._route(scope, receive, send, body, head)
+            await self._dispatch(scope, receive, send, body, head)
             return
+        if routed is not None:
+            routed.key = key.name
         refusal = key.admit(head.model, trio.current_time())  # its models and limits
         if refusal is not None:
             await send_error(send, refusal.status, refusal.message, refusal.code,
                              refusal.headers)
             return
         try:
-            await self._route(scope, receive, send, body, head)
+            await self._dispatch(scope, receive, send, body, head)
         finally:
             key.release()
 
-    async def _route(self, scope: Scope, receive: Receive, send: Send, body: bytes,
-                     head: RequestHead) -> None:
+    async def _dispatch(self, scope: Scope, receive: Receive, send: Send, body: bytes,
+                        head: RequestHead) -> None:
         """Route a request for ``head.model``: a local engine, a peer, or an on-demand
         engine's queue; else 503 (known, not ready) or 404."""
         assert head.model
@@ -321,19 +345,28 @@ class Router:
         goes on the wire before the engine answers. A client that leaves leaves the queue."""
         assert self.activator is not None
         ticket: Ticket | None = None
-        key, queued_at = request_key(scope), trio.current_time()
+        key, routed = request_key(scope), current()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
             try:
+                came, full = trio.current_time(), False
                 try:
-                    ticket = await self.activator.admit(name, None if key is None else key.name)
+                    try:
+                        ticket = await self.activator.admit(
+                            name, None if key is None else key.name)
+                    except QueueFull:
+                        full = True  # (refused at once: it never waited)
+                        raise
+                    finally:  # waited, whatever the end: its turn, a 503, the client gone
+                        if not full:
+                            self._waited(routed, trio.current_time() - came)
                 except QueueFull as exc:
                     await send_error(send, 429, str(exc), "queue_full", [(b"retry-after", b"5")])
                 except Unavailable as exc:
                     await send_error(send, 503, str(exc), "engine_not_ready",
                                      [(b"retry-after", b"5")])
                 if key is not None:  # (for /metrics: the queue's wait, per key)
-                    key.waited(trio.current_time() - queued_at)
+                    key.waited(trio.current_time() - came)
                 if ticket is not None:  # (its turn: to the engine it waited for)
                     await self._forward(scope, body, [self._engine(name)], send,
                                         on_start=ticket.started)
@@ -341,6 +374,12 @@ class Router:
                 if ticket is not None:
                     ticket.leave()
             nursery.cancel_scope.cancel(reason="answer complete")
+
+    def _waited(self, routed: Routed | None, seconds: float) -> None:
+        """A request waited ``seconds`` in an on-demand queue: the histogram, its header."""
+        self.traffic.queue_wait.observe(seconds)
+        if routed is not None:
+            routed.queue_s = seconds
 
     async def _forward(self, scope: Scope, body: bytes, targets: list[Target],
                        send: Send, *, on_start: Callable[[], None] | None = None) -> None:
@@ -350,6 +389,10 @@ class Router:
             target.upstream.users += 1
         try:
             for target in targets:  # the first, and one retry if it never got the request
+                if (routed := current()) is not None:
+                    routed.engine = target.key
+                if (lines := about.get()) is not None:
+                    lines.engine = target.key
                 self.traffic.started(target.key)
                 if on_start is not None:  # (counted in flight now: its queue's slot is this)
                     on_start()

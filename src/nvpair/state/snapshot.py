@@ -131,6 +131,9 @@ class EngineState(msgspec.Struct, frozen=True, gc=False):
     #: its log, and the episode of drops in progress, in words (None: none); nvpair.base.logs
     log_dropped: int = 0
     log_dropping: str | None = None
+    #: the engine's KV-cache use (0-1) as last read from its /metrics, where it opted in
+    #: (nvpair.probing.kvcache); None: not read, or unknown
+    kv_cache_usage: float | None = None
 
     def probe(self, name: str) -> ProbeStats | None:
         for n, stats in self.probes:

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 import trio
 
-from nvpair.base.histogram import ROUTER_BUCKETS_S, Histogram
+from nvpair.base.histogram import ACTIVATION_BUCKETS_S, ROUTER_BUCKETS_S, Histogram
 from nvpair.config.settings import RouterConfig
 
 
@@ -43,10 +43,15 @@ class Traffic:
         self.config = config or RouterConfig()
         self.engines: dict[str, EngineTraffic] = {}
         #: every answer the router sent (/metrics): its time to the first byte of the body
-        #: and in total, from the request's start, and its status by (engine, code)
+        #: and in total, from the request's arrival (a wait in an on-demand queue, for a
+        #: start or a free slot, included), and its status by (engine, code)
         self.first_byte = Histogram(ROUTER_BUCKETS_S)
         self.duration = Histogram(ROUTER_BUCKETS_S)
         self.codes: dict[tuple[str, int], int] = {}
+        #: each wait of a request in an on-demand engine's queue (served, 503 or gone)
+        self.queue_wait = Histogram(ROUTER_BUCKETS_S)
+        #: each on-demand start that requests waited for, from its start to ready
+        self.activation = Histogram(ACTIVATION_BUCKETS_S)
 
     def of(self, name: str) -> EngineTraffic:
         entry = self.engines.get(name)
