@@ -157,12 +157,12 @@ def series_per_engine(text: str, name: str) -> int:
 
 
 async def test_about_twenty_series_per_engine() -> None:
-    """A served engine shows 17 series; the most any engine shows is 10 + 3 per probe + 1 +
-    one per status code the router sent for it (27 with four probes failing both ways and
+    """A served engine shows 19 series; the most any engine shows is 12 + 3 per probe + 1 +
+    one per status code the router sent for it (29 with four probes failing both ways and
     four codes): never one per model, request or error message."""
     now = trio.current_time()
     text = full_metrics(now).body().decode()
-    assert series_per_engine(text, "a") == 7 + 1 + 1 + 1 + 4 + 2 + 1  # 17 (7 states)
+    assert series_per_engine(text, "a") == 9 + 1 + 1 + 1 + 4 + 2 + 1  # 19 (9 states)
     # the worst an engine shows: every probe failed both ways, answers of four codes
     probes = tuple((p, stats(10, 5, 2)) for p in ("ready", "health", "identity", "models"))
     traffic = Traffic()
@@ -170,7 +170,7 @@ async def test_about_twenty_series_per_engine() -> None:
         traffic.answered("x", code, now, now)
     text = Metrics(Board((engine("x", checked_at=now, probes=probes),)), traffic,
                    node="n").body().decode()
-    assert series_per_engine(text, "x") == 27  # (7 states)
+    assert series_per_engine(text, "x") == 29  # (9 states)
     # a managed engine: one more, the lines of its output dropped above the rate cap
     flooded = msgspec.structs.replace(engine("m"), managed=True, log_dropped=171_200)
     text = Metrics(Board((flooded,)), node="n").body().decode()
