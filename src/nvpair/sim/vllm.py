@@ -41,9 +41,14 @@ class VLLM(Engine):
         """``--enable-sleep-mode``: asleep when told, awake when told."""
         #: the cancel scopes of the generations in flight (``mode=abort`` cancels them)
         self.running: set[trio.CancelScope] = set()
+        #: the level and mode of the last ``POST /sleep`` (None: none yet)
+        self.last_sleep: dict[str, str] | None = None
         if not self.options.enable_sleep_mode:
             return None
         return SimSleep(idle_s=None, wake_s=self.options.wake_s, on_change=self.state.touch)
+
+    def status(self) -> dict[str, Any]:
+        return {} if self.last_sleep is None else {"last_sleep": self.last_sleep}
 
     def add_routes(self, router: Router) -> None:
         if self.sleep is not None and self.options.dev_mode:
@@ -99,6 +104,7 @@ class VLLM(Engine):
             await self.error(reply, 400, f"level must be 1 or 2 and mode abort or wait "
                                          f"(got level={level!r}, mode={mode!r})")
             return
+        self.last_sleep = {"level": level, "mode": mode}
         if mode == "abort":
             for scope in list(self.running):
                 scope.cancel()
