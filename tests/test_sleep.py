@@ -46,6 +46,12 @@ def config(tmp: Path, sim: SimHandle, kind: str, extra: str = "") -> Path:
     return path
 
 
+def health_requests(running: service.Running) -> int:
+    e = running.board.current.engine("e")
+    stats = None if e is None else e.probe("health")
+    return 0 if stats is None else stats.requests
+
+
 def sleep_counts(sim: SimHandle) -> dict[str, int]:
     return {k: v for k, v in sim.stats().engine["sleep"].items() if k in ("sleeps", "wakes")}
 
@@ -181,3 +187,32 @@ async def test_an_engine_that_cannot_be_put_to_sleep_is_a_409_with_why(
             awake = await client.post("/v1/engines/e/wake")
             assert (awake.status_code, awake.json()["operation"]) == (202, "awake")
             assert (await client.get("/v1/engines/e/wake")).status_code == 405
+
+
+async def test_sglang_sleeps_paused_and_released_and_wakes_resumed_and_continued(
+        nursery: trio.Nursery, tmp_path: Path) -> None:
+    """SGLang has no call that says it sleeps: nvpair's own record holds while its health
+    probe (/ping) answers 200 as usual; a wake resumes and continues it."""
+    sim = await nursery.start(serve_sim, SimOptions(kind="sglang", model="gemma",
+                                                    enable_memory_saver=True))
+    await sim.wait_phase("ready")
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, load_settings(str(config(tmp_path, sim,
+                                                                            "sglang"))))
+        await wait_state(running.board, "e", "ready", where=lambda e: bool(e.models))
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            assert (await client.post("/v1/engines/e/sleep")).status_code == 202
+            await wait_state(running.board, "e", "sleeping")
+            assert sim.stats().engine["paused"] is True
+            assert sleep_counts(sim) == {"sleeps": 1, "wakes": 0}
+            before = health_requests(running)
+            await trio.sleep(1.0)  # its health probe answers 200 meanwhile
+            e = running.board.current.engine("e")
+            assert e is not None and e.state == "sleeping"
+            assert health_requests(running) - before >= 3
+            answer = await client.post("/v1/chat/completions", content=CHAT,
+                                       headers={"content-type": "application/json"})
+            assert answer.status_code == 200, answer.text  # (woken first)
+            assert sim.stats().engine["paused"] is False
+            assert sleep_counts(sim) == {"sleeps": 1, "wakes": 1}
+            await wait_state(running.board, "e", "ready")
