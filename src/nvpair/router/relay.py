@@ -329,7 +329,11 @@ class Router:
                 except Unavailable as exc:
                     await send_error(send, 503, str(exc), "engine_not_ready",
                                      [(b"retry-after", b"5")])
-                if ticket is not None:  # (its turn: to the engine it waited for)
+                why = None if ticket is None else await self._woken(name)
+                if why is not None:
+                    await send_error(send, 503, why, "engine_not_ready",
+                                     [(b"retry-after", b"5")])
+                elif ticket is not None:  # (its turn: to the engine it waited for)
                     await self._forward(scope, body, [self._engine(name)], send,
                                         on_start=ticket.started)
             finally:
