@@ -378,7 +378,9 @@ def _paths(parts: frozenset[str], engines: tuple[str, ...], models: tuple[str, .
     }
     for action in sorted(ENGINE_ACTIONS - {"logs"}):
         paths[f"/v1/engines/{{name}}/{action}"] = {"post": {
-            "summary": f"ask for {action} (docs/lifecycle.md)", "parameters": [engine_name],
+            "summary": f"ask for {action} (docs/"
+                       f"{'sleep' if action in ('wake', 'sleep') else 'lifecycle'}.md)",
+            "parameters": [engine_name],
             "responses": _answers({202: ("accepted: the status and the operation",
                                          _json(Operation))}, (404, 409, 503))}}
     if "router" in parts:

@@ -42,6 +42,7 @@ from nvpair.state.transitions import initial_state
 from nvpair.supervision import orphans
 from nvpair.supervision.lifecycle import EngineRunner
 from nvpair.supervision.memwatch import MemoryWatch
+from nvpair.supervision.sleeper import Sleepers
 
 log = logging.getLogger("nvpair")
 
@@ -132,9 +133,10 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
     if any(spec.activation == "on_demand" for spec in settings.engines):
         activator = Activator(board, settings.engines, runners, traffic, settings.activation,
                               settings.memory)
+    sleepers = Sleepers(settings.engines, board, traffic)  # wake and sleep (docs/sleep.md)
     router = Router(board, settings.engines, settings.router, traffic, node=settings.node,
                     peers=None if peers is None else peers.table, cluster_token=cluster_token,
-                    activator=activator)
+                    activator=activator, sleepers=sleepers)
     keys = Keyring(settings.keys) if settings.keys else None  # (docs/keys.md)
     mounts = [Mount(handler=TrafficView(traffic, keys), paths=frozenset({"/v1/router"}))]
     history = History(board)  # the dashboard's charts (docs/dashboard.md)
@@ -160,7 +162,7 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
                                  tuple(dict.fromkeys(m for spec in settings.engines
                                                      for m in (spec.model, *spec.aliases)
                                                      if m))),
-              controller=Control(runners, board, settings.node), mounts=mounts,
+              controller=Control(runners, board, settings.node, sleepers), mounts=mounts,
               cluster=None if peers is None else peers.table, cluster_token=cluster_token,
               allowed_hosts=settings.allowed_hosts,
               metrics=Metrics(board, traffic, node=settings.node, sweep=sweep.durations,
@@ -192,6 +194,7 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
             await engines.start(sweep.run)
             await engines.start(groups.run)
             await engines.start(memory.run)
+            await engines.start(sleepers.run)
             async with trio.open_nursery() as http:
                 connections = Connections(connection_cap(settings.max_connections))
                 binds = await http.start(

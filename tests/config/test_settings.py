@@ -290,3 +290,37 @@ def test_a_key_file_given_to_the_engine_holds_the_key_alone(write) -> None:
                                 f"{write('key', bad)} is passed to the engine, which reads "
                                 "each line as a key: it must hold the key alone on one line "
                                 "(no spaces, no CR)"), message
+
+
+def test_sleep_needs_a_kind_that_sleeps_and_idle_sleep_needs_sleep(write) -> None:
+    """docs/sleep.md: one line naming the key, for a kind whose manifest says nothing of
+    sleep, and for idle_sleep_s without sleep = true."""
+    message = error_for(write, "[[engines]]\nname = 'a'\nkind = 'ollama'\nsleep = true\n")
+    assert message.endswith("engines[0].sleep: the ollama manifest says nothing of how it "
+                            "sleeps; remove sleep = true"), message
+    message = error_for(write, "[[engines]]\nname = 'a'\nkind = 'llamacpp'\nidle_sleep_s = 5\n")
+    assert message.endswith("engines[0].idle_sleep_s: needs sleep = true"), message
+
+
+def test_an_engine_that_sleeps_is_probed_on_its_sleeping_probe_and_started_with_its_flags(
+        write) -> None:
+    s = settings_for(write, "[[engines]]\nname = 'l'\nkind = 'llamacpp'\nmodel = '/m.gguf'\n"
+                            "managed = true\nsleep = true\nidle_sleep_s = 300\n"
+                            "[[engines]]\nname = 'v'\nkind = 'vllm'\nport = 8001\nmodel = 'm'\n"
+                            "managed = true\nsleep = true\nsleep_level = 2\n"
+                            "[[engines]]\nname = 'w'\nkind = 'vllm'\nport = 8002\nmodel = 'm'\n"
+                            "managed = true\n")
+    from nvpair.config.command import build_command
+    from nvpair.config.settings import placeholder_values
+
+    llama, vllm, plain = s.engines
+    assert (llama.probes.health.path, llama.probes.health.fallback_path) == ("/props", "/health")
+    assert llama.probes.health.needs_api_key
+    assert (vllm.probes.health.path, plain.probes.health.path) == ("/is_sleeping", "/health")
+    argv, env = build_command(llama.manifest, None, placeholder_values(llama))
+    assert argv[-2:] == ["--sleep-idle-seconds", "300"] and env == {}
+    argv, env = build_command(vllm.manifest, None, placeholder_values(vllm))
+    assert "--enable-sleep-mode" in argv and env == {"VLLM_SERVER_DEV_MODE": "1"}
+    assert vllm.sleep is not None and vllm.sleep_level == 2
+    argv, env = build_command(plain.manifest, None, placeholder_values(plain))
+    assert "--enable-sleep-mode" not in argv and "VLLM_SERVER_DEV_MODE" not in env

@@ -189,7 +189,7 @@ async def test_about_twenty_series_per_engine() -> None:
     gauges, waiting and running, carry the engine's one model as a label.)"""
     now = trio.current_time()
     text = full_metrics(now).body().decode()
-    assert series_per_engine(text, "a") == 7 + 1 + 1 + 1 + 4 + 2 + 1 + 2  # 19 (7 states)
+    assert series_per_engine(text, "a") == 9 + 1 + 1 + 1 + 4 + 2 + 1 + 2  # 21 (9 states)
     # the worst an engine shows: every probe failed both ways, answers of four codes
     probes = tuple((p, stats(10, 5, 2)) for p in ("ready", "health", "identity", "models"))
     traffic = Traffic()
@@ -197,7 +197,7 @@ async def test_about_twenty_series_per_engine() -> None:
         traffic.answered("x", code, now, now)
     text = Metrics(Board((engine("x", checked_at=now, probes=probes),)), traffic,
                    node="n").body().decode()
-    assert series_per_engine(text, "x") == 29  # (7 states)
+    assert series_per_engine(text, "x") == 31  # (9 states)
     # a managed engine: one more, the lines of its output dropped above the rate cap
     flooded = msgspec.structs.replace(engine("m"), managed=True, log_dropped=171_200)
     text = Metrics(Board((flooded,)), node="n").body().decode()

@@ -207,3 +207,47 @@ async def test_managed_llama_server_from_the_manifest_template(
             await trio.open_tcp_stream("127.0.0.1", port)
     if not seen_loading:  # everything else was checked; only this part could not be
         pytest.xfail("the model loaded before the first /health answer: no 503 seen")
+
+
+async def test_managed_llama_server_that_sleeps_is_listed_sleeping_and_never_woken_by_probes(
+    llama_assets: LlamaAssets, nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """``sleep = true`` with ``idle_sleep_s``: nvpair starts llama-server with
+    ``--sleep-idle-seconds``, lists it ``sleeping`` once it sleeps, and its probes (health on
+    ``/props`` every 0.5 s, identity, the model list) never wake it: the server logs each
+    wake ("exiting sleeping state"), and none comes until a routed request."""
+    port = free_port()
+    path_env = f"{llama_assets.binary.parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    engine = (f"[[engines]]\nname = 'g'\nkind = 'llamacpp'\nmanaged = true\nport = {port}\n"
+              f"model = {json.dumps(str(llama_assets.model))}\nstop_grace_s = 10\n"
+              f"sleep = true\nidle_sleep_s = 1\n"
+              f"env = {{ PATH = {json.dumps(path_env)} }}\n"
+              f"[engines.args]\nserved_name = '{DEFAULT_ALIAS}'\nctx = 1024\nthreads = 2\n"
+              f"slots = 1\n{_probes()}")
+    settings = load_settings(str(_config(tmp_path, engine)))
+    log = tmp_path / "logs" / "g.log"
+    with trio.fail_after(100):
+        running = await nursery.start(service.run, settings)
+        first = await wait_state(running.board, "g", "starting", where=lambda e: bool(e.pid))
+        assert first.pid is not None
+        argv = await _cmdline(first.pid)
+        assert argv[-2:] == ["--sleep-idle-seconds", "1"], argv
+        await wait_state(running.board, "g", "sleeping", where=lambda e: bool(e.models),
+                         within=60)
+        before = _requests(running.board.current.engine("g"), "health")  # type: ignore[arg-type]
+        await trio.sleep(3.0)  # probes at work for a while: 6 health probes at 0.5 s
+        e = running.board.current.engine("g")
+        assert e is not None and e.state == "sleeping", e
+        assert _requests(e, "health") - before >= 4
+        assert e.probe("health").path == "/props"  # type: ignore[union-attr]
+        assert "exiting sleeping state" not in log.read_text(errors="replace")
+        assert (await _props(f"http://127.0.0.1:{port}"))["is_sleeping"] is True
+        async with httpx2.AsyncClient(base_url=running.url, timeout=60) as client:
+            listed = (await client.get("/v1/models")).json()["data"]
+            assert [(m["id"], m["nvpair"]["state"]) for m in listed] == [
+                (DEFAULT_ALIAS, "sleeping")]
+            answer = await client.post("/v1/chat/completions", json={
+                "model": DEFAULT_ALIAS, "max_tokens": 2,
+                "messages": [{"role": "user", "content": "hi"}]})
+            assert answer.status_code == 200, answer.text
+        assert "exiting sleeping state" in log.read_text(errors="replace")

@@ -373,3 +373,18 @@ async def test_refused_and_closed_client_errors() -> None:
             assert str(caught.value).startswith("cannot connect: ")
         with pytest.raises(ProbeError, match="probe client is closed"):
             await probes.request(client, spec, "/h", api_key=None)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=bodies | json_values.map(lambda v: json.dumps({"is_sleeping": v}).encode()))
+def test_a_sleeping_answer_is_true_or_false_only_for_a_json_boolean(body: bytes) -> None:
+    """``/props.is_sleeping`` and ``/is_sleeping`` come from the engine: anything but a
+    JSON boolean there says nothing (None), and no answer raises."""
+    said = probes.sleeping(body, "/is_sleeping")
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError):
+        assert said is None
+        return
+    value = doc.get("is_sleeping") if isinstance(doc, dict) else None
+    assert said == (value if isinstance(value, bool) else None)

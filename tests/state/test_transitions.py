@@ -385,3 +385,46 @@ def test_a_starting_on_demand_engine_nobody_waits_for_sleeps_until_a_request_wai
     assert not next_interval(starting, VLLM_SPEC, probe="ready", outcome=FAIL).awaited
     ready = engine("ready", managed=True)
     assert not next_interval(ready, on_demand, probe="ready", outcome=OK).awaited
+
+
+# -- sleep (docs/sleep.md) --------------------------------------------------------------------
+
+PROBED = {"sleep_probe": True}
+
+
+def test_a_health_answer_saying_it_sleeps_makes_a_ready_engine_sleeping_and_back() -> None:
+    e = after_liveness(engine(), "ready", READY, OK, now=0.0)
+    e = after_liveness(e, "health", HEALTH, OK, now=1.0, sleeping=True, **PROBED)
+    assert (e.state, e.since) == ("sleeping", 1.0)
+    e = after_liveness(e, "health", HEALTH, OK, now=2.0, sleeping=True, **PROBED)
+    assert (e.state, e.since, e.checked_at) == ("sleeping", 1.0, 2.0)
+    e = after_liveness(e, "health", HEALTH, OK, now=3.0, sleeping=False, **PROBED)
+    e = after_liveness(e, "health", HEALTH, OK, now=4.0, sleeping=False, **PROBED)
+    assert e.state == "ready"  # (HEALTH's success_threshold: 2)
+
+
+def test_a_waking_engine_stays_waking_while_it_still_says_it_sleeps() -> None:
+    e = after_liveness(engine("waking"), "health", HEALTH, OK, now=1.0, sleeping=True,
+                       **PROBED)
+    assert e.state == "waking"
+
+
+def test_a_sleeping_engine_fails_like_any_other_when_it_has_a_sleeping_probe() -> None:
+    e = engine("sleeping")
+    e = after_liveness(e, "health", HEALTH, TIMEOUT, now=1.0, **PROBED)
+    assert e.state == "stale"
+    assert after_liveness(engine("sleeping"), "health", HEALTH, REFUSED, now=1.0,
+                          **PROBED).state == "down"
+
+
+def test_without_a_sleeping_probe_only_nvpair_or_a_dead_port_moves_a_sleeping_engine() -> None:
+    """SGLang answers /ready 503 while paused for its sleep: still sleeping."""
+    for outcome in (OK, FAIL, TIMEOUT):
+        e = after_liveness(engine("sleeping"), "health", HEALTH, outcome, now=1.0)
+        assert e.state == "sleeping"
+    assert after_liveness(engine("sleeping"), "health", HEALTH, REFUSED, now=1.0).state == "down"
+
+
+@pytest.mark.parametrize("state", ["sleeping", "waking"])
+def test_a_sleeping_engine_is_probed_by_health_only(state: str) -> None:
+    assert liveness_probe(state) == "health"  # type: ignore[arg-type]

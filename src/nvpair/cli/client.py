@@ -1,4 +1,5 @@
-"""Commands that talk to a running nvpair: status, models, start, stop, restart, logs."""
+"""Commands that talk to a running nvpair: status, models, start, stop, restart, drain, wake,
+sleep, logs."""
 
 from __future__ import annotations
 
@@ -145,9 +146,9 @@ def _run(args: argparse.Namespace) -> int:
                 for m in doc["data"]]
         print(render(("MODEL", "ENGINE", "NODE", "STATE"), rows) if rows else "no models listed")
         return 0
-    if cmd in ("start", "stop", "restart", "drain"):
+    if cmd in ("start", "stop", "restart", "drain", "wake", "sleep"):
         doc = call(args, "POST", f"/v1/engines/{args.name}/{cmd}")
-        print(f"{args.name}: {cmd} accepted; state {doc.get('state')}")
+        print(f"{args.name}: {cmd} accepted ({doc.get('operation')}); state {doc.get('state')}")
         return 0
     if cmd == "logs":
         return follow_logs(args)

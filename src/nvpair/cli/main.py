@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("stop", "stop an engine"),
         ("restart", "restart an engine"),
         ("drain", "stop an engine once its requests in flight have finished"),
+        ("wake", "wake a sleeping engine (docs/sleep.md)"),
+        ("sleep", "put an engine to sleep once its requests in flight have finished"),
         ("logs", "show an engine's output"),
         ("events", "print a running nvpair's events as they come, one line each"),
         ("memory", "show each engine's memory: floor, slope, when it runs out"),
@@ -70,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=helptext)
         config_arg(p)
         p.add_argument("--url", help="nvpair's base URL (default: from the config's listen)")
-        if name in ("start", "stop", "restart", "drain", "logs"):
+        if name in ("start", "stop", "restart", "drain", "wake", "sleep", "logs"):
             p.add_argument("name", help="engine name")
         if name in ("status", "memory"):
             p.add_argument("name", nargs="?", help="one engine (default: all)")

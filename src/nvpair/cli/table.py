@@ -16,6 +16,8 @@ STATE_COLOURS = {
     "unhealthy": "red",
     "down": "red",
     "stopped": "dim",
+    "sleeping": "dim",
+    "waking": "cyan",
     "draining": "yellow",
 }
 

@@ -57,7 +57,16 @@ def build_command(
             except KeyError:
                 continue  # optional: left out unless every placeholder has a value
             argv.extend(filled)
+    if not command and values.get("sleep") is True and manifest.sleep is not None:
+        for fragment in manifest.sleep.argv:  # (docs/sleep.md: the kind's sleep flags)
+            try:
+                filled = [fill(part, values) for part in fragment]
+            except KeyError:
+                continue
+            argv.extend(filled)
     env = {}
+    if values.get("sleep") is True and manifest.sleep is not None:
+        env.update(manifest.sleep.env)
     for key, template_value in manifest.start.env.items():
         try:
             env[key] = fill(template_value, values)

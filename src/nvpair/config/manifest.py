@@ -175,6 +175,45 @@ class KvCacheSpec(Base, frozen=True):
     path: str = "/metrics"
 
 
+class EngineCall(Base, frozen=True):
+    """One request nvpair sends an engine to put it to sleep or wake it. ``path`` may hold
+    ``{sleep_level}``; ``body`` is JSON text (None: no body)."""
+
+    path: str
+    method: Literal["GET", "POST"] = "POST"
+    body: str | None = None
+    #: how long it may take to answer (a wake loads the weights again)
+    timeout_s: Seconds = 300.0
+
+    def __post_init__(self) -> None:
+        if not self.path.startswith("/"):
+            raise ValueError(f"path must start with '/', got {self.path!r}")
+
+
+class SleepManifest(Base, frozen=True):
+    """How a kind of engine sleeps (frees its weights and KV cache, keeps its process) and
+    wakes (docs/sleep.md). Used only for an engine configured with ``sleep = true``."""
+
+    #: the cheap request that tells whether it sleeps and never wakes it (None: the kind
+    #: has none, and nvpair knows only what it did itself)
+    probe_path: str | None = None
+    #: the JSON pointer of the probe answer's ``true`` while it sleeps
+    sleeping_pointer: str = "/is_sleeping"
+    probe_needs_api_key: bool = False
+    #: the calls that put it to sleep, in order, once nvpair has drained it (none: it
+    #: sleeps only by itself, as llama-server after ``--sleep-idle-seconds``)
+    sleep: tuple[EngineCall, ...] = ()
+    #: the calls that wake it, in order
+    wake: tuple[EngineCall, ...] = ()
+    #: what a managed engine with ``sleep = true`` is started with besides: argv
+    #: fragments (each only when its placeholders have values) and environment
+    argv: tuple[tuple[str, ...], ...] = ()
+    env: dict[str, str] = {}
+    #: whether a routed request wakes it by itself (llama-server); else nvpair wakes it
+    #: before sending one (vLLM answers 503 while it sleeps)
+    request_wakes: bool = False
+
+
 class Manifest(Base, frozen=True):
     """A kind of engine."""
 
@@ -193,6 +232,8 @@ class Manifest(Base, frozen=True):
     group: GroupManifest | None = None
     #: where it exports its KV-cache use (None: nowhere nvpair knows).
     kv_cache: KvCacheSpec | None = None
+    #: how it sleeps and wakes (None: it cannot)
+    sleep: SleepManifest | None = None
     #: for people reading the manifest (JSON has no comments): why these probes; never read.
     notes: Annotated[str, msgspec.Meta(description=NOTES)] = ""
 

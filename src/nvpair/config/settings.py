@@ -28,6 +28,7 @@ from nvpair.config.manifest import (
     Probes,
     ProbeSpec,
     Seconds,
+    SleepManifest,
     check_probes,
     load_manifest,
 )
@@ -78,6 +79,13 @@ class EngineConfig(Base, frozen=True):
     max_in_flight: Annotated[int, msgspec.Meta(ge=1, le=100_000)] | None = None
     #: read the engine's KV-cache use this often, from its /metrics (opt in; docs/metrics.md).
     kv_cache_probe_s: Annotated[float, msgspec.Meta(ge=1, le=3600)] | None = None
+    #: it can sleep (docs/sleep.md): nvpair probes its sleep, wakes it and puts it to sleep,
+    #: and starts a managed one with the kind's sleep flags
+    sleep: bool = False
+    #: llama-server: sleep after this long without a task (``--sleep-idle-seconds``)
+    idle_sleep_s: Annotated[int, msgspec.Meta(ge=1, le=30 * 86400)] | None = None
+    #: vLLM: 1 keeps the weights in host RAM, 2 drops them
+    sleep_level: Literal[1, 2] = 1
 
 
 class ActivationConfig(Base, frozen=True):
@@ -234,6 +242,10 @@ class EngineSpec(msgspec.Struct, frozen=True):
     max_in_flight: int | None = None
     #: how often its KV-cache use is read (None: never)
     kv_cache_probe_s: float | None = None
+    #: how it sleeps and wakes, with ``sleep = true`` (None: nvpair never sleeps it)
+    sleep: SleepManifest | None = None
+    idle_sleep_s: int | None = None
+    sleep_level: int = 1
 
     @property
     def url(self) -> str:
@@ -518,6 +530,8 @@ def _resolve_engine(eng: EngineConfig, where: str, base: Path) -> EngineSpec:
     except ManifestError as exc:
         raise ConfigError(f"{where}.kind: {exc}") from None
     probes = _merge_probes(manifest.probes, eng.probes, where)
+    if eng.sleep and manifest.sleep is not None and manifest.sleep.probe_path is not None:
+        probes = sleeping_probes(probes, manifest.sleep)
     check_probes(
         probes,
         allow_generating=manifest.allow_generating_probes or eng.allow_generating_probes,
@@ -532,6 +546,11 @@ def _resolve_engine(eng: EngineConfig, where: str, base: Path) -> EngineSpec:
         raise ConfigError(f"{where}.activation: on_demand needs managed = true (nvpair "
                           "starts and stops the engine)")
     pid_file = _memory_source(eng, where, base)
+    if eng.sleep and manifest.sleep is None:
+        raise ConfigError(f"{where}.sleep: the {manifest.kind} manifest says nothing of how "
+                          "it sleeps; remove sleep = true")
+    if eng.idle_sleep_s is not None and not eng.sleep:
+        raise ConfigError(f"{where}.idle_sleep_s: needs sleep = true")
     api_key = key_path = None
     if eng.api_key_file:
         api_key = read_secret(eng.api_key_file, where, "api_key_file", base)
@@ -563,6 +582,9 @@ def _resolve_engine(eng: EngineConfig, where: str, base: Path) -> EngineSpec:
         memory_bytes=None if eng.memory_bytes == "measured" else eng.memory_bytes,
         max_in_flight=eng.max_in_flight,
         kv_cache_probe_s=eng.kv_cache_probe_s,
+        sleep=manifest.sleep if eng.sleep else None,
+        idle_sleep_s=eng.idle_sleep_s,
+        sleep_level=eng.sleep_level,
     )
     if spec.managed:
         from nvpair.config.command import CommandError, build_command
@@ -618,6 +640,20 @@ def _merge_probes(probes: Probes, overrides: ProbeOverrides, where: str) -> Prob
     return Probes(ready=ready, health=health, identity=merged["identity"], models=merged["models"])
 
 
+def sleeping_probes(probes: Probes, sleep: SleepManifest) -> Probes:
+    """The probes of an engine that can sleep: its health probe asks the sleeping probe's
+    path, which says whether it sleeps and never wakes it (docs/sleep.md); an engine
+    without that path (404: vLLM without VLLM_SERVER_DEV_MODE) falls back to the
+    manifest's health path."""
+    health = probes.health
+    assert sleep.probe_path is not None
+    moved = msgspec.structs.replace(
+        health, path=sleep.probe_path, cost="cheap",
+        needs_api_key=sleep.probe_needs_api_key or health.needs_api_key,
+        fallback_path=health.path, fallback_cost=health.cost)
+    return msgspec.structs.replace(probes, health=moved)
+
+
 def placeholder_values(spec: EngineSpec) -> dict[str, object]:
     """Placeholder values for a resolved engine (the same rule as ``_values``)."""
     values: dict[str, object] = dict(spec.manifest.start.defaults)
@@ -629,6 +665,10 @@ def placeholder_values(spec: EngineSpec) -> dict[str, object]:
         values["api_key"] = spec.api_key
     if spec.api_key_file is not None:
         values["api_key_file"] = spec.api_key_file
+    if spec.sleep is not None:  # (the manifest's sleep argv and env are added with them)
+        values.update(sleep=True, sleep_level=spec.sleep_level)
+        if spec.idle_sleep_s is not None:
+            values["idle_sleep_s"] = spec.idle_sleep_s
     return values
 
 

@@ -375,7 +375,7 @@ class Api:
             await send_json(send, 200, views.engine_status(engine, snap, now, self.node))
             return
         action = rest[0]
-        if action in ("start", "stop", "restart", "drain") and len(rest) == 1:
+        if action in ENGINE_COMMANDS and len(rest) == 1:
             if method != "POST":
                 await send_wrong_method(send, "POST", f"/v1/engines/{name}/{action}")
                 return
@@ -427,7 +427,9 @@ KIND_WORDS = {"read": "read status (a reader's or an admin's)",
 #: routes counted under their own path; others by their shape (``route_label``)
 FIXED_ROUTES = frozenset({"/healthz", "/openapi.json", "/metrics", "/v1/models",
                           "/v1/cluster/models", "/v1/engines", "/v1/events"})
-ENGINE_ACTIONS = frozenset({"start", "stop", "restart", "drain", "logs"})
+#: the engine routes that ask the controller for something (POST)
+ENGINE_COMMANDS = frozenset({"start", "stop", "restart", "drain", "wake", "sleep"})
+ENGINE_ACTIONS = ENGINE_COMMANDS | {"logs"}
 
 
 def route_label(path: str, mounts: Sequence[Mount] = ()) -> str:

@@ -17,7 +17,8 @@ from nvpair.base.logs import EngineLog
 from nvpair.http.asgi import error_doc
 from nvpair.http.views import engine_status
 from nvpair.state.snapshot import Board
-from nvpair.supervision.lifecycle import Action, Busy, EngineRunner
+from nvpair.supervision.lifecycle import Accepted, Action, Busy, EngineRunner
+from nvpair.supervision.sleeper import Sleepers
 
 ADOPTED_NOTE = ("adopted engine: nvpair never signals it; stop unlists it and stops probing, "
                 "start resumes probing")
@@ -26,17 +27,26 @@ ADOPTED_NOTE = ("adopted engine: nvpair never signals it; stop unlists it and st
 class Control:
     """The API's ``Controller``: requests and logs for every engine, by name."""
 
-    def __init__(self, runners: dict[str, EngineRunner], board: Board, node: str) -> None:
+    def __init__(self, runners: dict[str, EngineRunner], board: Board, node: str,
+                 sleepers: Sleepers | None = None) -> None:
         self.runners = runners
         self.board = board
         self.node = node
+        #: engines' wake and sleep (docs/sleep.md); None: none of them sleeps
+        self.sleepers = sleepers
 
     async def command(self, name: str, action: str) -> tuple[int, dict[str, Any]]:
-        """Ask engine ``name``'s runner for ``action`` (start, stop, restart or drain): 202 with
-        the engine's status, or 409 with why not. Raises KeyError for an unknown engine
-        (the API checks the name first)."""
+        """Ask engine ``name``'s runner for ``action`` (start, stop, restart, drain, wake or
+        sleep): 202 with the engine's status, or 409 with why not. Raises KeyError for an
+        unknown engine (the API checks the name first)."""
         runner = self.runners[name]
-        if action == "drain":  # finish the routed requests in flight, then stop
+        if action in ("wake", "sleep"):  # (docs/sleep.md)
+            if self.sleepers is None:
+                result: Accepted | Busy = Busy(f"engine {name} cannot sleep or wake here")
+            else:
+                result = (self.sleepers.wake(name) if action == "wake"
+                          else self.sleepers.sleep(name))
+        elif action == "drain":  # finish the routed requests in flight, then stop
             result = runner.drain(then="stop", reason="asked by the operator")
         else:
             result = runner.request(cast(Action, action))
@@ -47,7 +57,7 @@ class Control:
         assert engine is not None
         doc = engine_status(engine, snap, trio.current_time(), self.node)
         doc["operation"] = result.operation
-        if not runner.spec.managed:
+        if not runner.spec.managed and action not in ("wake", "sleep"):
             doc["note"] = ADOPTED_NOTE
         return 202, doc
 

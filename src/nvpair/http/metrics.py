@@ -33,7 +33,8 @@ CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 #: a rendered body serves every scrape of the same second (and content versions)
 CACHE_S = 1.0
 #: every state an engine can be in (``nvpair.state.snapshot.State``), each a series of 0 or 1
-ENGINE_STATES = ("starting", "ready", "stale", "unhealthy", "down", "stopped", "cold")
+ENGINE_STATES = ("starting", "ready", "stale", "unhealthy", "down", "stopped", "cold",
+                 "sleeping", "waking")
 #: every state of a peer (``nvpair.peers.table.PeerState``)
 PEER_STATES = ("fresh", "one-way", "stale", "gone", "left")
 

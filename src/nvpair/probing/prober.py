@@ -290,8 +290,9 @@ class Prober:
             assert current is not None
             probe = liveness_probe(current.state)
             outcome = self._passive(probe, current.state)
+            answer = None
             if outcome is None:
-                outcome, _ = await self.probe(probe)
+                outcome, answer = await self.probe(probe)
             identified: Change | None = None
             if (outcome.ok and probe == "ready"
                     and trio.current_time() >= self._identity_retry_at):
@@ -299,8 +300,11 @@ class Prober:
                 identified = await self.identify()
             spec = self._by_name[probe]
             now = trio.current_time()
+            sleep = self.spec.sleep
             liveness = partial(after_liveness, probe=probe, spec=spec, outcome=outcome,
-                               now=now, needs_identity=self.spec.probes.identity is not None)
+                               now=now, needs_identity=self.spec.probes.identity is not None,
+                               sleeping=self._sleeping(probe, answer),
+                               sleep_probe=sleep is not None and sleep.probe_path is not None)
             # one publish for the tick: the identity result, then the liveness outcome
             after = self.board.update(name, liveness if identified is None
                                       else partial(_then, identified, liveness))
@@ -317,6 +321,15 @@ class Prober:
                 await self._sleep_until_awaited(wakes.on_grid(wake, grid))
             else:
                 await wakes.sleep_until(wake, grid)
+
+    def _sleeping(self, probe: str, answer: probes.Answer | None) -> bool | None:
+        """What a health answer says of the engine's sleep, when the health probe asks
+        the sleeping probe's path (``sleep = true``; docs/sleep.md); None: it does not say."""
+        sleep = self.spec.sleep
+        if (sleep is None or sleep.probe_path is None or answer is None or probe != "health"
+                or self._paths["health"] != sleep.probe_path):
+            return None
+        return probes.sleeping(answer.body, sleep.sleeping_pointer)
 
     def _generating(self) -> tuple[str, ...]:
         """The liveness probes whose path (the manifest's, or its fallback) generates."""

@@ -375,6 +375,18 @@ def parse_identity(body: bytes, spec: ProbeSpec, kind: str) -> tuple[Identity, t
                     slots=slots), names
 
 
+def sleeping(body: bytes, pointer_: str) -> bool | None:
+    """Whether a sleeping probe's answer says the engine sleeps (llama-server's
+    ``/props.is_sleeping``, vLLM's ``/is_sleeping``): True or False only for a JSON
+    boolean there, None for anything else (an answer that does not say)."""
+    try:
+        doc = decode_json(body, "the sleeping probe")
+    except ProbeError:
+        return None
+    value = pointer(doc, pointer_)
+    return value if isinstance(value, bool) else None
+
+
 def _slots(value: Any) -> int | None:
     """A slot count as the engine gave it: a whole number from 1 to MAX_SLOTS, else None
     (not said, or not believable: the queue then sends every waiting request at once)."""

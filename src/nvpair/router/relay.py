@@ -51,8 +51,9 @@ from nvpair.router.request import ID_MAX, Routed, current
 from nvpair.router.select import Known, choose, order_peers
 from nvpair.router.upstream import BODY_ERRORS, SEND_ERRORS, Refused, Upstream
 from nvpair.runtime import wakes
-from nvpair.state.snapshot import Board
+from nvpair.state.snapshot import ASLEEP_STATES, Board
 from nvpair.state.traffic import Traffic, peer_key
+from nvpair.supervision.sleeper import Sleepers
 
 ROUTED_PATHS = frozenset({
     "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
@@ -128,8 +129,11 @@ class Router:
 
     def __init__(self, board: Board, engines: Iterable[EngineSpec], config: RouterConfig,
                  traffic: Traffic, *, node: str = "nvpair", peers: PeerRouter | None = None,
-                 cluster_token: str | None = None, activator: Activator | None = None) -> None:
+                 cluster_token: str | None = None, activator: Activator | None = None,
+                 sleepers: Sleepers | None = None) -> None:
         self.board = board
+        #: engines' wake (docs/sleep.md): a sleeping vLLM is woken before a request
+        self.sleepers = sleepers
         #: engines on demand (nvpair.router.activation); None: none configured
         self.activator = activator
         #: the boundary of the router's own tasks: the reaper and the closing of pools
@@ -334,10 +338,24 @@ class Router:
                 await send_error(send, 404, f"The model `{head.model}` does not exist.",
                                  "model_not_found")
             return
+        if choice.engines and (why := await self._woken(choice.engines[0])) is not None:
+            await send_error(send, 503, why, "engine_not_ready", [(b"retry-after", b"5")])
+            return
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
             await self._forward(scope, body, targets, send)
             nursery.cancel_scope.cancel(reason="answer complete")
+
+    async def _woken(self, name: str) -> str | None:
+        """A sleeping engine that does not wake by itself for a request (vLLM answers 503
+        while asleep) is woken first, one wake for every request waiting (docs/sleep.md):
+        None once it is awake (or needs no wake), else why not."""
+        e = self.board.current.engine(name)
+        if (self.sleepers is None or e is None or e.state not in ASLEEP_STATES
+                or self.sleepers.wakes_by_itself(name)):
+            return None
+        why = await self.sleepers.awake(name)
+        return None if why is None else f"engine {name} was asleep and did not wake: {why}"
 
     async def _queued(self, scope: Scope, receive: Receive, send: Send, body: bytes,
                       name: str, model: str) -> None:
@@ -367,7 +385,11 @@ class Router:
                                      [(b"retry-after", b"5")])
                 if key is not None:  # (for /metrics: the queue's wait, per key)
                     key.waited(trio.current_time() - came)
-                if ticket is not None:  # (its turn: to the engine it waited for)
+                why = None if ticket is None else await self._woken(name)
+                if why is not None:
+                    await send_error(send, 503, why, "engine_not_ready",
+                                     [(b"retry-after", b"5")])
+                elif ticket is not None:  # (its turn: to the engine it waited for)
                     await self._forward(scope, body, [self._engine(name)], send,
                                         on_start=ticket.started)
             finally:

@@ -9,7 +9,7 @@ import msgspec
 
 from nvpair.config.settings import EngineSpec
 from nvpair.router.peering import PeerRoute
-from nvpair.state.snapshot import LISTED_STATES, Snapshot
+from nvpair.state.snapshot import ASLEEP_STATES, LISTED_STATES, Snapshot
 from nvpair.state.traffic import Traffic, peer_key
 from nvpair.state.transitions import effective_state
 
@@ -102,10 +102,12 @@ def choose(snap: Snapshot, model: str, traffic: Traffic, known: Known, now: floa
     Suspect engines (failing real requests) go last; engines not ready are left out.
     """
     known.learn(snap)
-    ready: list[tuple[int, int, float, str]] = []
+    ready: list[tuple[int, int, int, float, str]] = []
     for name in known.serving.get(model, ()):
         suspect = 1 if traffic.suspect(name, now) else 0
-        ready.append((suspect, traffic.of(name).in_flight, rng.random(), name))
+        e = snap.engine(name)  # (awake engines before sleeping ones: docs/sleep.md)
+        asleep = 1 if e is not None and e.state in ASLEEP_STATES else 0
+        ready.append((suspect, asleep, traffic.of(name).in_flight, rng.random(), name))
     if ready:
         ready.sort()
         return Choice(engines=tuple(name for *_, name in ready), known=True)

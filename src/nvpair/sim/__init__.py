@@ -12,8 +12,8 @@ Run one in a Trio nursery::
 or as a process: ``python -m nvpair.sim sglang --port 30000`` (see :mod:`nvpair.sim.cli`).
 Module map: ``http`` (h11 server core), ``port`` (the engine port), ``engine`` (request
 pipeline), ``openai_api``, one module per kind (llama.cpp's inference in ``llamacpp_api``),
-``state``, ``faults``, ``accounting``, ``lifecycle``, ``dist`` (multi-node), ``children``,
-``control``, ``handle``, ``serve``, ``cli``. docs/simulators.md describes them all.
+``state``, ``sleep``, ``faults``, ``accounting``, ``lifecycle``, ``dist`` (multi-node),
+``children``, ``control``, ``handle``, ``serve``, ``cli``. docs/simulators.md describes them all.
 """
 
 from nvpair.sim.accounting import PathStats

@@ -131,6 +131,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="close idle keep-alive connections (default: the kind's, llama.cpp 5 s, else 30 s)")
     add("--log-level", default="INFO")
 
+    add = p.add_argument_group("sleep").add_argument
+    add("--sleep-idle-seconds", type=float, default=-1.0,
+        help="llama.cpp: sleep after this long without a task (-1: never)")
+    add("--enable-sleep-mode", action="store_true",
+        help="vLLM: /sleep, /wake_up, /is_sleeping (with VLLM_SERVER_DEV_MODE=1)")
+    add("--enable-memory-saver", action="store_true",
+        help="SGLang: release_memory_occupation and resume_memory_occupation")
+    add("--wake-s", type=float, default=0.0, help="how long waking takes")
+
     add = p.add_argument_group("memory").add_argument
     add("--resident-mb", type=float, default=0.0, help="a baseline footprint held from the start")
     add("--leak-mb-per-s", type=float, default=0.0, help="leak this many MiB a second")
@@ -189,6 +198,10 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
         idle_timeout_s=args.idle_timeout_s,
         resident_mb=args.resident_mb, leak_mb_per_s=args.leak_mb_per_s,
         leak_bytes_per_request=args.leak_bytes_per_request,
+        sleep_idle_s=None if args.sleep_idle_seconds < 0 else args.sleep_idle_seconds,
+        enable_sleep_mode=args.enable_sleep_mode,
+        dev_mode=os.environ.get("VLLM_SERVER_DEV_MODE", "0") not in ("", "0"),
+        enable_memory_saver=args.enable_memory_saver, wake_s=args.wake_s,
     )
 
 

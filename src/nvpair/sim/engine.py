@@ -18,6 +18,7 @@ from nvpair.sim.faults import DEFAULT_MISMATCH_MODEL, DEFAULT_SLOW_S
 from nvpair.sim.garbage import send_garbage
 from nvpair.sim.http import Reply, Request
 from nvpair.sim.options import SimOptions
+from nvpair.sim.sleep import SimSleep
 from nvpair.sim.state import SimState
 
 Route = Callable[[Request, Reply], Awaitable[None]]
@@ -80,6 +81,8 @@ class Engine:
         self.state = state
         #: the engine port number (set once reserved).
         self.port = options.port
+        #: the engine's sleep, for the kinds and options that have one (nvpair.sim.sleep)
+        self.sleep: SimSleep | None = self.make_sleep()
         self.router = Router()
         self.add_routes(self.router)
 
@@ -91,6 +94,10 @@ class Engine:
     def status(self) -> dict[str, Any]:
         """Kind-specific state for the stats (status flags, loaded models, ...)."""
         return {}
+
+    def make_sleep(self) -> SimSleep | None:
+        """The kind's sleep with these options (None: it cannot sleep)."""
+        return None
 
     async def before_route(self, request: Request, reply: Reply) -> bool:
         """A gate in front of auth and routing; True when it answered."""

@@ -102,6 +102,8 @@ class SimHandle:
         state = self._state
         total, paths = state.accounting.snapshot()
         extra = self._engine.status()
+        if self._engine.sleep is not None:
+            extra = {**extra, "sleep": self._engine.sleep.view()}
         if self.rendezvous is not None:
             extra |= {"workers_joined": sorted(self.rendezvous.joined),
                       "workers_ready": sorted(self.rendezvous.ready)}

@@ -2,7 +2,8 @@
 
 The memory is really allocated and touched (one byte written per page), so the process's
 ``RssAnon`` grows as a real engine's would: the memory watch's tests and the on-demand
-tests read it from ``/proc`` like any engine's. Nothing is ever freed until the process ends.
+tests read it from ``/proc`` like any engine's. Only the baseline is ever freed before the
+process ends: a sleeping engine drops it (``release_resident``) and holds it again on waking.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class Leak:
         self.held: list[bytearray] = []
         self.bytes = 0
         self._owed = 0.0  # bytes of the steady leak not yet allocated (less than a page)
+        #: the baseline block while it is held (a sleeping engine frees it)
+        self.resident: bytearray | None = None
 
     @property
     def active(self) -> bool:
@@ -46,9 +49,23 @@ class Leak:
         self.held.append(block)
         self.bytes += n
 
+    def hold_resident(self) -> None:
+        """Hold the baseline (at start, and when a sleeping engine wakes)."""
+        n = int(self.resident_mb * 1024 * 1024)
+        if self.resident is None and n > 0:
+            self.allocate(n)
+            self.resident = self.held[-1]
+
+    def release_resident(self) -> None:
+        """Free the baseline (a sleeping engine's weights and KV cache)."""
+        block, self.resident = self.resident, None
+        if block is not None:
+            self.held = [b for b in self.held if b is not block]
+            self.bytes -= len(block)
+
     async def run(self) -> None:
         """The baseline at once, then the steady leak until cancelled."""
-        self.allocate(int(self.resident_mb * 1024 * 1024))
+        self.hold_resident()
         if not self.mb_per_s:
             return
         rate = self.mb_per_s * 1024 * 1024

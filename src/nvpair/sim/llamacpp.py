@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from typing import Any
 
 import trio
@@ -28,6 +28,7 @@ import trio
 from nvpair.sim.engine import Engine, Router, dumps
 from nvpair.sim.http import Reply, Request
 from nvpair.sim.llamacpp_api import LlamaCppApi, random_id
+from nvpair.sim.sleep import SimSleep
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 500: "server_error", 501: "not_supported_error",
@@ -176,6 +177,18 @@ class LlamaCpp(Engine):
     def status(self) -> dict[str, Any]:
         return {"slots_processing": self.processing, "deferred": self.deferred}
 
+    def make_sleep(self) -> SimSleep | None:
+        """``--sleep-idle-seconds``: asleep after that long without a task."""
+        idle = self.options.sleep_idle_s
+        if idle is None:
+            return None
+        return SimSleep(idle_s=idle, wake_s=self.options.wake_s, on_change=self.state.touch)
+
+    def task(self) -> AbstractAsyncContextManager[None]:
+        """A task of the queue (a generation, ``/slots``): it wakes a sleeping server and
+        restarts its idle timer; nothing else does (docs/simulators.md, "Sleep")."""
+        return nullcontext() if self.sleep is None else self.sleep.task()
+
     # -- the HTTP layer ----------------------------------------------------------------------
 
     def prepare(self, request: Request, reply: Reply) -> None:
@@ -285,6 +298,13 @@ class LlamaCpp(Engine):
     ) -> AsyncIterator[Slot]:
         """Hold a slot (the least recently used idle one) while a task runs; wait, counted
         as deferred, while every slot is busy."""
+        async with self.task(), self._slot(params, n_prompt, n_predict) as slot:
+            yield slot
+
+    @asynccontextmanager
+    async def _slot(
+        self, params: dict[str, Any], n_prompt: int, n_predict: int
+    ) -> AsyncIterator[Slot]:
         slot = self._idle_slot()
         if slot is None:
             self.deferred += 1
@@ -376,7 +396,7 @@ class LlamaCpp(Engine):
             "bos_token": "<|endoftext|>",
             "eos_token": "<|im_end|>",
             "build_info": opts.engine_version,
-            "is_sleeping": False,
+            "is_sleeping": self.sleep is not None and self.sleep.asleep,
             "cors_proxy_enabled": False,
         })
 
@@ -385,7 +405,8 @@ class LlamaCpp(Engine):
             await self.error(reply, 501, "This server does not support slots endpoint. "
                                          "Start it with `--slots`")
             return
-        await self.state.wait_step_end()
+        async with self.task():  # (a SLOT_GET task: it wakes a sleeping server)
+            await self.state.wait_step_end()
         busy = self.processing
         if request.query.get("fail_on_no_slot") in ("1", "true") and busy >= self.n_slots:
             await self.error(reply, 503, "no slot available")

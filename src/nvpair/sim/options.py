@@ -156,6 +156,18 @@ class SimOptions(msgspec.Struct, frozen=True, kw_only=True):
     #: 5 s, the others 30 s).
     idle_timeout_s: float | None = None
 
+    # sleep (nvpair.sim.sleep)
+    #: llama.cpp --sleep-idle-seconds: asleep after this long without a task (None: never)
+    sleep_idle_s: float | None = None
+    #: vLLM --enable-sleep-mode; its routes need ``dev_mode`` too (VLLM_SERVER_DEV_MODE=1)
+    enable_sleep_mode: bool = False
+    #: vLLM VLLM_SERVER_DEV_MODE=1: the dev routes (/sleep, /wake_up, /is_sleeping) exist
+    dev_mode: bool = False
+    #: SGLang --enable-memory-saver: release_memory_occupation and resume work
+    enable_memory_saver: bool = False
+    #: how long waking takes (weights and KV cache back in place)
+    wake_s: float = 0.0
+
     # memory (nvpair.sim.leak: allocated and touched, so resident)
     #: a baseline footprint held from the start, MiB
     resident_mb: float = 0.0
@@ -179,6 +191,8 @@ class SimOptions(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("np must be >= 1 (None: auto)")
         if not 0 <= self.node_rank < max(self.nnodes, 1):
             raise ValueError("node_rank must be in [0, nnodes)")
+        if self.wake_s < 0:
+            raise ValueError("wake_s must be >= 0")
         if min(self.resident_mb, self.leak_mb_per_s, self.leak_bytes_per_request) < 0:
             raise ValueError("resident_mb, leak_mb_per_s and leak_bytes_per_request must be >= 0")
 

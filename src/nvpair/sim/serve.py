@@ -71,6 +71,9 @@ async def serve_sim(
         async with trio.open_nursery() as nursery:
             if leak.active:
                 nursery.start_soon(leak.run)
+            if engine.sleep is not None:  # (sleeping frees the baseline, waking holds it)
+                engine.sleep.attach(on_sleep=leak.release_resident, on_wake=leak.hold_resident)
+                nursery.start_soon(engine.sleep.run)
             if options.control_port is not None:
                 handle.control_port = await nursery.start(
                     serve_control, handle, options.host, options.control_port

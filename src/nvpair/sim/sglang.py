@@ -16,6 +16,7 @@ import trio
 from nvpair.sim.engine import Engine, Router
 from nvpair.sim.http import Reply, Request
 from nvpair.sim.openai_api import ModelCardRoutes, OpenAIApi
+from nvpair.sim.sleep import SimSleep
 
 _RUNNING = "SGLang is running"
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
@@ -52,7 +53,31 @@ class SGLang(ModelCardRoutes, Engine):
             router.add("GET", "/v1/loads", self.loads)
             router.add("POST", "/pause_generation", self.pause)
             router.add("POST", "/continue_generation", self.resume)
+        if self.sleep is not None:
+            router.add("POST", "/release_memory_occupation", self.release)
+            router.add("POST", "/resume_memory_occupation", self.resume_memory)
         OpenAIApi(self).add_routes(router)
+
+    def make_sleep(self) -> SimSleep | None:
+        """``--enable-memory-saver``: memory released when told, resumed when told."""
+        if not self.options.enable_memory_saver:
+            return None
+        return SimSleep(idle_s=None, wake_s=self.options.wake_s, on_change=self.state.touch)
+
+    async def release(self, request: Request, reply: Reply) -> None:
+        """SGLang asserts that nothing runs (pause with ``retract`` first): a 500 else."""
+        assert self.sleep is not None
+        if self.state.active:
+            await self.error(reply, 500, "release_memory_occupation: requests are running "
+                                         f"({self.state.active}); pause generation first")
+            return
+        self.sleep.fall_asleep()
+        await reply.send_json(200, {"success": True, "message": "Success."})
+
+    async def resume_memory(self, request: Request, reply: Reply) -> None:
+        assert self.sleep is not None
+        await self.sleep.wake()
+        await reply.send_json(200, {"success": True, "message": "Success."})
 
     # -- status --------------------------------------------------------------------------------
 

@@ -1,11 +1,21 @@
 """vLLM (engine-surfaces §2 and §6.2): refused while loading, a /health that only reads a dead
 flag (so it stays 200 while the engine is hung), and the headless worker with no listener.
+
+Sleep (landscape-3 §4): ``POST /sleep?level=1|2&mode=abort|wait``, ``POST /wake_up`` and
+``GET /is_sleeping`` exist only with ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``
+(404 otherwise). ``/sleep`` defaults to ``mode=abort``: the generations in flight end with
+an error (a 500, or a stream cut before its end), the trap a manager must not fall into;
+``mode=wait`` sleeps once they have finished. A sleeping engine answers inference with 503
+(one documented version's behaviour; unverified on others); ``/health``, ``/v1/models`` and
+``/is_sleeping`` answer as usual and wake nothing.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import trio
@@ -13,16 +23,38 @@ import trio
 from nvpair.sim.engine import Engine, Router
 from nvpair.sim.http import Reply, Request
 from nvpair.sim.openai_api import OpenAIApi
+from nvpair.sim.sleep import SimSleep
 
 #: paths the API key guards (prefixes); /health, /version, /metrics and /load stay open.
 _GUARDED = ("/v1", "/v2", "/inference", "/cohere")
+
+
+class RequestAborted(Exception):
+    """A generation cut by ``POST /sleep`` in its default ``mode=abort``."""
 
 
 class VLLM(Engine):
     kind = "vllm"
     serves_while_dead = True
 
+    def make_sleep(self) -> SimSleep | None:
+        """``--enable-sleep-mode``: asleep when told, awake when told."""
+        #: the cancel scopes of the generations in flight (``mode=abort`` cancels them)
+        self.running: set[trio.CancelScope] = set()
+        #: the level and mode of the last ``POST /sleep`` (None: none yet)
+        self.last_sleep: dict[str, str] | None = None
+        if not self.options.enable_sleep_mode:
+            return None
+        return SimSleep(idle_s=None, wake_s=self.options.wake_s, on_change=self.state.touch)
+
+    def status(self) -> dict[str, Any]:
+        return {} if self.last_sleep is None else {"last_sleep": self.last_sleep}
+
     def add_routes(self, router: Router) -> None:
+        if self.sleep is not None and self.options.dev_mode:
+            router.add("POST", "/sleep", self.sleep_route)
+            router.add("POST", "/wake_up", self.wake_up)
+            router.add("GET", "/is_sleeping", self.is_sleeping)
         router.add("GET", "/health", self.health)
         router.add("GET,POST", "/ping", self.health)
         router.add("GET", "/version", self.version)
@@ -46,7 +78,49 @@ class VLLM(Engine):
             await super().unhealthy(request, reply)
 
     async def admit(self, request: Request, reply: Reply, model: object) -> str | None:
+        if self.sleep is not None and (self.sleep.asleep or self.sleep.waking):
+            await self.error(reply, 503, "the engine is sleeping; POST /wake_up first")
+            return None
         return await admit_served_name(self, reply, model)
+
+    @asynccontextmanager
+    async def inference_slot(self) -> AsyncIterator[None]:
+        scope = trio.CancelScope()
+        self.running.add(scope)
+        try:
+            with scope:
+                yield
+        finally:
+            self.running.discard(scope)
+            self.state.touch()
+        if scope.cancelled_caught:
+            raise RequestAborted("aborted: the engine was put to sleep (POST /sleep, mode=abort)")
+
+    async def sleep_route(self, request: Request, reply: Reply) -> None:
+        sleep = self.sleep
+        assert sleep is not None
+        level, mode = request.query.get("level", "1"), request.query.get("mode", "abort")
+        if level not in ("1", "2") or mode not in ("abort", "wait"):
+            await self.error(reply, 400, f"level must be 1 or 2 and mode abort or wait "
+                                         f"(got level={level!r}, mode={mode!r})")
+            return
+        self.last_sleep = {"level": level, "mode": mode}
+        if mode == "abort":
+            for scope in list(self.running):
+                scope.cancel()
+        await self.state.wait_until(lambda: not self.running)
+        await sleep.wake()  # (a wake in progress ends first)
+        sleep.fall_asleep()
+        await reply.send(200, content_type=None)
+
+    async def wake_up(self, request: Request, reply: Reply) -> None:
+        assert self.sleep is not None
+        await self.sleep.wake()
+        await reply.send(200, content_type=None)
+
+    async def is_sleeping(self, request: Request, reply: Reply) -> None:
+        assert self.sleep is not None
+        await reply.send_json(200, {"is_sleeping": self.sleep.asleep})
 
     async def health(self, request: Request, reply: Reply) -> None:
         await reply.send(503 if self.state.phase == "dead" else 200, content_type=None)

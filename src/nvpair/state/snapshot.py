@@ -26,9 +26,13 @@ from nvpair.base.changes import Changes
 from nvpair.state.group import GroupTag
 from nvpair.state.memory import EngineMemory, NodeMemory
 
-State = Literal["starting", "ready", "stale", "unhealthy", "down", "stopped", "cold"]
-#: States whose models are listed (a stale engine is last known good).
-LISTED_STATES: frozenset[str] = frozenset({"ready", "stale"})
+State = Literal["starting", "ready", "stale", "unhealthy", "down", "stopped", "cold",
+                "sleeping", "waking"]
+#: States whose models are listed (a stale engine is last known good; a sleeping or waking
+#: one serves once awake, docs/sleep.md).
+LISTED_STATES: frozenset[str] = frozenset({"ready", "stale", "sleeping", "waking"})
+#: States of an engine that holds its process but not its weights (docs/sleep.md).
+ASLEEP_STATES: frozenset[str] = frozenset({"sleeping", "waking"})
 #: States whose models ``/v1/models`` shows: also ``cold`` (an on-demand engine at rest,
 #: started by a request for its model; docs/on-demand.md). Only LISTED_STATES are routed.
 SHOWN_STATES: frozenset[str] = LISTED_STATES | {"cold"}

@@ -5,6 +5,7 @@
        |                    |   +--- health ok -------+------- ok x N -----+
        +-- 503 / timeout ---+-- refused (no listener, process gone) --> down --answers--> starting
     stopped: on purpose (lifecycle); an identity mismatch makes an engine unhealthy.
+    ready <--sleeping probe says so / nvpair put it to sleep--> sleeping --wake--> waking --> ready
 """
 
 from __future__ import annotations
@@ -18,7 +19,15 @@ import trio
 
 from nvpair.config.manifest import GENERATING_MIN_INTERVAL_S, ProbeSpec
 from nvpair.config.settings import EngineSpec
-from nvpair.state.snapshot import EngineState, Identity, Model, ProbeStats, State, shown_state
+from nvpair.state.snapshot import (
+    ASLEEP_STATES,
+    EngineState,
+    Identity,
+    Model,
+    ProbeStats,
+    State,
+    shown_state,
+)
 
 LivenessProbe = Literal["ready", "health"]
 #: who found a mismatch (and so alone may clear it); "listing": the listing itself raised
@@ -85,20 +94,33 @@ def enter(engine: EngineState, state: State, now: float, **changes: object) -> E
 
 def after_liveness(
     engine: EngineState, probe: str, spec: ProbeSpec, outcome: Outcome, now: float,
-    needs_identity: bool = False,
+    needs_identity: bool = False, sleeping: bool | None = None, sleep_probe: bool = False,
 ) -> EngineState:
     """Apply a ``ready`` or ``health`` probe outcome. With ``needs_identity``, an engine is
-    not listed (made ready) before its identity probe has told who answers."""
+    not listed (made ready) before its identity probe has told who answers.
+
+    ``sleeping``: what the answer said of the engine's sleep (None: it did not say).
+    ``sleep_probe``: the engine has a sleeping probe; without one (SGLang), a sleeping
+    engine is what nvpair made it, and only nvpair (or nothing listening) moves it."""
     engine = count(engine, probe, spec.path, outcome, now)
     stats = engine.probe(probe)
     assert stats is not None
     if engine.state in ("stopped", "cold"):
         return engine
+    asleep = engine.state in ASLEEP_STATES
+    if asleep and not sleep_probe and outcome.kind != "refused":
+        # (SGLang answers /ready 503 while paused for its sleep: that is the sleep)
+        return msgspec.structs.replace(engine, checked_at=now) if outcome.ok else engine
     if outcome.ok:
         engine = msgspec.structs.replace(engine, checked_at=now)
         if engine.mismatch:
             return enter(engine, "unhealthy", now, error=engine.mismatch)
-        recovering = engine.state in ("unhealthy", "starting", "down")
+        if sleeping and not (engine.state in ("starting", "down", "unhealthy")
+                             and stats.consecutive_successes < spec.success_threshold):
+            # a wake in progress stays waking until the engine says it is awake
+            return enter(engine, "waking" if engine.state == "waking" else "sleeping", now,
+                         error=None)
+        recovering = engine.state in ("unhealthy", "starting", "down", *ASLEEP_STATES)
         if recovering and stats.consecutive_successes < spec.success_threshold:
             return engine
         if recovering and needs_identity and engine.identity is None:

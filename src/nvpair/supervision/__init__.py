@@ -12,6 +12,8 @@ The modules:
   reap.
 * ``lifecycle``: `EngineRunner`: start, stop, restart and backoff of one engine, managed or
   adopted.
+* ``sleeper``: `Sleepers`: engines' wake and sleep (docs/sleep.md): single-flight wakes,
+  a drain before each sleep, the kind's calls in order.
 * ``orphans``: state files of the processes nvpair starts, so a later nvpair stops what a
   killed one left.
 * ``memwatch``: `MemoryWatch`: each engine's processes, a reading tick off the loop, the

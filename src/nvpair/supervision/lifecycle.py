@@ -45,7 +45,7 @@ from nvpair.config.settings import EngineSpec, placeholder_values
 from nvpair.errors import ProbeError
 from nvpair.probing import probes
 from nvpair.probing.prober import Enrolment, ProbeMemory, open_client, run_probes
-from nvpair.state.snapshot import Board, EngineState
+from nvpair.state.snapshot import LISTED_STATES, Board, EngineState
 from nvpair.state.traffic import Traffic
 from nvpair.state.transitions import enter
 from nvpair.supervision.orphans import EngineProcs
@@ -563,7 +563,8 @@ class EngineRunner:
             snap = await self.board.wait_changed(version)
             version = snap.version
             e = snap.engine(self.spec.name)
-            if e is not None and e.state in ("ready", "stale"):
+            # (a sleeping engine has loaded and served: docs/sleep.md)
+            if e is not None and e.state in LISTED_STATES:
                 return
 
     def _ready_for(self) -> float:

@@ -7,7 +7,7 @@ const API = '../';
 const TOKEN_KEY = 'nvpair-token';
 const EVENTS_KEPT = 100;
 const KNOWN_STATES = ['ready', 'stale', 'starting', 'loading', 'unhealthy', 'down', 'stopped',
-  'failed', 'gone', 'forgotten'];
+  'failed', 'gone', 'forgotten', 'sleeping', 'waking'];
 
 const view = {
   token: sessionStorage.getItem(TOKEN_KEY),

@@ -1,0 +1,245 @@
+"""Engines' wake and sleep (docs/sleep.md): the kind's calls, in order, one at a time.
+
+A wake is single flight: a second wake (a route, or a routed request waiting for a sleeping
+vLLM) joins the one in progress. A sleep drains first: the engine stops admitting, so the
+router sends nothing new, and the routed requests in flight finish (however long they take:
+nothing generating is cut); then the kind's sleep calls go out, which never abort (vLLM
+``mode=wait``, SGLang ``retract``). Never the engines' default abort.
+
+Each engine's operation runs in this module's nursery, inside a boundary of its own: a
+failing call is that engine's state (its error, its activity), never the service's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import httpx2
+import trio
+
+from nvpair.config.command import fill
+from nvpair.config.manifest import EngineCall
+from nvpair.config.settings import EngineSpec, placeholder_values
+from nvpair.state.snapshot import ASLEEP_STATES, Board, EngineState
+from nvpair.state.traffic import Traffic
+from nvpair.state.transitions import enter
+from nvpair.supervision.lifecycle import Accepted, Busy, Result
+
+log = logging.getLogger("nvpair.sleep")
+
+#: how often a drain before a sleep looks at the requests in flight (the router's count)
+DRAIN_POLL_S = 0.05
+#: states an engine can be put to sleep from
+AWAKE_STATES = frozenset({"ready", "stale"})
+
+
+class SleepError(Exception):
+    """A sleep or wake call failed; the message names the call and why, in one line."""
+
+
+class Operation:
+    """A wake or a sleep in progress: what it is, and when it ends (``error``: why not)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.done = trio.Event()
+        self.error: str | None = None
+
+
+class Sleepers:
+    """The wake and sleep of every engine configured with ``sleep = true``, by name."""
+
+    def __init__(self, specs: Iterable[EngineSpec], board: Board, traffic: Traffic, *,
+                 transport: httpx2.AsyncBaseTransport | None = None) -> None:
+        self.specs = {s.name: s for s in specs if s.sleep is not None}
+        self.board = board
+        self.traffic = traffic
+        self.transport = transport
+        self.running: dict[str, Operation] = {}
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Run the operations asked for until cancelled.
+
+        Started value: None, at once (wakes and sleeps are taken from then on).
+        Cancellation ends the operations in progress: a wake cut short leaves the engine to
+        its probes, a sleep cut short admits again. Raises: nothing (a failing operation is
+        its engine's state and log line)."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self._nursery = None
+
+    def wakes_by_itself(self, name: str) -> bool:
+        """Whether a routed request wakes the engine by itself (llama-server): then the
+        router sends it as it is; else it waits for ``awake``."""
+        spec = self.specs.get(name)
+        return spec is None or spec.sleep is None or spec.sleep.request_wakes
+
+    # -- the requests (sync: they record what is wanted and start it) ---------------------
+
+    def wake(self, name: str) -> Result:
+        """Wake engine ``name``: ``Accepted("waking")`` (also when one is in progress),
+        ``Accepted("awake")`` when there is nothing to do, or ``Busy`` with why not."""
+        spec, e = self.specs.get(name), self.board.current.engine(name)
+        if spec is None or spec.sleep is None or e is None:
+            return Busy(f"engine {name} cannot sleep or wake: set sleep = true for it "
+                        "(docs/sleep.md)")
+        if self._nursery is None:
+            return Busy("nvpair is not running its sleep operations (starting or stopping)")
+        running = self.running.get(name)
+        if running is not None:
+            if running.kind == "wake":
+                return Accepted("waking")
+            return Busy(f"engine {name} is going to sleep; wake it once it sleeps")
+        if e.state not in ASLEEP_STATES:
+            if e.state in AWAKE_STATES:
+                return Accepted("awake")
+            return Busy(f"engine {name} is {e.state}: only a sleeping engine wakes")
+        self._set(name, state="waking", activity="waking")  # (at once: the answer shows it)
+        self._start(name, Operation("wake"))
+        return Accepted("waking")
+
+    def sleep(self, name: str) -> Result:
+        """Put engine ``name`` to sleep, drained first: ``Accepted("going to sleep")``
+        (also when in progress), ``Accepted("sleeping")`` when it sleeps already, or
+        ``Busy`` with why not (llama-server sleeps only by itself)."""
+        spec, e = self.specs.get(name), self.board.current.engine(name)
+        if spec is None or spec.sleep is None or e is None:
+            return Busy(f"engine {name} cannot sleep: set sleep = true for it "
+                        "(docs/sleep.md)")
+        if not spec.sleep.sleep:
+            return Busy(f"engine {name} ({spec.kind}) has no call that puts it to sleep: it "
+                        "sleeps by itself after idle_sleep_s without a request")
+        if self._nursery is None:
+            return Busy("nvpair is not running its sleep operations (starting or stopping)")
+        running = self.running.get(name)
+        if running is not None:
+            if running.kind == "sleep":
+                return Accepted("going to sleep")
+            return Busy(f"engine {name} is waking; put it to sleep once it is awake")
+        if e.state == "sleeping":
+            return Accepted("sleeping")
+        if e.state not in AWAKE_STATES or not e.admitting:
+            why = "draining" if not e.admitting else e.state
+            return Busy(f"engine {name} is {why}: only a ready engine goes to sleep")
+        # at once, as a drain does: the router sends nothing new from now
+        self._set(name, admitting=False, activity=f"draining to sleep: "
+                  f"{self._in_flight(name)} in flight, then sleep")
+        self._start(name, Operation("sleep"))
+        return Accepted("going to sleep")
+
+    async def awake(self, name: str) -> str | None:
+        """Wake engine ``name`` (or join the wake in progress) and wait until it is
+        awake: None, or why it is not (in words). For a routed request to a sleeping
+        engine that does not wake by itself."""
+        result = self.wake(name)
+        if isinstance(result, Busy):
+            return result.reason
+        running = self.running.get(name)
+        if running is None:
+            return None
+        await running.done.wait()
+        return running.error
+
+    # -- the operations --------------------------------------------------------------------
+
+    def _start(self, name: str, operation: Operation) -> None:
+        assert self._nursery is not None  # (wake and sleep say Busy before)
+        self.running[name] = operation
+        self._nursery.start_soon(self._run, name, operation)
+
+    async def _run(self, name: str, operation: Operation) -> None:
+        spec = self.specs[name]
+        try:
+            if operation.kind == "wake":
+                await self._wake(spec)
+            else:
+                await self._sleep(spec)
+        except SleepError as exc:
+            operation.error = str(exc)
+            log.warning("%s: %s", name, exc)
+        except Exception as exc:  # a bug of nvpair's: this engine's failure, never the service's
+            operation.error = f"{operation.kind} failed: {type(exc).__name__}: {exc}"
+            log.exception("%s: %s failed", name, operation.kind)
+            self._set(name, activity=operation.error)
+        finally:
+            del self.running[name]
+            operation.done.set()
+
+    async def _wake(self, spec: EngineSpec) -> None:
+        assert spec.sleep is not None
+        started = trio.current_time()
+        try:
+            await self._calls(spec, spec.sleep.wake)
+        except SleepError as exc:
+            self._set(spec.name, state="sleeping", activity=f"wake failed: {exc}")
+            raise
+        took = trio.current_time() - started
+        self._set(spec.name, state="ready", error=None, activity=f"woken in {took:.1f} s")
+        log.info("%s: woken in %.1f s", spec.name, took)
+
+    async def _sleep(self, spec: EngineSpec) -> None:
+        assert spec.sleep is not None
+        name = spec.name
+        in_flight = self._in_flight(name)
+        try:
+            # nothing generating is cut: no deadline. The router's count tells no change,
+            # so it is polled, as the lifecycle's drain polls it.
+            while self._in_flight(name) > 0:  # noqa: ASYNC110
+                await trio.sleep(DRAIN_POLL_S)
+            await self._calls(spec, spec.sleep.sleep)
+        except BaseException as exc:
+            why = f"sleep failed: {exc}" if isinstance(exc, SleepError) else "sleep cut short"
+            self._set(name, admitting=True, activity=why)
+            raise
+        self._set(name, state="sleeping", admitting=True, error=None,
+                  activity=f"asleep, drained ({in_flight} in flight finished first)")
+        log.info("%s: asleep", name)
+
+    def _in_flight(self, name: str) -> int:
+        entry = self.traffic.engines.get(name)
+        return 0 if entry is None else entry.in_flight
+
+    async def _calls(self, spec: EngineSpec, calls: tuple[EngineCall, ...]) -> None:
+        """Send the calls in order; raise SleepError at the first that fails."""
+        values = placeholder_values(spec)
+        headers = {"user-agent": "nvpair"}
+        if spec.api_key:
+            headers["authorization"] = f"Bearer {spec.api_key}"
+        async with httpx2.AsyncClient(base_url=spec.url, headers=headers,
+                                      transport=self.transport) as client:
+            for call in calls:
+                path = fill(call.path, values)
+                what = f"{call.method} {path}"
+                try:
+                    with trio.fail_after(call.timeout_s):
+                        answer = await client.request(
+                            call.method, path, timeout=call.timeout_s,
+                            content=call.body.encode() if call.body is not None else None,
+                            headers={"content-type": "application/json"} if call.body else None)
+                except trio.TooSlowError:
+                    raise SleepError(f"{what} did not answer within {call.timeout_s:g} s"
+                                     ) from None
+                except httpx2.HTTPError as exc:
+                    raise SleepError(f"{what}: {type(exc).__name__}: {exc}") from None
+                if not 200 <= answer.status_code < 300:
+                    raise SleepError(f"{what} answered {answer.status_code}: "
+                                     f"{answer.text[:200]!r}")
+
+    def _set(self, name: str, **changes: Any) -> None:
+        def change(e: EngineState) -> EngineState:
+            fields = dict(changes)
+            state = fields.pop("state", e.state)
+            if e.state in ("stopped", "cold", "down"):  # stopped meanwhile: that stands
+                state = e.state
+            return enter(e, state, trio.current_time(), **fields)
+
+        self.board.update(name, change)
+
