@@ -63,9 +63,9 @@ async def test_a_control_route_added_later_needs_an_admin_without_more_code() ->
     a user before it is looked up (an admin gets its 404)."""
     async with client(api(Recorder())) as c:
         for token in ("t-grafana", "t-batch"):
-            r = await c.post("/v1/engines/q/sleep", headers=bearer(token))
+            r = await c.post("/v1/engines/q/hibernate", headers=bearer(token))
             assert r.status_code == 403, (token, r.text)
-        assert (await c.post("/v1/engines/q/sleep", headers=bearer("t-ops"))).status_code == 404
+        assert (await c.post("/v1/engines/q/hibernate", headers=bearer("t-ops"))).status_code == 404
 
 
 @pytest.mark.parametrize(("method", "path", "routed", "kind"), [
