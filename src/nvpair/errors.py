@@ -15,6 +15,7 @@ NvpairError                      base of every error nvpair raises on purpose
  +-- QueueFull                   router.activation: an on-demand engine's queue is full (429)
  +-- Unavailable                 router.activation: a queued request cannot be served (503)
  +-- MemorySourceError           memproc: a memory source cannot be read (a process gone)
+ +-- SleepError                  supervision.sleeper: a sleep or wake call to an engine failed
  +-- AdvertRejected              peers.advert: a body that is not an advert this node takes
  +-- Full                        events: max_streams event streams are open (the 503)
  +-- Unreachable                 peers.etcd: etcd did not answer

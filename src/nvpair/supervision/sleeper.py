@@ -22,6 +22,7 @@ import trio
 from nvpair.config.command import fill
 from nvpair.config.manifest import EngineCall
 from nvpair.config.settings import EngineSpec, placeholder_values
+from nvpair.errors import NvpairError
 from nvpair.state.snapshot import ASLEEP_STATES, Board, EngineState
 from nvpair.state.traffic import Traffic
 from nvpair.state.transitions import enter
@@ -35,7 +36,7 @@ DRAIN_POLL_S = 0.05
 AWAKE_STATES = frozenset({"ready", "stale"})
 
 
-class SleepError(Exception):
+class SleepError(NvpairError):
     """A sleep or wake call failed; the message names the call and why, in one line."""
 
 
