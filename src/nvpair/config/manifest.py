@@ -59,6 +59,13 @@ class ProbeSpec(Base, frozen=True):
     require_keys: tuple[str, ...] = ()
     #: identity: JSON pointer of how many requests the engine serves at once (its slots).
     slots_pointer: str | None = None
+    #: identity: JSON pointer whose value "router" marks a multi-model router (llama-server
+    #: in router mode): it has no slots of its own (``slots_pointer``'s key is not required)
+    #: and names no model of its own; then how many models it loads at once, and whether it
+    #: loads a model on request
+    router_pointer: str | None = None
+    models_max_pointer: str | None = None
+    autoload_pointer: str | None = None
     #: models: the body's format.
     format: ModelsFormat = "openai"
 

@@ -1,0 +1,86 @@
+"""nvpair with a multi-model engine: llama-server in router mode (the simulator's, held to
+what the real one answered; docs/multi-model.md). Each model it lists is listed with its
+own state, and a request for a cold model loads it through nvpair."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx2
+import msgspec
+import trio
+from tests.managed import wait_state
+
+from nvpair import service
+from nvpair.config.settings import load_settings
+from nvpair.sim import SimHandle, SimOptions, serve_sim
+
+JSON = {"content-type": "application/json"}
+#: the model list read often, so a model's state change shows within a test's patience
+FAST = """
+[engines.probes.ready]
+interval_s = 0.1
+timeout_s = 0.1
+[engines.probes.models]
+interval_s = 0.2
+timeout_s = 0.2
+"""
+
+
+def models_dir(tmp: Path, *names: str) -> str:
+    d = tmp / "models"
+    d.mkdir()
+    (tmp / "one.gguf").write_bytes(b"GGUF")
+    for name in names:
+        (d / f"{name}.gguf").symlink_to(tmp / "one.gguf")
+    return str(d)
+
+
+def chat(model: str, *, stream: bool = False, max_tokens: int = 2) -> bytes:
+    return msgspec.json.encode({"model": model, "stream": stream, "max_tokens": max_tokens,
+                                "messages": [{"role": "user", "content": "hi"}]})
+
+
+async def start(nursery: trio.Nursery, tmp: Path, **options: object):  # type: ignore[no-untyped-def]
+    sim: SimHandle = await nursery.start(serve_sim, SimOptions(
+        kind="llamacpp", models_dir=models_dir(tmp, "alpha", "beta"), **options))
+    await sim.wait_phase("ready")
+    path = tmp / "nvpair.toml"
+    path.write_text(f"listen = '127.0.0.1:0'\n[[engines]]\nname = 'r'\nkind = 'llamacpp'\n"
+                    f"port = {sim.port}\n{FAST}")
+    running = await nursery.start(service.run, load_settings(str(path)))
+    return sim, running
+
+
+def states(running) -> dict[str, str | None]:  # type: ignore[no-untyped-def]
+    e = running.board.current.engine("r")
+    return {m.id: m.state for m in e.models}
+
+
+async def test_a_router_is_ready_and_lists_each_model_in_its_state(nursery, tmp_path) -> None:
+    with trio.fail_after(30):
+        _, running = await start(nursery, tmp_path, models_max=1, model_load_s=0.3)
+        e = await wait_state(running.board, "r", "ready", where=lambda e: len(e.models) == 2)
+        assert e.identity is not None and e.identity.router and e.identity.models_max == 1
+        assert e.mismatch is None
+        async with httpx2.AsyncClient(base_url=running.url, headers=JSON, timeout=20) as client:
+            listed = (await client.get("/v1/models")).json()["data"]
+            assert {m["id"]: m["nvpair"]["state"] for m in listed} == {
+                "alpha": "cold", "beta": "cold"}
+            doc = (await client.get("/v1/engines/r")).json()
+            assert doc["state"] == "ready"
+            assert doc["model_states"] == {"alpha": "cold", "beta": "cold"}
+            assert doc["router"] == {"models_max": 1, "autoload": True}
+            # a chat to a cold model: routed to the router, which loads it
+            answer = await client.post("/v1/chat/completions", content=chat("alpha"))
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["model"] == "alpha"
+            assert answer.headers["x-nvpair-engine"] == "r"
+            await wait_state(running.board, "r", "ready",
+                             where=lambda e: states(running)["alpha"] == "ready")
+            listed = (await client.get("/v1/models")).json()["data"]
+            assert {m["id"]: m["nvpair"]["state"] for m in listed} == {
+                "alpha": "ready", "beta": "cold"}
+            metrics = (await client.get("/metrics")).text
+            assert 'nvpair_model_state{engine="r",model="alpha",state="ready"} 1' in metrics
+            assert 'nvpair_model_state{engine="r",model="beta",state="cold"} 1' in metrics
