@@ -84,3 +84,37 @@ async def test_a_router_is_ready_and_lists_each_model_in_its_state(nursery, tmp_
             metrics = (await client.get("/metrics")).text
             assert 'nvpair_model_state{engine="r",model="alpha",state="ready"} 1' in metrics
             assert 'nvpair_model_state{engine="r",model="beta",state="cold"} 1' in metrics
+
+
+async def test_never_a_request_that_evicts_a_model_with_one_in_flight(
+        nursery, tmp_path) -> None:
+    """An engine that evicts by count even a busy model (older llama-server builds, the
+    simulator's ``router_evict_busy``): the chat for beta, sent through nvpair while a
+    stream runs on alpha, waits in nvpair until the stream ends, which ends intact; nvpair
+    then unloads alpha (idle) and beta is answered."""
+    with trio.fail_after(30):
+        sim, running = await start(nursery, tmp_path, models_max=1, model_load_s=0.1,
+                                   router_evict_busy=True, token_rate=20.0)
+        await wait_state(running.board, "r", "ready", where=lambda e: len(e.models) == 2)
+        order: list[str] = []
+        client = httpx2.AsyncClient(base_url=running.url, headers=JSON, timeout=20)
+        async with client, client.stream("POST", "/v1/chat/completions",
+                                         content=chat("alpha", stream=True, max_tokens=30)) as r:
+            assert r.status_code == 200
+            lines = r.aiter_lines()
+            await lines.__anext__()  # (in flight in nvpair since before its head)
+
+            async def other() -> None:
+                answer = await client.post("/v1/chat/completions", content=chat("beta"))
+                assert answer.status_code == 200, answer.text
+                assert answer.json()["model"] == "beta"
+                order.append("beta answered")
+
+            async with trio.open_nursery() as inner:
+                inner.start_soon(other)
+                body = [line async for line in lines if line]
+                order.append("alpha done")
+        # (the role chunk, read above, then 30 tokens, the finish chunk and [DONE])
+        assert body[-1] == "data: [DONE]" and len(body) == 30 + 2
+        assert order == ["alpha done", "beta answered"]
+        assert sim.stats().path("/models/unload").count == 1

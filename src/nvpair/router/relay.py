@@ -44,6 +44,7 @@ from nvpair.http.asgi import (
     send_wrong_method,
 )
 from nvpair.router.activation import Activator, QueueFull, Ticket, Unavailable
+from nvpair.router.models import ModelSlots
 from nvpair.router.peering import PeerRoute, PeerRouter
 from nvpair.router.select import Known, choose, order_peers
 from nvpair.router.upstream import BODY_ERRORS, SEND_ERRORS, Refused, Upstream
@@ -135,6 +136,8 @@ class Router:
         self.config = config
         self.traffic = traffic
         self.known = Known(engines)
+        #: multi-model engines' slots: never evict a model with requests in flight
+        self.models = ModelSlots(board)
         self.rng = random.Random()
         self._targets: dict[str, Target] = {}
         self._stack: AsyncExitStack | None = None
@@ -292,8 +295,38 @@ class Router:
             return
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-            await self._forward(scope, body, targets, send)
+            # (a multi-model engine's request may wait here for a slot: docs/multi-model.md)
+            async with self.models.held(choice.engines[0] if choice.engines else None,
+                                        head.model, self._control):
+                await self._forward(scope, body, targets, send)
             nursery.cancel_scope.cancel(reason="answer complete")
+
+    async def _control(self, name: str, path: str, model: str) -> int:
+        """POST ``{"model": model}`` to a multi-model engine's ``path`` (``/models/unload``):
+        its HTTP status, 0 when it did not answer in the first-byte timeout."""
+        body = msgspec.json.encode({"model": model})
+        upstream = self._engine(name).upstream
+        upstream.users += 1  # (the reaper leaves a pool in use alone)
+        try:
+            with trio.move_on_after(self.config.first_byte_timeout_s):
+                try:
+                    response = await upstream.send(
+                        path, b"", [(b"content-type", b"application/json")], body)
+                except SEND_ERRORS:
+                    return 0
+                try:
+                    await response.aread()
+                except BODY_ERRORS:
+                    pass
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await response.aclose()
+                return response.status
+            return 0
+        finally:
+            upstream.users -= 1
+            upstream.used_at = trio.current_time()
+            self._release(upstream)
 
     async def _queued(self, scope: Scope, receive: Receive, send: Send, body: bytes,
                       name: str, model: str) -> None:

@@ -1,0 +1,128 @@
+"""Multi-model engines (llama-server in router mode): which of an engine's models are
+loaded, nvpair's requests in flight per model, and the rule that nvpair never sends a
+request that would make the engine evict a model with requests in flight.
+
+Such an engine loads a model on request, and when ``models_max`` are loaded it makes room
+by evicting the least recently used. Older llama-server builds evicted by count even a
+model with a request in flight, cutting it (ggml-org/llama.cpp#21678); an explicit
+``POST /models/unload`` cuts one in every build (observed: docs/multi-model.md). So a
+request for a model that is not loaded, when every slot holds a model nvpair has requests
+in flight on, waits here until one of them is idle; nvpair then unloads that one itself
+(``POST /models/unload``) and sends the request. The decision and its bookkeeping are one
+sync step, so two requests never both take the last free slot.
+
+What is loaded is nvpair's own account (the models it sent requests to, less those it
+unloaded), taken again from the engine's model list whenever a newer list comes
+(``EngineState.models_at``): the engine's own LRU and other clients show there.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import trio
+
+from nvpair.state.snapshot import Board, EngineState
+
+#: model states that hold one of the engine's slots
+HOLDING = frozenset({"ready", "loading", "sleeping"})
+#: a waiting request reads the board again this often: an eviction by the engine itself
+#: (its LRU, another client's unload) shows only in the next model list
+RECHECK_S = 1.0
+
+#: ``(engine, path, model)`` -> the engine's HTTP status (0: no answer)
+Control = Callable[[str, str, str], Awaitable[int]]
+
+log = logging.getLogger("nvpair.router")
+
+
+class _Engine:
+    """One router engine as nvpair accounts for it."""
+
+    def __init__(self) -> None:
+        self.loaded: dict[str, float] = {}  # model -> trio time nvpair last used it
+        self.in_flight: dict[str, int] = {}
+        self.listed_at: float | None = None  # the model list the account was last taken from
+
+
+class ModelSlots:
+    """nvpair's account of its multi-model engines' slots (see the module's docstring)."""
+
+    def __init__(self, board: Board) -> None:
+        self.board = board
+        self._engines: dict[str, _Engine] = {}
+        self._changed = trio.Event()
+
+    def in_flight(self, engine: str, model: str) -> int:
+        e = self._engines.get(engine)
+        return 0 if e is None else e.in_flight.get(model, 0)
+
+    def _account(self, e: EngineState) -> _Engine:
+        acc = self._engines.setdefault(e.name, _Engine())
+        if e.models_at is not None and e.models_at != acc.listed_at:  # a newer list
+            acc.listed_at = e.models_at
+            listed = {m.id for m in e.models if m.state in HOLDING}
+            busy = {m for m, n in acc.in_flight.items() if n}
+            acc.loaded = {m: acc.loaded.get(m, float("-inf")) for m in listed | busy}
+        return acc
+
+    def _place(self, e: EngineState, model: str) -> tuple[bool, str | None]:
+        """Whether a request for ``model`` may go now, and the model to unload first.
+        Sync: what it decides is in the account before anything awaits."""
+        ident = e.identity
+        assert ident is not None
+        acc = self._account(e)
+        now = trio.current_time()
+        if model in acc.loaded or ident.models_max is None:
+            acc.loaded[model] = now
+            return True, None
+        if len(acc.loaded) < ident.models_max:
+            acc.loaded[model] = now
+            return True, None
+        idle = [m for m in acc.loaded if not acc.in_flight.get(m)]
+        if not idle:
+            return False, None  # every slot busy: wait for one to be idle
+        victim = min(idle, key=lambda m: acc.loaded[m])
+        del acc.loaded[victim]
+        acc.loaded[model] = now
+        return True, victim
+
+    @asynccontextmanager
+    async def held(self, name: str | None, model: str, control: Control
+                   ) -> AsyncIterator[None]:
+        """Hold a request for ``model`` on engine ``name`` while it runs: at once for a
+        single-model engine; for a router, once a slot is free or can be freed without
+        evicting a model with requests in flight (then unloading that one first)."""
+        e = None if name is None else self.board.current.engine(name)
+        if name is None or e is None or e.identity is None or not e.identity.router:
+            yield
+            return
+        while True:
+            e = self.board.current.engine(name)
+            assert e is not None and e.identity is not None
+            go, victim = self._place(e, model)
+            if go:
+                break
+            changed = self._changed
+            with trio.move_on_after(RECHECK_S):
+                await changed.wait()
+        acc = self._engines[name]
+        acc.in_flight[model] = acc.in_flight.get(model, 0) + 1
+        try:
+            if victim is not None:
+                status = await control(name, "/models/unload", victim)
+                log.info("engine %s: unloaded %s for %s (idle; HTTP %s)", name, victim,
+                         model, status or "no answer")
+            yield
+        finally:
+            left = acc.in_flight[model] - 1
+            if left:
+                acc.in_flight[model] = left
+            else:
+                del acc.in_flight[model]
+            if model in acc.loaded:
+                acc.loaded[model] = trio.current_time()
+            self._changed.set()
+            self._changed = trio.Event()
