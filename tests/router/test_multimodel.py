@@ -4,14 +4,17 @@ own state, and a request for a cold model loads it through nvpair."""
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import httpx2
 import msgspec
 import trio
-from tests.managed import wait_state
+from tests.managed import free_port, wait_state
 
 from nvpair import service
+from nvpair.config.manifest import builtin_dir
 from nvpair.config.settings import load_settings
 from nvpair.sim import SimHandle, SimOptions, serve_sim
 
@@ -118,3 +121,29 @@ async def test_never_a_request_that_evicts_a_model_with_one_in_flight(
         assert body[-1] == "data: [DONE]" and len(body) == 30 + 2
         assert order == ["alpha done", "beta answered"]
         assert sim.stats().path("/models/unload").count == 1
+
+
+async def test_a_managed_llamacpp_with_a_models_dir_starts_as_a_router(
+        nursery, tmp_path) -> None:
+    """[engines.args] models_dir and models_max: nvpair starts llama-server from the
+    manifest's router_start (here the simulator in its place, given the same flags)."""
+    doc = json.loads((builtin_dir() / "llamacpp.json").read_text())
+    doc["router_start"]["argv"] = [sys.executable, "-m", "nvpair.sim", "llamacpp",
+                                   "--host", "{host}", "--port", "{port}", "--no-control"]
+    manifest = tmp_path / "llamacpp-sim.json"
+    manifest.write_text(json.dumps(doc))
+    path = tmp_path / "nvpair.toml"
+    path.write_text(
+        f"listen = '127.0.0.1:0'\nlog_dir = '{tmp_path / 'logs'}'\n[[engines]]\nname = 'r'\n"
+        f"kind = '{manifest}'\nport = {free_port()}\nmanaged = true\n{FAST}"
+        f"[engines.args]\nmodels_dir = '{models_dir(tmp_path, 'alpha', 'beta')}'\n"
+        "models_max = 1\n")
+    with trio.fail_after(60):
+        running = await nursery.start(service.run, load_settings(str(path)))
+        e = await wait_state(running.board, "r", "ready", within=30,
+                             where=lambda e: len(e.models) == 2)
+        assert e.identity is not None and e.identity.router and e.identity.models_max == 1
+        assert states(running) == {"alpha": "cold", "beta": "cold"}
+        async with httpx2.AsyncClient(base_url=running.url, headers=JSON, timeout=20) as client:
+            answer = await client.post("/v1/chat/completions", content=chat("beta"))
+            assert answer.status_code == 200 and answer.json()["model"] == "beta"

@@ -181,6 +181,9 @@ class Manifest(Base, frozen=True):
     default_port: Port
     probes: Probes
     start: StartSpec = StartSpec()
+    #: the start template of a multi-model router (llama-server without ``-m``), used in
+    #: place of ``start`` when the engine's args give ``models_dir`` or ``models_preset``
+    router_start: StartSpec | None = None
     stop: StopSpec = StopSpec()
     restart: RestartSpec = RestartSpec()
     #: how long a managed engine may take to first answer ready.
