@@ -147,3 +147,23 @@ async def test_a_managed_llamacpp_with_a_models_dir_starts_as_a_router(
         async with httpx2.AsyncClient(base_url=running.url, headers=JSON, timeout=20) as client:
             answer = await client.post("/v1/chat/completions", content=chat("beta"))
             assert answer.status_code == 200 and answer.json()["model"] == "beta"
+
+
+async def test_without_autoload_nvpair_loads_the_model_first(nursery, tmp_path) -> None:
+    """``--no-models-autoload``: the router answers 400 "model is not loaded" to a chat for
+    an unloaded model, and 503 while it loads; nvpair calls POST /models/load, waits for it
+    to be loaded, then sends the chat."""
+    with trio.fail_after(30):
+        sim, running = await start(nursery, tmp_path, models_max=1, models_autoload=False,
+                                   model_load_s=0.5)
+        e = await wait_state(running.board, "r", "ready", where=lambda e: len(e.models) == 2)
+        assert e.identity is not None and e.identity.autoload is False
+        async with httpx2.AsyncClient(base_url=running.url, headers=JSON, timeout=20) as client:
+            answer = await client.post("/v1/chat/completions", content=chat("alpha"))
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["model"] == "alpha"
+            # the other model: the idle one is unloaded by nvpair, the other loaded
+            answer = await client.post("/v1/chat/completions", content=chat("beta"))
+            assert answer.status_code == 200, answer.text
+        assert sim.stats().path("/models/load").count == 2
+        assert sim.stats().path("/models/unload").count == 1

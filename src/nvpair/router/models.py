@@ -19,11 +19,13 @@ unloaded), taken again from the engine's model list whenever a newer list comes
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 
 import trio
 
+from nvpair.errors import ProbeError
+from nvpair.probing.probes import parse_listing
 from nvpair.state.snapshot import Board, EngineState
 
 #: model states that hold one of the engine's slots
@@ -32,8 +34,12 @@ HOLDING = frozenset({"ready", "loading", "sleeping"})
 #: (its LRU, another client's unload) shows only in the next model list
 RECHECK_S = 1.0
 
-#: ``(engine, path, model)`` -> the engine's HTTP status (0: no answer)
-Control = Callable[[str, str, str], Awaitable[int]]
+#: ``(engine, path, model)``: POST ``{"model"}`` to ``path`` (GET it with model None) ->
+#: the engine's HTTP status (0: no answer) and body
+Control = Callable[[str, str, "str | None"], Awaitable[tuple[int, bytes]]]
+#: with ``--no-models-autoload``, a model nvpair loads is looked at this often until it is
+#: loaded (the 270M model loads in about 0.8 s; a request sent before gets 503)
+LOAD_POLL_S = 0.25
 
 log = logging.getLogger("nvpair.router")
 
@@ -50,8 +56,10 @@ class _Engine:
 class ModelSlots:
     """nvpair's account of its multi-model engines' slots (see the module's docstring)."""
 
-    def __init__(self, board: Board) -> None:
+    def __init__(self, board: Board, load_budgets: Mapping[str, float] | None = None) -> None:
         self.board = board
+        #: per engine: how long nvpair waits for a model it loads (its startup budget)
+        self.load_budgets = load_budgets or {}
         self._engines: dict[str, _Engine] = {}
         self._changed = trio.Event()
 
@@ -112,9 +120,11 @@ class ModelSlots:
         acc.in_flight[model] = acc.in_flight.get(model, 0) + 1
         try:
             if victim is not None:
-                status = await control(name, "/models/unload", victim)
+                status, _ = await control(name, "/models/unload", victim)
                 log.info("engine %s: unloaded %s for %s (idle; HTTP %s)", name, victim,
                          model, status or "no answer")
+            if not e.identity.autoload:
+                await _load(name, model, control, self.load_budgets.get(name, 600.0))
             yield
         finally:
             left = acc.in_flight[model] - 1
@@ -126,3 +136,29 @@ class ModelSlots:
                 acc.loaded[model] = trio.current_time()
             self._changed.set()
             self._changed = trio.Event()
+
+
+async def _load(name: str, model: str, control: Control, budget_s: float) -> None:
+    """Load ``model`` on an engine that loads nothing by itself (``--no-models-autoload``)
+    and return once its model list says it is loaded, or after ``budget_s`` (the request
+    then goes, and gets the engine's own answer)."""
+    if _state(await control(name, "/models", None), model) == "ready":
+        return
+    await control(name, "/models/load", model)  # (400 "already running": someone did)
+    with trio.move_on_after(budget_s):
+        while True:  # (the engine's own state, over HTTP: nothing to wait on but time)
+            if _state(await control(name, "/models", None), model) in ("ready", None):
+                return
+            await trio.sleep(LOAD_POLL_S)
+
+
+def _state(answer: tuple[int, bytes], model: str) -> str | None:
+    """``model``'s state in a model-list answer; None when the list cannot say."""
+    status, body = answer
+    if status != 200:
+        return None
+    try:
+        listing = parse_listing(body, "openai", "/models")
+    except ProbeError:
+        return None
+    return next((m.state for m in listing.models if m.id == model), None)

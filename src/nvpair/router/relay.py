@@ -118,6 +118,11 @@ class EngineGone(NvpairError):
     """The engine's answer stopped: it closed, reset or fell silent past the idle gap."""
 
 
+#: the most of a multi-model engine's control answer read (its model list: about 600 bytes
+#: a model)
+CONTROL_BODY_MAX = 4 * 1024 * 1024
+
+
 class Router:
     """Serves ROUTED_PATHS. Run ``run()`` in the service nursery: it owns the pools."""
 
@@ -137,7 +142,8 @@ class Router:
         self.traffic = traffic
         self.known = Known(engines)
         #: multi-model engines' slots: never evict a model with requests in flight
-        self.models = ModelSlots(board)
+        self.models = ModelSlots(board, {name: spec.manifest.startup_budget_s
+                                         for name, spec in self.specs.items()})
         self.rng = random.Random()
         self._targets: dict[str, Target] = {}
         self._stack: AsyncExitStack | None = None
@@ -301,28 +307,37 @@ class Router:
                 await self._forward(scope, body, targets, send)
             nursery.cancel_scope.cancel(reason="answer complete")
 
-    async def _control(self, name: str, path: str, model: str) -> int:
-        """POST ``{"model": model}`` to a multi-model engine's ``path`` (``/models/unload``):
-        its HTTP status, 0 when it did not answer in the first-byte timeout."""
-        body = msgspec.json.encode({"model": model})
+    async def _control(self, name: str, path: str, model: str | None) -> tuple[int, bytes]:
+        """POST ``{"model": model}`` to a multi-model engine's ``path``
+        (``/models/load``, ``/models/unload``), or GET ``path`` with ``model`` None: its
+        HTTP status and body (capped), (0, b"") when it did not answer in the first-byte
+        timeout."""
+        body = b"" if model is None else msgspec.json.encode({"model": model})
         upstream = self._engine(name).upstream
         upstream.users += 1  # (the reaper leaves a pool in use alone)
         try:
             with trio.move_on_after(self.config.first_byte_timeout_s):
                 try:
                     response = await upstream.send(
-                        path, b"", [(b"content-type", b"application/json")], body)
+                        path, b"", [(b"content-type", b"application/json")], body,
+                        b"GET" if model is None else b"POST")
                 except SEND_ERRORS:
-                    return 0
+                    return 0, b""
+                data = b""
+                stream = response.stream
+                assert hasattr(stream, "__aiter__")
                 try:
-                    await response.aread()
+                    async for chunk in stream:
+                        data += chunk
+                        if len(data) > CONTROL_BODY_MAX:
+                            break
                 except BODY_ERRORS:
                     pass
                 finally:
                     with trio.CancelScope(shield=True):
                         await response.aclose()
-                return response.status
-            return 0
+                return response.status, data
+            return 0, b""
         finally:
             upstream.users -= 1
             upstream.used_at = trio.current_time()
