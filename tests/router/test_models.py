@@ -81,3 +81,24 @@ async def test_a_single_model_engine_is_not_held(autojump_clock) -> None:
     async with slots.held("s", "m", control), slots.held(None, "m", control):
         assert slots.in_flight("s", "m") == 0
     assert control.calls == []
+
+
+async def test_an_answer_shows_the_model_ready_and_an_unload_cold(autojump_clock) -> None:
+    """Ahead of the next model list: a model that answered is loaded; one nvpair
+    unloaded (200) is cold; a 5xx or no answer says nothing."""
+    board = router_board(1, "alpha")
+    slots = ModelSlots(board)
+    control = Recorder()
+
+    def states() -> dict[str, str | None]:
+        e = board.current.engine("r")
+        assert e is not None
+        return {m.id: m.state for m in e.models}
+
+    async with slots.held("r", "beta", control):
+        assert states() == {"alpha": "cold", "beta": "cold", "gamma": "cold"}
+        slots.answered("r", "beta", 503)
+        slots.answered("r", "beta", 0)
+        assert states()["beta"] == "cold"
+        slots.answered("r", "beta", 200)
+        assert states()["beta"] == "ready"

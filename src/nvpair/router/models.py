@@ -21,12 +21,14 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
+from functools import partial
 
 import trio
 
 from nvpair.errors import ProbeError
 from nvpair.probing.probes import parse_listing
 from nvpair.state.snapshot import Board, EngineState
+from nvpair.state.transitions import with_model_state
 
 #: model states that hold one of the engine's slots
 HOLDING = frozenset({"ready", "loading", "sleeping"})
@@ -97,6 +99,16 @@ class ModelSlots:
         acc.loaded[model] = now
         return True, victim
 
+    def answered(self, name: str | None, model: str, status: int) -> None:
+        """A routed request's answer: a router answers from a model only once it is loaded,
+        so one that answered (not a 5xx, not a request that never got an answer) shows
+        the model ready at once, not at the next model list."""
+        e = None if name is None else self.board.current.engine(name)
+        if (name is None or e is None or e.identity is None or not e.identity.router
+                or not 200 <= status < 500):
+            return
+        self.board.update(name, partial(with_model_state, model=model, state="ready"))
+
     @asynccontextmanager
     async def held(self, name: str | None, model: str, control: Control
                    ) -> AsyncIterator[None]:
@@ -123,6 +135,9 @@ class ModelSlots:
                 status, _ = await control(name, "/models/unload", victim)
                 log.info("engine %s: unloaded %s for %s (idle; HTTP %s)", name, victim,
                          model, status or "no answer")
+                if status == 200:
+                    self.board.update(name, partial(with_model_state, model=victim,
+                                                    state="cold"))
             if not e.identity.autoload:
                 await _load(name, model, control, self.load_budgets.get(name, 600.0))
             yield

@@ -19,6 +19,7 @@ import logging
 import random
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import AsyncExitStack
+from functools import partial
 from typing import NamedTuple
 
 import httpcore2
@@ -302,9 +303,10 @@ class Router:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
             # (a multi-model engine's request may wait here for a slot: docs/multi-model.md)
-            async with self.models.held(choice.engines[0] if choice.engines else None,
-                                        head.model, self._control):
-                await self._forward(scope, body, targets, send)
+            held = choice.engines[0] if choice.engines else None
+            async with self.models.held(held, head.model, self._control):
+                await self._forward(scope, body, targets, send, on_answer=partial(
+                    self.models.answered, held, head.model))
             nursery.cancel_scope.cancel(reason="answer complete")
 
     async def _control(self, name: str, path: str, model: str | None) -> tuple[int, bytes]:
@@ -368,7 +370,8 @@ class Router:
             nursery.cancel_scope.cancel(reason="answer complete")
 
     async def _forward(self, scope: Scope, body: bytes, targets: list[Target],
-                       send: Send, *, on_start: Callable[[], None] | None = None) -> None:
+                       send: Send, *, on_start: Callable[[], None] | None = None,
+                       on_answer: Callable[[int], None] | None = None) -> None:
         headers = [(k, v) for k, v in scope.get("headers", ()) if k in FORWARD_REQUEST]
         last_error = "no engine"
         for target in targets:  # held from now (the reaper leaves a pool with users alone)
@@ -397,6 +400,8 @@ class Router:
                     self.traffic.finished(target.key, result.outcome, result.error)
                     self.traffic.answered(target.key, result.status, result.started,
                                           result.first_byte_at)
+                    if on_answer is not None and target.key == targets[0].key:
+                        on_answer(result.status or 0)
                 return
         finally:
             now = trio.current_time()

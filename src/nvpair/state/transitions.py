@@ -18,7 +18,15 @@ import trio
 
 from nvpair.config.manifest import GENERATING_MIN_INTERVAL_S, ProbeSpec
 from nvpair.config.settings import EngineSpec
-from nvpair.state.snapshot import EngineState, Identity, Model, ProbeStats, State, shown_state
+from nvpair.state.snapshot import (
+    EngineState,
+    Identity,
+    Model,
+    ModelState,
+    ProbeStats,
+    State,
+    shown_state,
+)
 
 LivenessProbe = Literal["ready", "health"]
 #: who found a mismatch (and so alone may clear it); "listing": the listing itself raised
@@ -372,6 +380,18 @@ def _kept(old: Model | None, new: Model) -> Model:
     if old is None or old.state == new.state:
         return old or new
     return msgspec.structs.replace(old, state=new.state)
+
+
+def with_model_state(engine: EngineState, model: str, state: ModelState) -> EngineState:
+    """A multi-model engine's ``model`` in ``state`` as a routed request showed it (loaded
+    when the engine answered, cold once nvpair unloaded it), ahead of its next model
+    list, which has the last word. Models without a state of their own are left alone."""
+    if not any(m.id == model and m.state is not None and m.state != state
+               for m in engine.models):
+        return engine
+    return msgspec.structs.replace(engine, models=tuple(
+        msgspec.structs.replace(m, state=state) if m.id == model and m.state is not None
+        else m for m in engine.models))
 
 
 def models_missed(engine: EngineState, spec: ProbeSpec, deadline_s: float, now: float
