@@ -169,3 +169,44 @@ async def test_no_autoload(start_sim, http, tmp_path, autojump_clock):
     assert loading.status_code == 503 and loading.json()["error"]["message"] == "Loading model"
     await trio.sleep(1.5)
     assert (await client.post("/v1/chat/completions", json=chat("alpha"))).status_code == 200
+
+
+OBSERVED = Path(__file__).parent.parent / "integration" / "fixtures" / (
+    "llamacpp_router_observed.json")
+
+
+def shape(doc: object) -> object:
+    """Keys and status values, not the values that move (times, ports, paths)."""
+    if isinstance(doc, dict):
+        return {k: (v["value"] if k == "status" and isinstance(v, dict) else shape(v))
+                for k, v in doc.items() if k not in ("args", "preset", "created", "meta")}
+    if isinstance(doc, list):
+        return [shape(v) for v in doc]
+    return type(doc).__name__
+
+
+async def test_the_same_exchanges_as_the_real_router(start_sim, http, tmp_path,
+                                                     autojump_clock) -> None:
+    """The exchanges recorded from the real router (tests/integration/fixtures/
+    llamacpp_router_observed.json, the real binary's answers) replayed on the simulator:
+    the same statuses, error messages, keys and model states."""
+    import json
+
+    observed = json.loads(OBSERVED.read_text())["exchanges"]
+    sim = await start_sim("llamacpp", models_dir=models_dir(tmp_path, "alpha", "beta"),
+                          models_max=1, model_load_s=0.5, version="b0-unknown")
+    client = http(sim)
+    for step in observed:
+        method, path, *body = step["request"].split(" ", 2)
+        if step.get("note") == "alpha loaded":
+            await trio.sleep(1)
+        answer = await client.request(method, path,
+                                      json=json.loads(body[0]) if body else None)
+        assert answer.status_code == step["status"], step["request"]
+        real = step["body"]
+        if isinstance(real, dict) and "error" in real:
+            assert answer.json()["error"] == real["error"], step["request"]
+        elif path == "/props":
+            assert answer.json() == real
+        else:
+            assert shape(answer.json()) == shape(real), step["request"]
