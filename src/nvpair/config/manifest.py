@@ -59,6 +59,13 @@ class ProbeSpec(Base, frozen=True):
     require_keys: tuple[str, ...] = ()
     #: identity: JSON pointer of how many requests the engine serves at once (its slots).
     slots_pointer: str | None = None
+    #: identity: JSON pointer whose value "router" marks a multi-model router (llama-server
+    #: in router mode): it has no slots of its own (``slots_pointer``'s key is not required)
+    #: and names no model of its own; then how many models it loads at once, and whether it
+    #: loads a model on request
+    router_pointer: str | None = None
+    models_max_pointer: str | None = None
+    autoload_pointer: str | None = None
     #: models: the body's format.
     format: ModelsFormat = "openai"
 
@@ -222,6 +229,9 @@ class Manifest(Base, frozen=True):
     default_port: Port
     probes: Probes
     start: StartSpec = StartSpec()
+    #: the start template of a multi-model router (llama-server without ``-m``), used in
+    #: place of ``start`` when the engine's args give ``models_dir`` or ``models_preset``
+    router_start: StartSpec | None = None
     stop: StopSpec = StopSpec()
     restart: RestartSpec = RestartSpec()
     #: how long a managed engine may take to first answer ready.

@@ -25,6 +25,7 @@ import trio
 from nvpair import __version__
 from nvpair.base.histogram import Histogram
 from nvpair.http.keys import Keyring
+from nvpair.state.listing import model_state
 from nvpair.state.memory import trend_level
 from nvpair.state.snapshot import Board, EngineState, Snapshot, shown_state
 from nvpair.state.traffic import Traffic
@@ -35,6 +36,7 @@ CACHE_S = 1.0
 #: every state an engine can be in (``nvpair.state.snapshot.State``), each a series of 0 or 1
 ENGINE_STATES = ("starting", "ready", "stale", "unhealthy", "down", "stopped", "cold",
                  "sleeping", "waking")
+MODEL_STATES = ("cold", "loading", "ready", "sleeping")
 #: every state of a peer (``nvpair.peers.table.PeerState``)
 PEER_STATES = ("fresh", "one-way", "stale", "gone", "left")
 
@@ -136,6 +138,10 @@ class Metrics:
         family("nvpair_engine_state", "gauge",
                "1 for the state the engine is in, 0 for the others.")
         out += [f.states for f in parts]
+        if any(f.models for f in parts):
+            family("nvpair_model_state", "gauge", "1 for the state a model of a multi-model "
+                   "engine is in (cold, loading, ready, sleeping), 0 for the others.")
+            out += [f.models for f in parts]
         family("nvpair_engine_last_ok_timestamp_seconds", "gauge",
                "Unix time of the engine's last good health or ready probe.")
         out += [f.last_ok for f in parts]
@@ -271,6 +277,8 @@ class _Engine(NamedTuple):
     probes: str
     #: ((kind, probe), latency ms in total, requests) per probe
     durations: tuple[tuple[tuple[str, str], float, int], ...]
+    #: the state of each model with one of its own (a multi-model router's)
+    models: str = ""
 
 
 def _lines(e: EngineState, state: str, offset: float) -> _Engine:
@@ -293,7 +301,18 @@ def _lines(e: EngineState, state: str, offset: float) -> _Engine:
         f"nvpair_engine_restarts_total{{{lbl}}} {e.restarts}\n",
         f"nvpair_engine_log_dropped_lines_total{{{lbl}}} {e.log_dropped}\n" if e.managed else "",
         "".join(probes),
-        tuple(((e.kind, p), st.latency_ms_total, st.requests) for p, st in e.probes))
+        tuple(((e.kind, p), st.latency_ms_total, st.requests) for p, st in e.probes),
+        _model_lines(e, lbl, state))
+
+
+def _model_lines(e: EngineState, lbl: str, state: str) -> str:
+    out = []
+    for m in e.models:
+        if m.state is not None:
+            shown = model_state(state, m.state)
+            head = f'nvpair_model_state{{{lbl},model="{escape(m.id)}",state="'
+            out += [f'{head}{s}"}} {int(s == shown)}\n' for s in MODEL_STATES]
+    return "".join(out)
 
 
 def key_families(keys: Keyring, family: Callable[[str, str, str], None],

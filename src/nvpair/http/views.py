@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from nvpair.base.ages import age
-from nvpair.state.listing import visible
+from nvpair.state.listing import model_state, visible
 from nvpair.state.memory import engine_doc, node_doc
 from nvpair.state.snapshot import EngineState, Snapshot
 from nvpair.state.transitions import effective_state
@@ -23,6 +23,10 @@ def engine_status(e: EngineState, snap: Snapshot, now: float, node: str) -> dict
         "state": state,
         "state_age_s": age(now, e.since),
         "models": [m.id for m in e.models],
+        # each model's state: its own on a multi-model router (docs/multi-model.md)
+        "model_states": {m.id: model_state(state, m.state) for m in e.models},
+        "router": None if e.identity is None or not e.identity.router else {
+            "models_max": e.identity.models_max, "autoload": e.identity.autoload},
         "models_stale": e.models_stale,
         "models_age_s": age(now, e.models_at),
         "models_left_out": e.models_left_out,

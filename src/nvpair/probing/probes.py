@@ -21,7 +21,7 @@ from nvpair.base.tls import client_tls
 from nvpair.config.manifest import ModelsFormat, ProbeSpec
 from nvpair.errors import ProbeError
 from nvpair.probing.oneshot import ExchangeError, Target, encode_request, reason, send_request
-from nvpair.state.snapshot import Identity, Model
+from nvpair.state.snapshot import Identity, Model, ModelState
 
 MAX_BODY = 4 * 1024 * 1024
 #: at most this many models of one engine are listed; the rest are counted as left out.
@@ -362,14 +362,23 @@ def parse_identity(body: bytes, spec: ProbeSpec, kind: str) -> tuple[Identity, t
         "mismatch", f"does not look like {kind}: {message}"))
     if not isinstance(doc, dict):
         raise ProbeError("mismatch", f"does not look like {kind}: GET {spec.path} is not an object")
-    missing = [k for k in spec.require_keys if k not in doc]
+    router = bool(spec.router_pointer) and pointer(doc, spec.router_pointer or "") == "router"
+    # (a router has no slots of its own: each model's child has its own)
+    unneeded = {spec.slots_pointer.lstrip("/")} if router and spec.slots_pointer else set()
+    missing = [k for k in spec.require_keys if k not in doc and k not in unneeded]
     if missing:
         raise ProbeError(
             "mismatch",
             f"does not look like {kind}: GET {spec.path} lacks {', '.join(missing)}",
         )
-    names = tuple(n for p in spec.model_pointers if (n := _scalar(pointer(doc, p))))
     version = _scalar(pointer(doc, spec.version_pointer)) if spec.version_pointer else None
+    if router:  # (its model_alias "llama-server" and model_path "none" are no model)
+        models_max = (pointer(doc, spec.models_max_pointer) if spec.models_max_pointer
+                      else None)
+        autoload = pointer(doc, spec.autoload_pointer) if spec.autoload_pointer else None
+        return Identity(version=version or None, router=True,
+                        models_max=_slots(models_max), autoload=autoload is not False), ()
+    names = tuple(n for p in spec.model_pointers if (n := _scalar(pointer(doc, p))))
     slots = _slots(pointer(doc, spec.slots_pointer)) if spec.slots_pointer else None
     return Identity(model=names[0] if names else None, version=version or None,
                     slots=slots), names
@@ -481,6 +490,7 @@ def parse_listing(body: bytes, fmt: ModelsFormat, path: str) -> Listing:
             created=created if _is_int64(created) else 0,
             owned_by=(owned_by if isinstance(owned_by, str) and owned_by else owner)
             [:MAX_OWNER_CHARS],
+            state=_model_state(item.get("status")),
         ))
     if not dropped:
         return Listing(models=tuple(models))
@@ -488,6 +498,22 @@ def parse_listing(body: bytes, fmt: ModelsFormat, path: str) -> Listing:
     reasons = ", ".join(f"{n:,} {why}" for why, n in dropped.items())
     return Listing(models=tuple(models), left_out=left_out,
                    why=f"{what}: {left_out:,} of {len(entries):,} models left out ({reasons})")
+
+
+#: llama-server router mode's ``status.value`` of a model, as nvpair names the state
+MODEL_STATES: dict[str, ModelState] = {
+    "unloaded": "cold", "loading": "loading", "loaded": "ready", "sleeping": "sleeping"}
+
+
+def _model_state(status: Any) -> ModelState | None:
+    """A model's own state from its entry's ``status`` (router mode: ``{"value":
+    "loaded", ...}``): None when the entry has no status object (a single-model engine:
+    the engine's state is the model's); ``cold`` for a value not known (a download, a
+    state of a later build): not loaded, as far as nvpair can tell."""
+    if not isinstance(status, dict):
+        return None
+    value = status.get("value")
+    return MODEL_STATES.get(value, "cold") if isinstance(value, str) else "cold"
 
 
 def _unlistable(item: Any, key: str) -> str | None:

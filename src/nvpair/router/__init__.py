@@ -9,6 +9,8 @@ The modules:
 * ``relay``: the ASGI handler that passes a request to an engine and its answer back.
 * ``request``: one routed request: its id (`Routed`, `valid_id`), times, answer, access line.
 * ``upstream``: a connection pool per engine or peer, on httpcore2.
+* ``models``: multi-model engines (llama-server in router mode): `ModelSlots`, nvpair's
+  requests per model, and never a request that evicts a model with requests in flight.
 * ``counters``: `GET /v1/router`, the router's own counters.
 * ``peering``: what the router knows of peers: `PeerRouter`, the routes to a model.
 * ``activation``: engines on demand: `Activator`, the single-flight start, the bounded queue

@@ -19,6 +19,7 @@ import logging
 import random
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import AsyncExitStack
+from functools import partial
 from typing import NamedTuple
 
 import httpcore2
@@ -46,6 +47,7 @@ from nvpair.http.asgi import (
 )
 from nvpair.http.keys import request_key
 from nvpair.router.activation import Activator, QueueFull, Ticket, Unavailable
+from nvpair.router.models import ModelSlots
 from nvpair.router.peering import PeerRoute, PeerRouter
 from nvpair.router.request import ID_MAX, Routed, current
 from nvpair.router.select import Known, choose, order_peers
@@ -124,6 +126,11 @@ class EngineGone(NvpairError):
     """The engine's answer stopped: it closed, reset or fell silent past the idle gap."""
 
 
+#: the most of a multi-model engine's control answer read (its model list: about 600 bytes
+#: a model)
+CONTROL_BODY_MAX = 4 * 1024 * 1024
+
+
 class Router:
     """Serves ROUTED_PATHS. Run ``run()`` in the service nursery: it owns the pools."""
 
@@ -145,6 +152,9 @@ class Router:
         self.config = config
         self.traffic = traffic
         self.known = Known(engines)
+        #: multi-model engines' slots: never evict a model with requests in flight
+        self.models = ModelSlots(board, {name: spec.manifest.startup_budget_s
+                                         for name, spec in self.specs.items()})
         self.rng = random.Random()
         self._targets: dict[str, Target] = {}
         self._stack: AsyncExitStack | None = None
@@ -343,7 +353,11 @@ class Router:
             return
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-            await self._forward(scope, body, targets, send)
+            # (a multi-model engine's request may wait here for a slot: docs/multi-model.md)
+            held = choice.engines[0] if choice.engines else None
+            async with self.models.held(held, head.model, self._control):
+                await self._forward(scope, body, targets, send, on_answer=partial(
+                    self.models.answered, held, head.model))
             nursery.cancel_scope.cancel(reason="answer complete")
 
     async def _woken(self, name: str) -> str | None:
@@ -356,6 +370,42 @@ class Router:
             return None
         why = await self.sleepers.awake(name)
         return None if why is None else f"engine {name} was asleep and did not wake: {why}"
+
+    async def _control(self, name: str, path: str, model: str | None) -> tuple[int, bytes]:
+        """POST ``{"model": model}`` to a multi-model engine's ``path``
+        (``/models/load``, ``/models/unload``), or GET ``path`` with ``model`` None: its
+        HTTP status and body (capped), (0, b"") when it did not answer in the first-byte
+        timeout."""
+        body = b"" if model is None else msgspec.json.encode({"model": model})
+        upstream = self._engine(name).upstream
+        upstream.users += 1  # (the reaper leaves a pool in use alone)
+        try:
+            with trio.move_on_after(self.config.first_byte_timeout_s):
+                try:
+                    response = await upstream.send(
+                        path, b"", [(b"content-type", b"application/json")], body,
+                        b"GET" if model is None else b"POST")
+                except SEND_ERRORS:
+                    return 0, b""
+                data = b""
+                stream = response.stream
+                assert hasattr(stream, "__aiter__")
+                try:
+                    async for chunk in stream:
+                        data += chunk
+                        if len(data) > CONTROL_BODY_MAX:
+                            break
+                except BODY_ERRORS:
+                    pass
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await response.aclose()
+                return response.status, data
+            return 0, b""
+        finally:
+            upstream.users -= 1
+            upstream.used_at = trio.current_time()
+            self._release(upstream)
 
     async def _queued(self, scope: Scope, receive: Receive, send: Send, body: bytes,
                       name: str, model: str) -> None:
@@ -404,7 +454,8 @@ class Router:
             routed.queue_s = seconds
 
     async def _forward(self, scope: Scope, body: bytes, targets: list[Target],
-                       send: Send, *, on_start: Callable[[], None] | None = None) -> None:
+                       send: Send, *, on_start: Callable[[], None] | None = None,
+                       on_answer: Callable[[int], None] | None = None) -> None:
         headers = [(k, v) for k, v in scope.get("headers", ()) if k in FORWARD_REQUEST]
         last_error = "no engine"
         for target in targets:  # held from now (the reaper leaves a pool with users alone)
@@ -437,6 +488,8 @@ class Router:
                     self.traffic.finished(target.key, result.outcome, result.error)
                     self.traffic.answered(target.key, result.status, result.started,
                                           result.first_byte_at)
+                    if on_answer is not None and target.key == targets[0].key:
+                        on_answer(result.status or 0)
                 return
         finally:
             now = trio.current_time()

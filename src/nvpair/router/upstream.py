@@ -150,16 +150,17 @@ class Upstream:
     def engine(cls, spec: EngineSpec, config: RouterConfig, **kw: Any) -> Upstream:
         return cls(spec.url, config, token=spec.api_key, **kw)
 
-    async def send(self, path: str, query: bytes, headers: Headers, body: bytes
-                   ) -> httpcore2.Response:
-        """POST ``body``; returns once the answer's head is in (its body is a stream).
+    async def send(self, path: str, query: bytes, headers: Headers, body: bytes,
+                   method: bytes = b"POST") -> httpcore2.Response:
+        """POST ``body`` (or ``method``); returns once the answer's head is in (its body is
+        a stream).
 
         Adds Host, Content-Length and the upstream's token (never the user's). A reused
         connection that fails before one byte of the answer came (the engine had closed
         it) is left, and the request sent once more on a new connection of its own."""
         target = path.encode() + (b"?" + query if query else b"")
         request = httpcore2.Request(
-            b"POST", httpcore2.URL(scheme=self._scheme, host=self._host, port=self._port,
+            method, httpcore2.URL(scheme=self._scheme, host=self._host, port=self._port,
                                    target=target),
             headers=[self._host_header, *headers, *self._auth,
                      (b"content-length", b"%d" % len(body))],

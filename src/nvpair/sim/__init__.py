@@ -11,7 +11,8 @@ Run one in a Trio nursery::
 
 or as a process: ``python -m nvpair.sim sglang --port 30000`` (see :mod:`nvpair.sim.cli`).
 Module map: ``http`` (h11 server core), ``port`` (the engine port), ``engine`` (request
-pipeline), ``openai_api``, one module per kind (llama.cpp's inference in ``llamacpp_api``),
+pipeline), ``openai_api``, one module per kind (llama.cpp's inference in ``llamacpp_api``,
+its router mode in ``llamacpp_router``),
 ``state``, ``sleep``, ``faults``, ``accounting``, ``lifecycle``, ``dist`` (multi-node),
 ``children``, ``control``, ``handle``, ``serve``, ``cli``. docs/simulators.md describes them all.
 """

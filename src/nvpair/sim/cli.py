@@ -89,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="llama.cpp slots (default, or -1: auto, 4 slots with a unified KV cache)")
     add("--kv-unified", "-kvu", dest="kv_unified", action="store_true", default=None)
     add("--no-kv-unified", "-no-kvu", dest="kv_unified", action="store_false")
+    add("--models-dir", default=None, help="llama.cpp: router mode over this dir's *.gguf")
+    add("--models-max", type=int, default=4, help="llama.cpp router: models loaded at once")
+    add("--models-autoload", dest="models_autoload", action="store_true", default=True)
+    add("--no-models-autoload", dest="models_autoload", action="store_false",
+        help="llama.cpp router: load only on POST /models/load")
+    add("--router-evict-busy", action="store_true",
+        help="llama.cpp router: evict by count with requests in flight (older builds)")
     add("--no-slots", action="store_true")
     add("--slots", action="store_false", dest="no_slots", help="llama.cpp: the default")
     add("--embeddings", "--embedding", action="store_true", help="llama.cpp: /v1/embeddings")
@@ -172,7 +179,9 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
         model=args.model, served_name=args.served_name,
         models=None if args.models is None else tuple(m for m in args.models.split(",") if m),
         version=args.engine_version, api_key=api_key, profile=args.profile,
-        load_s=args.load_s, warmup_s=0.0 if args.skip_server_warmup else args.warmup_s,
+        # (a router has no model of its own to load: it answers at once)
+        load_s=0.0 if args.models_dir else args.load_s,
+        warmup_s=0.0 if args.skip_server_warmup or args.models_dir else args.warmup_s,
         startup_s=args.startup_s, stop_s=args.stop_s, fail_on_load=args.fail_on_load,
         crash_after_s=args.crash_after_s, hang_after_s=args.hang_after_s,
         exit_after_dead_s=args.exit_after_dead_s, fault=fault,
@@ -186,6 +195,8 @@ def options_from_args(args: argparse.Namespace) -> SimOptions:
         tags_scan_s=args.tags_scan_s,
         model_load_s=args.model_load_s, ollama_keep_alive_s=args.keep_alive_s,
         np=None if args.np is None or args.np < 0 else args.np, kv_unified=args.kv_unified,
+        models_dir=args.models_dir, models_max=args.models_max,
+        models_autoload=args.models_autoload, router_evict_busy=args.router_evict_busy,
         no_slots=args.no_slots, embeddings=args.embeddings, pooling=args.pooling,
         webui=args.webui, metrics=args.metrics,
         max_concurrent=args.max_concurrent_requests, max_queue=args.max_queue,

@@ -2,7 +2,8 @@
 
 * ``/v1/chat/completions`` (and ``/chat/completions``): a choice has no ``logprobs``; the body
   ends with ``timings``; ``system_fingerprint`` is the build_info; ids are ``chatcmpl-`` and
-  32 letters or digits; the request's ``model`` is ignored and the answer names the alias.
+  32 letters or digits; the answer names the model ``admit`` gives (a single-model server: its
+  alias, whatever the request asked; router mode: the model asked for).
   Streamed: the first delta is ``{"role": "assistant", "content": null}``, the last chunk has
   the finish_reason, an empty delta and ``timings`` (moved to a final ``choices: []`` chunk
   with ``usage`` when ``stream_options.include_usage`` is set), then ``data: [DONE]``.
@@ -139,12 +140,12 @@ class LlamaCppApi:
             return value
         return -1
 
-    def _base(self) -> dict[str, Any]:
-        return {"created": int(time.time()), "model": self.engine.model_id,
+    def _base(self, model: str) -> dict[str, Any]:
+        return {"created": int(time.time()), "model": model,
                 "system_fingerprint": self.engine.options.engine_version}
 
-    def _chunk_base(self, cid: str) -> dict[str, Any]:
-        return {"created": int(time.time()), "id": cid, "model": self.engine.model_id,
+    def _chunk_base(self, cid: str, model: str) -> dict[str, Any]:
+        return {"created": int(time.time()), "id": cid, "model": model,
                 "system_fingerprint": self.engine.options.engine_version,
                 "object": "chat.completion.chunk"}
 
@@ -193,7 +194,9 @@ class LlamaCppApi:
         limit = await self._limit(body, reply)
         if limit is None:
             return
-        await self.engine.admit(request, reply, body.get("model"))
+        model = await self.engine.admit(request, reply, body.get("model"))
+        if model is None:
+            return
         n_prompt = count_words(messages)
         cid = f"chatcmpl-{random_id()}"
         if not body.get("stream"):
@@ -202,7 +205,7 @@ class LlamaCppApi:
             await self.engine.send_json(reply, 200, {
                 "choices": [{"finish_reason": run.finish, "index": 0,
                              "message": {"role": "assistant", "content": text}}],
-                **self._base(), "object": "chat.completion", "usage": run.usage, "id": cid,
+                **self._base(model), "object": "chat.completion", "usage": run.usage, "id": cid,
                 "timings": run.timings,
             })
             return
@@ -211,7 +214,7 @@ class LlamaCppApi:
 
         def chunk(delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
             return {"choices": [{"finish_reason": finish, "index": 0, "delta": delta}],
-                    **self._chunk_base(cid)}
+                    **self._chunk_base(cid, model)}
 
         async def role() -> None:
             if not events.started:
@@ -226,7 +229,7 @@ class LlamaCppApi:
         last = chunk({}, run.finish)
         if usage:
             await events.send(last)
-            await events.send({"choices": [], **self._chunk_base(cid), "usage": run.usage,
+            await events.send({"choices": [], **self._chunk_base(cid, model), "usage": run.usage,
                                "timings": run.timings})
         else:
             await events.send({**last, "timings": run.timings})
@@ -243,7 +246,9 @@ class LlamaCppApi:
         limit = await self._limit(body, reply)
         if limit is None:
             return
-        await self.engine.admit(request, reply, body.get("model"))
+        model = await self.engine.admit(request, reply, body.get("model"))
+        if model is None:
+            return
         n_prompt = count_words(body["prompt"])
         cid = f"chatcmpl-{random_id()}"
 
@@ -254,7 +259,7 @@ class LlamaCppApi:
             run = await self._run(body, n_prompt, limit, _nothing)
             text = "".join(token_text(i) for i in range(run.n_predicted))
             await self.engine.send_json(reply, 200, {
-                "choices": choice(text, run.finish), **self._base(),
+                "choices": choice(text, run.finish), **self._base(model),
                 "object": "text_completion", "usage": run.usage, "id": cid,
                 "timings": run.timings,
             })
@@ -262,11 +267,11 @@ class LlamaCppApi:
         events = _Events(reply)
 
         async def on_token(i: int) -> None:
-            await events.send({"choices": choice(token_text(i), None), **self._base(),
+            await events.send({"choices": choice(token_text(i), None), **self._base(model),
                                "object": "text_completion", "id": cid})
 
         run = await self._run(body, n_prompt, limit, on_token)
-        await events.send({"choices": choice("", run.finish), **self._base(),
+        await events.send({"choices": choice("", run.finish), **self._base(model),
                            "object": "text_completion", "usage": run.usage, "id": cid,
                            "timings": run.timings})
         await events.done()
@@ -288,13 +293,15 @@ class LlamaCppApi:
         if raw is None or raw == [] or raw == "":
             await engine.error(reply, 400, '"input" must be provided')
             return
-        await engine.admit(request, reply, body.get("model"))
+        model = await engine.admit(request, reply, body.get("model"))
+        if model is None:
+            return
         items: list[object] = raw if isinstance(raw, list) and not _is_ids(raw) else [raw]
         await engine.state.wait_not_hung()
         n_tokens = count_words(items)
         dim = engine.options.embedding_dim
         await engine.send_json(reply, 200, {
-            "model": engine.model_id, "object": "list",
+            "model": model, "object": "list",
             "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
             "data": [{"embedding": embed(item, dim), "index": i, "object": "embedding"}
                      for i, item in enumerate(items)],

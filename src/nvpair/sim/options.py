@@ -116,6 +116,16 @@ class SimOptions(msgspec.Struct, frozen=True, kw_only=True):
     #: llama.cpp --kv-unified: every slot's n_ctx is the whole context; None: unified only
     #: with the auto slot count (an explicit -np N gives each slot context_length // N).
     kv_unified: bool | None = None
+    #: llama.cpp router mode (nvpair.sim.llamacpp_router): --models-dir, whose ``*.gguf``
+    #: are its models; None: a single-model server
+    models_dir: str | None = None
+    #: llama.cpp --models-max: models loaded at once (0: no limit)
+    models_max: int = 4
+    #: llama.cpp --models-autoload / --no-models-autoload
+    models_autoload: bool = True
+    #: llama.cpp router: evict the least recently used model by count even with requests in
+    #: flight, cutting them, as older builds did (not the build the tests run)
+    router_evict_busy: bool = False
     #: llama.cpp --no-slots: /slots answers 501.
     no_slots: bool = False
     #: llama.cpp --embeddings: serve /v1/embeddings (501 without).

@@ -15,6 +15,7 @@ from nvpair.sim.http import HttpServer
 from nvpair.sim.leak import Leak
 from nvpair.sim.lifecycle import run_lifecycle
 from nvpair.sim.llamacpp import LlamaCpp
+from nvpair.sim.llamacpp_router import LlamaCppRouter
 from nvpair.sim.ollama import Ollama
 from nvpair.sim.openai_compat import OpenAICompat
 from nvpair.sim.options import SimOptions
@@ -32,6 +33,8 @@ def make_engine(options: SimOptions, state: SimState) -> Engine:
         engine = SGLangWorker if options.is_worker else SGLang
     elif options.kind == "vllm":
         engine = VLLMHeadless if options.headless else VLLM
+    elif options.kind == "llamacpp" and options.models_dir is not None:
+        engine = LlamaCppRouter
     else:
         engine = {"llamacpp": LlamaCpp, "ollama": Ollama, "tgi": TGI,
                   "openai": OpenAICompat}[options.kind]

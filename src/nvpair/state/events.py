@@ -29,6 +29,7 @@ import trio
 from nvpair.base.changes import Changes
 from nvpair.base.decoding import is_digits
 from nvpair.errors import NvpairError
+from nvpair.state.listing import model_state
 from nvpair.state.memory import event_doc
 from nvpair.state.snapshot import Board, EngineState, shown_state
 
@@ -121,8 +122,10 @@ def engine_content(e: EngineState, now: float) -> dict[str, Any]:
     ages or times, so a probe that changes nothing changes nothing here. Of its output's
     drops only the episode (its start, in words with its numbers, and its end): the count
     moves every second of a flood."""
+    shown = shown_state(e, now)
     return {"name": e.name, "kind": e.kind, "url": e.url, "managed": e.managed,
-            "state": shown_state(e, now), "models": [m.id for m in e.models],
+            "state": shown, "models": [m.id for m in e.models],
+            "model_states": {m.id: model_state(shown, m.state) for m in e.models},
             "models_stale": e.models_stale, "aliases": list(e.aliases),
             "identity": None if e.identity is None else {
                 "model": e.identity.model, "version": e.identity.version},

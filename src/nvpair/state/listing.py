@@ -67,16 +67,24 @@ def visible(e: EngineState) -> bool:
     return not (e.optional and e.state in ("down", "starting") and e.checked_at is None)
 
 
-Name4 = tuple[str, int, str, "str | None"]
+NameRow = tuple[str, int, str, "str | None", "str | None"]
 
 
-def _names(e: EngineState) -> list[Name4]:
-    """(id, created, owned_by, alias_of) of what ``e`` lists: its models, then its aliases."""
-    names: list[Name4] = [(m.id, m.created, m.owned_by, None) for m in e.models]
+def _names(e: EngineState) -> list[NameRow]:
+    """(id, created, owned_by, alias_of, own state) of what ``e`` lists: its models, then
+    its aliases (an alias in its model's state)."""
+    names: list[NameRow] = [(m.id, m.created, m.owned_by, None, m.state) for m in e.models]
     if e.models:
         first = e.models[0]
-        names += [(a, first.created, first.owned_by, first.id) for a in e.aliases]
+        names += [(a, first.created, first.owned_by, first.id, first.state)
+                  for a in e.aliases]
     return names
+
+
+def model_state(engine_shown: str, own: str | None) -> str:
+    """What a model's item shows: its own state (router mode) while its engine is ready,
+    else the engine's (a stale or cold engine's models are as their engine is)."""
+    return own if own is not None and engine_shown == "ready" else engine_shown
 
 
 class Catalog:
@@ -133,7 +141,7 @@ class _Index:
         self.layout = 0  # the board's layout it was built for
         #: by engine position: what it lists (empty when not listed), its shown state, the
         #: items it owns (in its order), the version its owned items last changed
-        self.names: list[list[Name4]] = []
+        self.names: list[list[NameRow]] = []
         #: what the names and rank were built from: (models, aliases, listed, not ready)
         self.basis: list[tuple[object, object, bool, bool] | None] = []
         self.shown: list[str] = []
@@ -242,7 +250,7 @@ class _Index:
         stale = shown == "stale" or e.models_stale
         name, kind, names_of = e.name, e.kind, self.engine_names
         items, listers, alone = self.items, self.listers, (e.name,)
-        for model_id, created, owned_by, alias_of in self.names[pos]:
+        for model_id, created, owned_by, alias_of, own in self.names[pos]:
             ids = listers[model_id]
             if ids[0] != pos or model_id in seen:
                 continue  # (another engine's item, or this one's again: listed once)
@@ -251,7 +259,8 @@ class _Index:
             if item is None or rebuild or model_id in affected:
                 item = items[model_id] = ModelItem(  # (positional: 10,000 in milliseconds)
                     model_id, name, alone if len(ids) == 1 else tuple(names_of[p] for p in ids),
-                    kind, shown, stale, created, owned_by or kind, alias_of, e.group)
+                    kind, model_state(shown, own), stale, created, owned_by or kind,
+                    alias_of, e.group)
             owned.append(item)
         self.owned[pos] = tuple(owned)
         self.changed_at[pos] = self.version

@@ -62,10 +62,18 @@ class ProbeStats(msgspec.Struct, frozen=True, gc=False):
     passive: int = 0
 
 
+#: A model's own state on an engine that serves many, each loaded or not (llama-server in
+#: router mode): ``cold`` (not loaded; a request loads it), ``loading``, ``ready`` (loaded),
+#: ``sleeping``. Only a ready engine's models show their own (docs/multi-model.md).
+ModelState = Literal["cold", "loading", "ready", "sleeping"]
+
+
 class Model(msgspec.Struct, frozen=True, gc=False):
     id: str
     created: int = 0
     owned_by: str = ""
+    #: its own state, as the engine's model list said (None: the engine's state is its own)
+    state: ModelState | None = None
 
 
 class Identity(msgspec.Struct, frozen=True, gc=False):
@@ -74,6 +82,12 @@ class Identity(msgspec.Struct, frozen=True, gc=False):
     #: how many requests the engine says it serves at once (llama-server's slots; None:
     #: it does not say)
     slots: int | None = None
+    #: a multi-model router (llama-server without ``-m``): its models come and go, each in
+    #: a state of its own (``Model.state``), at most ``models_max`` loaded at once (None:
+    #: no limit said), loaded on request unless ``autoload`` is False
+    router: bool = False
+    models_max: int | None = None
+    autoload: bool = True
 
 
 class EngineState(msgspec.Struct, frozen=True, gc=False):

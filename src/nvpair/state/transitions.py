@@ -24,6 +24,7 @@ from nvpair.state.snapshot import (
     EngineState,
     Identity,
     Model,
+    ModelState,
     ProbeStats,
     State,
     shown_state,
@@ -376,15 +377,36 @@ def steady_models(old: tuple[Model, ...], new: tuple[Model, ...]) -> tuple[Model
     """``new``, with each model still listed as it was first seen: vLLM and llama-server
     answer every model list with ``created`` set to the current time, which would make
     every listing a change (a new ``/v1/models`` body, an event, an advert) though nothing
-    changed. A model keeps the ``created`` of its first sighting while it stays listed;
-    when nothing else changed, the old tuple itself is kept."""
+    changed. A model keeps the ``created`` of its first sighting while it stays listed
+    (its own state, router mode's, is the new one); when nothing else changed, the old
+    tuple itself is kept."""
     if not old:
         return new
     if len(old) == len(new) and all(
-            a.id == b.id and a.owned_by == b.owned_by for a, b in zip(old, new, strict=True)):
+            a.id == b.id and a.owned_by == b.owned_by and a.state == b.state
+            for a, b in zip(old, new, strict=True)):
         return old
     seen = {(m.id, m.owned_by): m for m in old}
-    return tuple(seen.get((m.id, m.owned_by), m) for m in new)
+    return tuple(_kept(seen.get((m.id, m.owned_by)), m) for m in new)
+
+
+def _kept(old: Model | None, new: Model) -> Model:
+    """``new`` as first seen: the old one's ``created``, the new one's state."""
+    if old is None or old.state == new.state:
+        return old or new
+    return msgspec.structs.replace(old, state=new.state)
+
+
+def with_model_state(engine: EngineState, model: str, state: ModelState) -> EngineState:
+    """A multi-model engine's ``model`` in ``state`` as a routed request showed it (loaded
+    when the engine answered, cold once nvpair unloaded it), ahead of its next model
+    list, which has the last word. Models without a state of their own are left alone."""
+    if not any(m.id == model and m.state is not None and m.state != state
+               for m in engine.models):
+        return engine
+    return msgspec.structs.replace(engine, models=tuple(
+        msgspec.structs.replace(m, state=state) if m.id == model and m.state is not None
+        else m for m in engine.models))
 
 
 def models_missed(engine: EngineState, spec: ProbeSpec, deadline_s: float, now: float
