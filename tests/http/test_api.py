@@ -517,6 +517,35 @@ async def test_at_a_buckets_turn_a_reader_answers_the_listing_another_reader_reb
     assert b"".join(await api.models_chunks(False)) == b"".join(changed)
 
 
+async def test_a_reader_of_a_listing_another_reader_builds_answers_the_newest_body(
+        autojump_clock) -> None:
+    """The listing changed and one reader builds it: another reader of that listing does
+    not build the same bytes beside it, nor wait; it answers the newest whole body there is
+    (the listing one build ago) at once, and once the build is done, the new listing."""
+    board = board_with(*(engine(f"e{i}", "ready", (f"m{i}",)) for i in range(5)))
+    api = Api(board, node="n1")
+    real, release, builds = api._models.parts_stepwise, trio.Event(), []
+
+    async def counted(*args: Any, **kw: Any) -> list[bytes]:
+        builds.append(trio.current_time())
+        if len(builds) == 2:  # (the build of the changed listing is held)
+            await release.wait()
+        return await real(*args, **kw)
+
+    api._models.parts_stepwise = counted  # type: ignore[method-assign]
+    before = await api.models_chunks(False)
+    board.update("e4", lambda e: msgspec.structs.replace(e, state="down"))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(api.models_chunks, False)
+        await trio.testing.wait_all_tasks_blocked()  # (its build is held)
+        start = trio.current_time()
+        assert await api.models_chunks(False) is before  # (at once, and no third build)
+        assert trio.current_time() == start and len(builds) == 2
+        release.set()
+    after = b"".join(await api.models_chunks(False))
+    assert len(builds) == 2 and b'"m3"' in after and b'"m4"' not in after
+
+
 async def test_a_models_answer_built_across_checkpoints_is_of_the_version_it_took(
         autojump_clock) -> None:
     """The listing moves (a big engine unlisted) while a /v1/models build waits at a

@@ -163,21 +163,22 @@ class Api:
 
         On a miss the reader builds it, in steps of the loop
         (``ModelsBody.parts_stepwise``), from the one catalog version it took at the
-        start; it never waits for another reader's build. A reader that misses only
-        because the age bucket turned, while another reader builds the new bucket of the
-        same listing, answers the body it has of that listing at once: the same models,
-        its ages one bucket older (so at most twice ``AGE_RESOLUTION_S``). Without that,
-        eight clients at a bucket's turn made eight builds of the same bytes. A reader of
-        a listing that changed builds its own. A build of an older version never replaces
-        a newer one in the cache."""
+        start; it never waits for another reader's build. A reader that misses while
+        another reader builds the very answer it needs (this listing version, this or the
+        next age bucket) answers the newest whole body there is, at once: the listing as
+        it was one build ago (milliseconds), its ages at most a bucket older. Without that,
+        eight clients at a listing's change or a bucket's turn made eight builds of the
+        same bytes (at K = 1,024 the p99 over the floor went from 1.5x to 2.2x). A reader
+        that finds no one building its listing builds it. A build of an older version
+        never replaces a newer one in the cache."""
         now = trio.current_time()
         version = (self.board.listed(now),
                    self.cluster.version if cluster and self.cluster else 0)
         bucket = int(now / AGE_RESOLUTION_S)
         key = "cluster-models" if cluster else "models"
         hit = self._chunks.get(key)
-        if hit is not None and hit[0] == version and (
-                hit[1] == bucket or self._building.get(key) == version):
+        if hit is not None and ((hit[0] == version and hit[1] == bucket)
+                                or self._building.get(key) == version):
             return hit[2]
         self._building[key] = version
         try:
