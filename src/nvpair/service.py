@@ -120,7 +120,9 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
     log_rate = RateCap(settings.log_lines_per_s, settings.log_bytes_per_s)
     rate = node_probe_rate(settings.engines)  # (the probes' wake grid: nvpair.runtime.wakes)
     runners = {spec.name: EngineRunner(spec, board, sweep, settings.log_dir, traffic, procs,
-                                       log_rate=log_rate, probe_rate=rate)
+                                       log_rate=log_rate, probe_rate=rate,
+                                       api_address=(settings.listen_host,
+                                                    settings.listen_port))
                for spec in settings.engines}
     memory = MemoryWatch(settings.memory, board, settings.engines, traffic=traffic,
                          runners=runners)

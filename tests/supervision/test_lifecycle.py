@@ -138,6 +138,29 @@ async def test_port_taken_is_reported_not_spawned(nursery, tmp_path) -> None:
         assert running.runners["e"].starts == 0
 
 
+async def test_an_engine_on_nvpairs_own_port_is_told_so(nursery, tmp_path) -> None:
+    """An engine set on nvpair's own listen port is down with that reason, not "taken by
+    another llama.cpp llama-server" (nvpair itself answering; newuser-3.md finding 2)."""
+    port = free_port()
+    settings = managed_config(tmp_path, "e", port, sim_command("vllm", "--load-s", "0"))
+    settings = msgspec.structs.replace(settings, listen_port=port)
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, settings)
+        down = await wait_state(running.board, "e", "down", where=lambda e: bool(e.error))
+        assert down.error == (f"port {port} is nvpair's own API (listen = 127.0.0.1:{port}): "
+                              "give engine e another port")
+        assert running.runners["e"].starts == 0
+
+
+def test_addresses_that_collide_on_one_port() -> None:
+    from nvpair.supervision.lifecycle import same_address
+
+    assert same_address("127.0.0.1", "127.0.0.1") and same_address("0.0.0.0", "10.0.0.2")
+    assert same_address("127.0.0.1", "localhost") and same_address("::1", "127.0.0.1")
+    assert same_address("::", "127.0.0.1")
+    assert not same_address("10.0.0.1", "10.0.0.2") and not same_address("127.0.0.1", "10.0.0.2")
+
+
 async def test_adopted_engine_stop_unlists_without_signalling(nursery, tmp_path) -> None:
     from nvpair.config.settings import load_settings
     from nvpair.sim import SimOptions, serve_sim

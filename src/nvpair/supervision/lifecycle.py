@@ -41,7 +41,7 @@ from nvpair.base.boundary import Part
 from nvpair.base.changes import Changes
 from nvpair.base.logs import DEFAULT_RATE, Drops, EngineLog, RateCap
 from nvpair.config.command import build_command, engine_env
-from nvpair.config.settings import EngineSpec, placeholder_values
+from nvpair.config.settings import EngineSpec, is_loopback, placeholder_values
 from nvpair.errors import ProbeError
 from nvpair.probing import probes
 from nvpair.probing.prober import Enrolment, ProbeMemory, open_client, run_probes
@@ -136,8 +136,11 @@ class EngineRunner:
                  procs: EngineProcs | None = None, *,
                  transport: httpx2.AsyncBaseTransport | None = None,
                  spawn: Spawn = spawn_process, log_rate: RateCap = DEFAULT_RATE,
-                 probe_rate: float | None = None) -> None:
+                 probe_rate: float | None = None,
+                 api_address: tuple[str, int] | None = None) -> None:
         self.spec = spec
+        #: nvpair's own listen address: an engine set on it is told so, not "taken by"
+        self.api_address = api_address
         #: the node's probes a second, for the probes' wake grid (``prober.node_probe_rate``)
         self.probe_rate = probe_rate
         self.transport = transport  # the probes' (tests use a mock engine)
@@ -575,6 +578,10 @@ class EngineRunner:
     async def _port_taken(self) -> str | None:
         """What already answers on the engine's port, if anything (so we never spawn a twin)."""
         spec = self.spec
+        own = self.api_address
+        if own is not None and own[1] == spec.port and same_address(own[0], spec.host):
+            return (f"port {spec.port} is nvpair's own API (listen = {own[0]}:{own[1]}): "
+                    f"give engine {spec.name} another port")
         # Refused: free (or bound by a loading engine that does not listen yet). A connect
         # that hangs means a listener that does not accept: taken, too.
         with trio.move_on_after(1.0):
@@ -592,6 +599,13 @@ class EngineRunner:
         else:
             self._port_part.ok()
         return f"{where} is taken by {answer}; nvpair will not start a second engine there"
+
+
+def same_address(a: str, b: str) -> bool:
+    """Whether listening on host ``a`` and host ``b`` with one port collides: the same host,
+    a wildcard on either side, or loopback on both."""
+    wildcard = ("", "0.0.0.0", "::", "*")
+    return a == b or a in wildcard or b in wildcard or (is_loopback(a) and is_loopback(b))
 
 
 async def _identify(spec: EngineSpec) -> str:
