@@ -53,13 +53,16 @@ from benchmarks.procs import (
     wait_http,
 )
 from benchmarks.report import Table, render_markdown, render_text
+from nvpair.router.relay import REAP_EVERY_S
 
 HOST = "127.0.0.1"
 POLITE = clients.Polite()
 request = POLITE.request
 get_json = POLITE.get_json
-#: how long CLOSE-WAIT and fds get to come back to the baseline after a case
-SETTLE_S = 3.0
+#: how long CLOSE-WAIT and fds get to come back to the baseline after a case: the router
+#: closes a pool at most two reaper ticks after its last request (a burst of 32 requests
+#: leaves 32 kept-alive connections to the engine until then), and a second to spare
+SETTLE_S = 2 * REAP_EVERY_S + 1.0
 #: fds above the baseline still counted as back (probe connections come and go)
 FD_SLACK = 8
 #: a read p99 above this during a case fails it
