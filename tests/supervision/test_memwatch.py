@@ -270,6 +270,36 @@ async def test_readings_move_no_listing_and_a_process_gone_is_the_engines_state(
             await child.wait()
 
 
+async def test_a_managed_engines_new_process_is_read_within_seconds_not_at_the_next_tick(
+        tmp_path: Path) -> None:
+    # newuser-3.md finding 17: with the default 15 s interval, a started engine showed "no
+    # process known" until the next tick; here the interval is 60 s and the reading must
+    # come within FIRST_READING_S (2 s) of the process being known
+    settings = one_engine(tmp_path)
+    config = msgspec.structs.replace(settings.memory, interval_s=60.0)
+    board = Board(tuple(initial_state(s) for s in settings.engines))
+    watch = MemoryWatch(config, board, settings.engines)
+    child = await trio.lowlevel.open_process(
+        [sys.executable, "-c", "import time; x = b'x' * (16 << 20); time.sleep(30)"],
+        start_new_session=True)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(watch.run)
+            first = await wait_memory(board, "e", lambda m: m.source == "none", within=10)
+            assert first.why == "no process known"
+            ticks = watch.ticks
+            board.update("e", lambda e: msgspec.structs.replace(e, pid=child.pid,
+                                                                state="starting"))
+            m = await wait_memory(board, "e", lambda m: m.source == "proc", within=10)
+            assert m.top[0].pid == child.pid
+            assert watch.ticks == ticks + 1  # one early reading, not a burst of them
+            nursery.cancel_scope.cancel()
+    finally:
+        child.kill()
+        with trio.CancelScope(shield=True), trio.move_on_after(5):
+            await child.wait()
+
+
 async def test_an_adopted_engine_by_pid_file_and_one_by_a_missing_cgroup(tmp_path: Path) -> None:
     pid_file = tmp_path / "engine.pid"
     pid_file.write_text(str(os.getpid()))

@@ -11,9 +11,11 @@ PSI and nvpair's own cgroup v2 where there is one. Which processes are an engine
   ``pid_file``; or the processes of its ``cgroup``.
 
 Membership is rescanned at most once a minute (``RESCAN_S``; a new pid of a managed engine
-is taken at once); the rescan and every tick's reads run in a worker thread
-(``trio.to_thread.run_sync``), the trend and the publishing on the loop, one
-``Board.publish_memory`` per tick, which never moves the listing version.
+is taken at once, and read within ``FIRST_READING_S``, not at the next tick: a 15 s interval
+showed a started engine as "no process known" for up to 15 s); the rescan and every
+tick's reads run in a worker thread (``trio.to_thread.run_sync``), the trend and the
+publishing on the loop, one ``Board.publish_memory`` per tick, which never moves the
+listing version.
 
 A failed read (a process gone, a permission) is that engine's memory ``error``, logged once
 per change (``nvpair.base.boundary.Part``); the watch as a whole is supervised too.
@@ -42,7 +44,7 @@ from nvpair.base.boundary import Part, failure_line
 from nvpair.config.settings import EngineSpec, MemoryConfig
 from nvpair.runtime import wakes
 from nvpair.state.memory import EngineMemory, NodeMemory, ProcMemory
-from nvpair.state.snapshot import Board, EngineState, shown_state
+from nvpair.state.snapshot import Board, EngineState, Touched, shown_state
 from nvpair.state.traffic import Traffic
 from nvpair.supervision import memproc
 from nvpair.supervision.lifecycle import Busy
@@ -240,6 +242,10 @@ def _read_engine(plan: Plan, entries: list[memproc.ProcEntry] | None, proc: Path
                 cg_max, cg_current, failure)
 
 
+#: a managed engine's new process is read this soon after the reading before (seconds)
+FIRST_READING_S = 2.0
+
+
 class MemoryWatch:
     """The watch over every engine of the node (see the module docstring)."""
 
@@ -290,10 +296,38 @@ class MemoryWatch:
 
     async def _loop(self) -> None:
         ticker = wakes.Ticker(self.config.interval_s)
+        touched = self.board.touched()
         while True:
             await self.tick()
             self.part.ok()
-            await ticker.tick()
+            async with trio.open_nursery() as nursery:
+                async def first(wait: Any) -> None:
+                    await wait()
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(first, ticker.tick)
+                nursery.start_soon(first, partial(self._new_process, touched))
+
+    async def _new_process(self, touched: Touched) -> None:
+        """Return when a managed engine has a process the last reading did not know, but
+        no sooner than ``FIRST_READING_S`` after that reading (engines started one after
+        another cost at most one early reading a ``FIRST_READING_S``). Cancellation: a
+        plain wait."""
+        earliest = trio.current_time() + FIRST_READING_S
+        while True:
+            everything, names = touched.take()
+            snap = self.board.current
+            if any(self._unread(snap, name) for name in (self.engines if everything else names)):
+                break
+            await self.board.wait_changed(snap.version)
+        await wakes.sleep_until(earliest, wakes.HOUSEKEEPING_S)
+
+    def _unread(self, snap: Any, name: str) -> bool:
+        w = self.engines.get(name)
+        if w is None or not w.spec.managed:
+            return False
+        e = snap.engine(name)
+        return e is not None and e.pid is not None and e.pid != w.leader
 
     async def tick(self) -> None:
         """One reading of every engine and the node, published once."""
