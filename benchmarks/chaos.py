@@ -903,10 +903,10 @@ class Suite:
     def prepare_flood(self) -> None:
         if "flood" in self.targets and self.targets["flood"].nvpair.alive():
             return
-        od = "activation = 'on_demand'\nmemory_bytes = 1000\nstop_grace_s = 2\n"
+        od = "activation = 'on_demand'\nmemory_bytes = 1000000\nstop_grace_s = 2\n"
         long_lines = ("import sys\nline = 'x' * 20000 + '\\n'\n"
                       "while True: sys.stdout.write(line)\n")
-        body = (f"[activation]\nmemory_budget_bytes = 1000000\n"
+        body = (f"[activation]\nmemory_budget_bytes = 1000000000\n"
                 f"[[engines]]\nname = 'sg'\nkind = 'sglang'\nport = {self.sg_port}\n"
                 f"model = 'chaos-sglang'\n"
                 + self._managed("flood-yes", "flood-yes", ["yes", "{model}"], od)
@@ -968,11 +968,12 @@ class Suite:
     # -- a burst at a cold on-demand engine ------------------------------------------------------
 
     def prepare_burst(self) -> None:
-        body = (f"[activation]\nmemory_budget_bytes = 1000000\nqueue_wait_s = {BURST_WAIT_S}\n"
+        body = (f"[activation]\nmemory_budget_bytes = 1000000000\n"
+                f"queue_wait_s = {BURST_WAIT_S}\n"
                 + self._managed("od-burst", "od-burst",
                                 self._sim_openai("--load-s", "1", "--token-rate", "10",
                                                  "--max-tokens", "10"),
-                                "activation = 'on_demand'\nmemory_bytes = 1000\n"))
+                                "activation = 'on_demand'\nmemory_bytes = 1000000\n"))
         self._settle_own(self._start_own("burst", "nvpair-burst", body))
 
     def case_burst(self) -> dict[str, Any]:
@@ -995,9 +996,11 @@ class Suite:
     # -- an eviction under a long stream ---------------------------------------------------------
 
     def prepare_evict(self) -> None:
-        od = "activation = 'on_demand'\nmemory_bytes = 1000000\nstop_grace_s = 2\n"
+        # room for one: each is planned at its 100 MB (a floor: a simulator holds 20-40 MB
+        # of host memory, which the memory watch reads within seconds of its start)
+        od = "activation = 'on_demand'\nmemory_bytes = 100000000\nstop_grace_s = 2\n"
         sim = self._sim_openai("--load-s", "0.5", "--token-rate", "20")
-        body = ("[activation]\nmemory_budget_bytes = 1500000\nqueue_wait_s = 40\n"
+        body = ("[activation]\nmemory_budget_bytes = 150000000\nqueue_wait_s = 40\n"
                 + self._managed("od-a", "od-a", sim, od) + self._managed("od-b", "od-b", sim, od))
         self._settle_own(self._start_own("evict", "nvpair-evict", body))
 

@@ -556,7 +556,10 @@ async def test_idle_unload_in_virtual_time_and_probes_never_reset_the_timer(
     assert runner.starts == 1
 
 
-def test_the_footprint_is_the_memory_watch_reading_else_the_configured_one() -> None:
+def test_the_footprint_is_the_larger_of_the_watchs_reading_and_the_configured_one() -> None:
+    """A configured ``memory_bytes`` is a floor: the memory watch reads host memory, so a
+    GPU engine declared at 40 GB that holds 3 GB of host RAM is still planned at 40 GB (the
+    reading replaced it before, and two such engines were planned side by side)."""
     from types import SimpleNamespace
 
     from tests.fakes import engine_spec
@@ -566,22 +569,32 @@ def test_the_footprint_is_the_memory_watch_reading_else_the_configured_one() -> 
 
     spec = engine_spec("vllm", managed=True, model="m", command=["srv"],
                        activation="on_demand", memory_bytes=5 * GB)
+    measured = engine_spec("vllm", managed=True, model="m", command=["srv"],
+                           activation="on_demand")
     e = initial_state(spec, now=0.0)
     assert footprint(e, spec) == 5 * GB  # no reading: configured
     assert footprint(None, spec) == 5 * GB
+    assert footprint(e, measured) is None  # "measured", nothing seen: unknown
     read = msgspec.structs.replace(e, state="ready", memory=SimpleNamespace(
         rss_anon_bytes=3 * GB, swap_bytes=GB))
-    assert footprint(read, spec) == 4 * GB  # up: anonymous memory and swap
-    assert footprint(read, spec, remembered=7 * GB) == 4 * GB  # (the reading now)
+    assert footprint(read, measured) == 4 * GB  # up: anonymous memory and swap
+    assert footprint(read, measured, remembered=7 * GB) == 4 * GB  # (the reading now)
+    assert footprint(read, spec) == 5 * GB  # a reading under the configured size: the size
+    more = msgspec.structs.replace(read, memory=SimpleNamespace(rss_anon_bytes=6 * GB,
+                                                                swap_bytes=GB))
+    assert footprint(more, spec) == 7 * GB  # a reading over it: the reading
     # starting (loading): its reading is part of it, never less than what is known
     loading = msgspec.structs.replace(read, state="starting", memory=SimpleNamespace(
         rss_anon_bytes=GB // 10, swap_bytes=0))
     assert footprint(loading, spec) == 5 * GB
-    assert footprint(loading, spec, remembered=4 * GB) == 4 * GB
+    assert footprint(loading, measured) is None
+    assert footprint(loading, measured, remembered=4 * GB) == 4 * GB
+    assert footprint(loading, spec, remembered=6 * GB) == 6 * GB
     big = msgspec.structs.replace(loading, memory=SimpleNamespace(rss_anon_bytes=6 * GB,
                                                                   swap_bytes=0))
     assert footprint(big, spec) == 6 * GB
-    assert footprint(e, spec, remembered=4 * GB) == 4 * GB  # cold: what it measured up
+    assert footprint(e, measured, remembered=4 * GB) == 4 * GB  # cold: what it measured up
+    assert footprint(e, spec, remembered=4 * GB) == 5 * GB
     unread = msgspec.structs.replace(e, memory=SimpleNamespace(rss_anon_bytes=None,
                                                                swap_bytes=None))
     assert footprint(unread, spec) == 5 * GB

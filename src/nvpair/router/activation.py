@@ -152,17 +152,24 @@ def reading(e: EngineState | None) -> int | None:
 
 def footprint(e: EngineState | None, spec: EngineSpec,
               remembered: int | None = None) -> int | None:
-    """The engine's footprint in bytes. Up (ready, stale, unhealthy) with a reading: the
-    reading. Otherwise (cold: no process; starting: a loading process's reading is only
-    part of it) what it measured when it was last up (``remembered``), else the configured
-    ``memory_bytes``, or the reading now where that is larger (None: unknown)."""
+    """The engine's footprint in bytes: the larger of what it is seen to hold and its
+    configured ``memory_bytes`` (a number given is a floor, never replaced by a smaller
+    reading: the watch reads host memory, and a GPU engine's weights are not in it). Seen:
+    up (ready, stale, unhealthy) with a reading, the reading; otherwise (cold: no process;
+    starting: a loading process's reading is only part of it) what it measured when it was
+    last up (``remembered``), or the reading now where that is larger. None: unknown
+    (``"measured"`` and nothing seen yet)."""
     now = reading(e)
+    declared = spec.memory_bytes
     if now is not None and e is not None and e.state in UP_STATES:
-        return now
-    known = remembered if remembered is not None else spec.memory_bytes
-    if known is None:
-        return None
-    return known if now is None else max(known, now)
+        seen: int | None = now
+    else:
+        seen = max((n for n in (remembered, now) if n is not None), default=None)
+        if remembered is None and declared is None:
+            return None  # a loading engine's partial reading is no footprint
+    if seen is None:
+        return declared
+    return seen if declared is None else max(seen, declared)
 
 
 def auto_budget(using: int, reserve: int | str, info: Meminfo | None,
