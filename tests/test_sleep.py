@@ -38,11 +38,12 @@ CHAT = msgspec.json.encode({"model": "gemma", "max_tokens": 3,
                             "messages": [{"role": "user", "content": "hi"}]})
 
 
-def config(tmp: Path, sim: SimHandle, kind: str, extra: str = "") -> Path:
+def config(tmp: Path, sim: SimHandle, kind: str, extra: str = "", *,
+           sleep: bool = True) -> Path:
     path = tmp / "nvpair.toml"
     path.write_text(f"listen = '127.0.0.1:0'\nsweep_deadline_s = 1\n[[engines]]\nname = 'e'\n"
-                    f"kind = '{kind}'\nport = {sim.port}\nmodel = 'gemma'\nsleep = true\n"
-                    f"{extra}\n{FAST}")
+                    f"kind = '{kind}'\nport = {sim.port}\nmodel = 'gemma'\n"
+                    f"sleep = {str(sleep).lower()}\n{extra}\n{FAST}")
     return path
 
 
@@ -83,6 +84,34 @@ async def test_a_sleeping_llamacpp_is_listed_sleeping_its_probes_never_wake_it_a
             assert answer.status_code == 200, answer.text
         assert sleep_counts(sim)["wakes"] == 1
         await wait_state(running.board, "e", "ready")
+
+
+async def test_an_adopted_llamacpp_that_sleeps_without_sleep_true_is_listed_sleeping(
+        nursery: trio.Nursery, tmp_path: Path) -> None:
+    """Started with --sleep-idle-seconds by someone else, adopted without ``sleep = true``:
+    its /props says it sleeps (and /props never wakes it), so it is not shown ready; a
+    request wakes it by itself, and ``POST .../wake`` wakes it too."""
+    sim = await nursery.start(serve_sim, SimOptions(
+        kind="llamacpp", model="gemma", sleep_idle_s=0.5, wake_s=0.1, max_tokens=3))
+    await sim.wait_phase("ready")
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, load_settings(str(config(
+            tmp_path, sim, "llamacpp", sleep=False))))
+        await wait_state(running.board, "e", "sleeping", where=lambda e: bool(e.models))
+        await trio.sleep(1.0)  # probed for a second: still asleep, nothing woke it
+        assert running.board.current.engine("e").state == "sleeping"  # type: ignore[union-attr]
+        assert sleep_counts(sim) == {"sleeps": 1, "wakes": 0}
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            answer = await client.post("/v1/chat/completions", content=CHAT,
+                                       headers={"content-type": "application/json"})
+            assert answer.status_code == 200, answer.text
+            assert sleep_counts(sim)["wakes"] == 1
+            await wait_state(running.board, "e", "ready")  # (awake: its probe saw it)
+            await wait_state(running.board, "e", "sleeping")  # (idle again: asleep again)
+            woken = await client.post("/v1/engines/e/wake")
+            assert (woken.status_code, woken.json()["operation"]) == (202, "waking")
+            await wait_state(running.board, "e", "ready")
+        assert sleep_counts(sim)["wakes"] == 2
 
 
 async def cli(url: str, *argv: str) -> subprocess.CompletedProcess[bytes]:

@@ -219,6 +219,11 @@ class SleepManifest(Base, frozen=True):
     #: whether a routed request wakes it by itself (llama-server); else nvpair wakes it
     #: before sending one (vLLM answers 503 while it sleeps)
     request_wakes: bool = False
+    #: any engine of the kind may sleep, however it was started (llama-server's
+    #: ``--sleep-idle-seconds`` on an adopted one), and the sleeping probe never wakes
+    #: it: every engine of the kind is probed for its sleep, listed ``sleeping`` and
+    #: woken, ``sleep = true`` or not (which then only adds ``argv`` and ``env``)
+    always_probed: bool = False
 
 
 class Manifest(Base, frozen=True):
