@@ -245,3 +245,87 @@ async def test_sglang_sleeps_paused_and_released_and_wakes_resumed_and_continued
             assert sim.stats().engine["paused"] is False
             assert sleep_counts(sim) == {"sleeps": 1, "wakes": 1}
             await wait_state(running.board, "e", "ready")
+
+
+async def test_a_models_wake_wakes_its_engine_once_and_an_unknown_model_is_a_404(
+        nursery: trio.Nursery, tmp_path: Path) -> None:
+    """``POST /v1/models/{id}/wake``: two at once wake the sleeping vLLM once (the second
+    joins the first); its alias works too; a model nobody lists is OpenAI's 404; the CLI
+    takes a model's id where no engine has that name."""
+    sim = await nursery.start(serve_sim, SimOptions(
+        kind="vllm", model="gemma", enable_sleep_mode=True, dev_mode=True, wake_s=0.3))
+    await sim.wait_phase("ready")
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, load_settings(str(config(
+            tmp_path, sim, "vllm", "aliases = ['g']"))))
+        await wait_state(running.board, "e", "ready", where=lambda e: bool(e.models))
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            assert (await client.post("/v1/engines/e/sleep")).status_code == 202
+            await wait_state(running.board, "e", "sleeping")
+            answers: list[httpx2.Response] = []
+
+            async def wake() -> None:
+                answers.append(await client.post("/v1/models/gemma/wake"))
+
+            async with trio.open_nursery() as both:
+                both.start_soon(wake)
+                both.start_soon(wake)
+            assert [(a.status_code, a.json()["operation"], a.json()["model"], a.json()["name"])
+                    for a in answers] == [(202, "waking", "gemma", "e")] * 2
+            await wait_state(running.board, "e", "ready")
+            assert sleep_counts(sim) == {"sleeps": 1, "wakes": 1}
+            awake = await client.post("/v1/models/g/wake")  # (by its alias)
+            assert (awake.status_code, awake.json()["operation"]) == (202, "awake")
+            unknown = await client.post("/v1/models/no/such/wake")
+            assert unknown.status_code == 404
+            assert unknown.json()["error"]["code"] == "model_not_found"
+            assert (await client.get("/v1/models/gemma")).status_code == 200  # (unchanged)
+            assert (await client.put("/v1/models/gemma/wake")).headers["allow"] == "GET, POST"
+            assert (await client.post("/v1/engines/e/sleep")).status_code == 202
+            await wait_state(running.board, "e", "sleeping")
+        done = await cli(running.url, "wake", "gemma")
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.decode().startswith("gemma: wake accepted (waking); engine e")
+        await wait_state(running.board, "e", "ready")
+        assert sleep_counts(sim) == {"sleeps": 2, "wakes": 2}
+        refused = await cli(running.url, "wake", "nosuch")
+        assert refused.returncode != 0
+        [line] = refused.stderr.decode().strip().splitlines()
+        assert line.endswith("no engine or model named 'nosuch' on this node"), line
+
+
+async def test_a_models_wake_loads_it_on_a_multi_model_engine(
+        nursery: trio.Nursery, tmp_path: Path) -> None:
+    """llama-server in router mode (the simulator): a wake of a cold model is one
+    ``POST /models/load`` (a second wake while it loads joins it), and the model shows
+    ready once the router says it is loaded."""
+    models = tmp_path / "models"
+    models.mkdir()
+    (tmp_path / "one.gguf").write_bytes(b"GGUF")
+    for name in ("alpha", "beta"):
+        (models / f"{name}.gguf").symlink_to(tmp_path / "one.gguf")
+    sim = await nursery.start(serve_sim, SimOptions(kind="llamacpp", models_dir=str(models),
+                                                    models_max=1, model_load_s=0.5))
+    await sim.wait_phase("ready")
+    path = tmp_path / "nvpair.toml"
+    path.write_text(f"listen = '127.0.0.1:0'\n[[engines]]\nname = 'r'\nkind = 'llamacpp'\n"
+                    f"port = {sim.port}\n[engines.probes.models]\ninterval_s = 30\n")
+
+    def state(model: str) -> str | None:
+        e = running.board.current.engine("r")
+        assert e is not None
+        return next(m.state for m in e.models if m.id == model)
+
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, load_settings(str(path)))
+        await wait_state(running.board, "r", "ready", where=lambda e: len(e.models) == 2)
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            first = await client.post("/v1/models/alpha/wake")
+            assert (first.status_code, first.json()["operation"]) == (202, "loading")
+            assert state("alpha") == "loading"
+            second = await client.post("/v1/models/alpha/wake")
+            assert (second.status_code, second.json()["operation"]) == (202, "loading")
+            await wait_state(running.board, "r", "ready", where=lambda e: state("alpha") == "ready")
+            assert sim.stats().path("/models/load").count == 1
+            again = await client.post("/v1/models/alpha/wake")
+            assert (again.status_code, again.json()["operation"]) == (202, "awake")

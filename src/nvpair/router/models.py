@@ -32,9 +32,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from functools import partial
 
-import trio
-
 import msgspec
+import trio
 
 from nvpair.base.boundary import Part
 from nvpair.config.settings import ActivationConfig
