@@ -329,3 +329,29 @@ async def test_a_models_wake_loads_it_on_a_multi_model_engine(
             assert sim.stats().path("/models/load").count == 1
             again = await client.post("/v1/models/alpha/wake")
             assert (again.status_code, again.json()["operation"]) == (202, "awake")
+
+
+async def test_vllm_at_level_2_is_woken_with_its_weights_loaded_again(
+        nursery: trio.Nursery, tmp_path: Path) -> None:
+    """``sleep_level = 2`` drops the weights: nvpair's wake is wake_up (weights),
+    collective_rpc reload_weights, wake_up (kv_cache), reset_prefix_cache, so the engine
+    answers the model's words, not the garbage a plain wake_up leaves (the simulator's
+    U+FFFD tokens)."""
+    sim = await nursery.start(serve_sim, SimOptions(
+        kind="vllm", model="gemma", enable_sleep_mode=True, dev_mode=True, wake_s=0.1))
+    await sim.wait_phase("ready")
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, load_settings(str(config(
+            tmp_path, sim, "vllm", "sleep_level = 2"))))
+        await wait_state(running.board, "e", "ready", where=lambda e: bool(e.models))
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            assert (await client.post("/v1/engines/e/sleep")).status_code == 202
+            await wait_state(running.board, "e", "sleeping")
+            assert sim.stats().engine["last_sleep"] == {"level": "2", "mode": "wait"}
+            answer = await client.post("/v1/chat/completions", content=CHAT,
+                                       headers={"content-type": "application/json"})
+            assert answer.status_code == 200, answer.text
+            content = answer.json()["choices"][0]["message"]["content"]
+            assert content and "\ufffd" not in content
+        assert sim.stats().engine["reloads"] == 1
+        assert sim.stats().path("/reset_prefix_cache").count == 1

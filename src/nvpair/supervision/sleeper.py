@@ -286,7 +286,10 @@ class Sleepers:
         assert spec.sleep is not None
         started = trio.current_time()
         try:
-            await self._calls(spec, spec.sleep.wake)
+            # (vLLM's level 2 wakes in more calls: its weights are loaded again)
+            calls = spec.sleep.wake_by_level.get(
+                "2" if spec.sleep_level == 2 else "1", spec.sleep.wake)
+            await self._calls(spec, calls)
         except SleepError as exc:
             self._set(spec.name, state="sleeping", activity=f"wake failed: {exc}")
             raise
