@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from urllib.parse import parse_qsl, urlsplit
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import parse_qsl, urlsplit
 
 import trio
 
