@@ -323,18 +323,20 @@ class Router:
             return
         targets = [self._engine(name) for name in choice.engines[:2]]
         reason, known = choice.reason, choice.known
+        loadable: list[Target] = []  # peers that load the model for it: after our own
         if not targets and self.peers is not None and header(scope, FORWARDED_BY) is None:
             routes = self.peers.routes(head.model, now)
             others = list(routes.others)
-            for route in order_peers(routes.ready, self.traffic, now, self.rng):
-                target = self._peer(route)
-                if target is None:
-                    others.append(f"node {route.node} advertises a URL that cannot be used")
-                    continue
-                targets.append(target)
-                if len(targets) == 2:
-                    break
-            if others and not targets:
+            for found, ordered in ((targets, routes.ready), (loadable, routes.loadable)):
+                for route in order_peers(ordered, self.traffic, now, self.rng):
+                    target = self._peer(route)
+                    if target is None:
+                        others.append(f"node {route.node} advertises a URL that cannot be used")
+                        continue
+                    found.append(target)
+                    if len(found) == 2:
+                        break
+            if others and not targets and not loadable:
                 known = True
                 reason = "; ".join(([reason] if choice.known and reason else [])
                                    + [f"no node serving {head.model!r} is ready: "
@@ -344,6 +346,8 @@ class Router:
             if cold is not None:  # hot nowhere: start it, wait in its queue
                 await self._queued(scope, receive, send, body, cold, head.model)
                 return
+        if not targets and loadable:  # a peer's multi-model engine loads it for this one
+            targets, known = loadable, True
         if not targets:
             if known:
                 await send_error(send, 503, reason or "no engine ready", "engine_not_ready",
