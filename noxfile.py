@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import nox
@@ -67,6 +69,20 @@ def bench(session: nox.Session) -> None:
     session.run("python", "-m", "benchmarks.groups", *quick)
     if not quick:  # the same against the vLLM simulator (an engine-like, costly upstream)
         session.run("python", "-m", "benchmarks.router", "--upstream", "sim", *litellm)
+    # A sleeping model's wake against a cold start, with the real llama-server: only where
+    # `nox -s integration` (scripts/llama_server.py provide) has cached it; it is not built here.
+    if llama_server_cached():
+        session.run("python", "-m", "benchmarks.wake_real", *quick)
+    else:
+        session.log("benchmarks.wake_real skipped: no cached llama-server "
+                    "(python scripts/llama_server.py provide)")
+
+
+def llama_server_cached() -> bool:
+    """Whether scripts/llama_server.py has the binary and the model in its cache."""
+    done = subprocess.run([sys.executable, "scripts/llama_server.py", "paths"],
+                          capture_output=True, check=False)
+    return done.returncode == 0
 
 
 @nox.session

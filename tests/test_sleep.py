@@ -38,11 +38,12 @@ CHAT = msgspec.json.encode({"model": "gemma", "max_tokens": 3,
                             "messages": [{"role": "user", "content": "hi"}]})
 
 
-def config(tmp: Path, sim: SimHandle, kind: str, extra: str = "") -> Path:
+def config(tmp: Path, sim: SimHandle, kind: str, extra: str = "", *,
+           sleep: bool = True) -> Path:
     path = tmp / "nvpair.toml"
     path.write_text(f"listen = '127.0.0.1:0'\nsweep_deadline_s = 1\n[[engines]]\nname = 'e'\n"
-                    f"kind = '{kind}'\nport = {sim.port}\nmodel = 'gemma'\nsleep = true\n"
-                    f"{extra}\n{FAST}")
+                    f"kind = '{kind}'\nport = {sim.port}\nmodel = 'gemma'\n"
+                    f"sleep = {str(sleep).lower()}\n{extra}\n{FAST}")
     return path
 
 
@@ -83,6 +84,34 @@ async def test_a_sleeping_llamacpp_is_listed_sleeping_its_probes_never_wake_it_a
             assert answer.status_code == 200, answer.text
         assert sleep_counts(sim)["wakes"] == 1
         await wait_state(running.board, "e", "ready")
+
+
+async def test_an_adopted_llamacpp_that_sleeps_without_sleep_true_is_listed_sleeping(
+        nursery: trio.Nursery, tmp_path: Path) -> None:
+    """Started with --sleep-idle-seconds by someone else, adopted without ``sleep = true``:
+    its /props says it sleeps (and /props never wakes it), so it is not shown ready; a
+    request wakes it by itself, and ``POST .../wake`` wakes it too."""
+    sim = await nursery.start(serve_sim, SimOptions(
+        kind="llamacpp", model="gemma", sleep_idle_s=0.5, wake_s=0.1, max_tokens=3))
+    await sim.wait_phase("ready")
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, load_settings(str(config(
+            tmp_path, sim, "llamacpp", sleep=False))))
+        await wait_state(running.board, "e", "sleeping", where=lambda e: bool(e.models))
+        await trio.sleep(1.0)  # probed for a second: still asleep, nothing woke it
+        assert running.board.current.engine("e").state == "sleeping"  # type: ignore[union-attr]
+        assert sleep_counts(sim) == {"sleeps": 1, "wakes": 0}
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            answer = await client.post("/v1/chat/completions", content=CHAT,
+                                       headers={"content-type": "application/json"})
+            assert answer.status_code == 200, answer.text
+            assert sleep_counts(sim)["wakes"] == 1
+            await wait_state(running.board, "e", "ready")  # (awake: its probe saw it)
+            await wait_state(running.board, "e", "sleeping")  # (idle again: asleep again)
+            woken = await client.post("/v1/engines/e/wake")
+            assert (woken.status_code, woken.json()["operation"]) == (202, "waking")
+            await wait_state(running.board, "e", "ready")
+        assert sleep_counts(sim)["wakes"] == 2
 
 
 async def cli(url: str, *argv: str) -> subprocess.CompletedProcess[bytes]:
@@ -216,3 +245,113 @@ async def test_sglang_sleeps_paused_and_released_and_wakes_resumed_and_continued
             assert sim.stats().engine["paused"] is False
             assert sleep_counts(sim) == {"sleeps": 1, "wakes": 1}
             await wait_state(running.board, "e", "ready")
+
+
+async def test_a_models_wake_wakes_its_engine_once_and_an_unknown_model_is_a_404(
+        nursery: trio.Nursery, tmp_path: Path) -> None:
+    """``POST /v1/models/{id}/wake``: two at once wake the sleeping vLLM once (the second
+    joins the first); its alias works too; a model nobody lists is OpenAI's 404; the CLI
+    takes a model's id where no engine has that name."""
+    sim = await nursery.start(serve_sim, SimOptions(
+        kind="vllm", model="gemma", enable_sleep_mode=True, dev_mode=True, wake_s=0.3))
+    await sim.wait_phase("ready")
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, load_settings(str(config(
+            tmp_path, sim, "vllm", "aliases = ['g']"))))
+        await wait_state(running.board, "e", "ready", where=lambda e: bool(e.models))
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            assert (await client.post("/v1/engines/e/sleep")).status_code == 202
+            await wait_state(running.board, "e", "sleeping")
+            answers: list[httpx2.Response] = []
+
+            async def wake() -> None:
+                answers.append(await client.post("/v1/models/gemma/wake"))
+
+            async with trio.open_nursery() as both:
+                both.start_soon(wake)
+                both.start_soon(wake)
+            assert [(a.status_code, a.json()["operation"], a.json()["model"], a.json()["name"])
+                    for a in answers] == [(202, "waking", "gemma", "e")] * 2
+            await wait_state(running.board, "e", "ready")
+            assert sleep_counts(sim) == {"sleeps": 1, "wakes": 1}
+            awake = await client.post("/v1/models/g/wake")  # (by its alias)
+            assert (awake.status_code, awake.json()["operation"]) == (202, "awake")
+            unknown = await client.post("/v1/models/no/such/wake")
+            assert unknown.status_code == 404
+            assert unknown.json()["error"]["code"] == "model_not_found"
+            assert (await client.get("/v1/models/gemma")).status_code == 200  # (unchanged)
+            assert (await client.put("/v1/models/gemma/wake")).headers["allow"] == "GET, POST"
+            assert (await client.post("/v1/engines/e/sleep")).status_code == 202
+            await wait_state(running.board, "e", "sleeping")
+        done = await cli(running.url, "wake", "gemma")
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.decode().startswith("gemma: wake accepted (waking); engine e")
+        await wait_state(running.board, "e", "ready")
+        assert sleep_counts(sim) == {"sleeps": 2, "wakes": 2}
+        refused = await cli(running.url, "wake", "nosuch")
+        assert refused.returncode != 0
+        [line] = refused.stderr.decode().strip().splitlines()
+        assert line.endswith("no engine or model named 'nosuch' on this node"), line
+
+
+async def test_a_models_wake_loads_it_on_a_multi_model_engine(
+        nursery: trio.Nursery, tmp_path: Path) -> None:
+    """llama-server in router mode (the simulator): a wake of a cold model is one
+    ``POST /models/load`` (a second wake while it loads joins it), and the model shows
+    ready once the router says it is loaded."""
+    models = tmp_path / "models"
+    models.mkdir()
+    (tmp_path / "one.gguf").write_bytes(b"GGUF")
+    for name in ("alpha", "beta"):
+        (models / f"{name}.gguf").symlink_to(tmp_path / "one.gguf")
+    sim = await nursery.start(serve_sim, SimOptions(kind="llamacpp", models_dir=str(models),
+                                                    models_max=1, model_load_s=0.5))
+    await sim.wait_phase("ready")
+    path = tmp_path / "nvpair.toml"
+    path.write_text(f"listen = '127.0.0.1:0'\n[[engines]]\nname = 'r'\nkind = 'llamacpp'\n"
+                    f"port = {sim.port}\n[engines.probes.models]\ninterval_s = 30\n")
+
+    def state(model: str) -> str | None:
+        e = running.board.current.engine("r")
+        assert e is not None
+        return next(m.state for m in e.models if m.id == model)
+
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, load_settings(str(path)))
+        await wait_state(running.board, "r", "ready", where=lambda e: len(e.models) == 2)
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            first = await client.post("/v1/models/alpha/wake")
+            assert (first.status_code, first.json()["operation"]) == (202, "loading")
+            assert state("alpha") == "loading"
+            second = await client.post("/v1/models/alpha/wake")
+            assert (second.status_code, second.json()["operation"]) == (202, "loading")
+            await wait_state(running.board, "r", "ready", where=lambda e: state("alpha") == "ready")
+            assert sim.stats().path("/models/load").count == 1
+            again = await client.post("/v1/models/alpha/wake")
+            assert (again.status_code, again.json()["operation"]) == (202, "awake")
+
+
+async def test_vllm_at_level_2_is_woken_with_its_weights_loaded_again(
+        nursery: trio.Nursery, tmp_path: Path) -> None:
+    """``sleep_level = 2`` drops the weights: nvpair's wake is wake_up (weights),
+    collective_rpc reload_weights, wake_up (kv_cache), reset_prefix_cache, so the engine
+    answers the model's words, not the garbage a plain wake_up leaves (the simulator's
+    U+FFFD tokens)."""
+    sim = await nursery.start(serve_sim, SimOptions(
+        kind="vllm", model="gemma", enable_sleep_mode=True, dev_mode=True, wake_s=0.1))
+    await sim.wait_phase("ready")
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, load_settings(str(config(
+            tmp_path, sim, "vllm", "sleep_level = 2"))))
+        await wait_state(running.board, "e", "ready", where=lambda e: bool(e.models))
+        async with httpx2.AsyncClient(base_url=running.url) as client:
+            assert (await client.post("/v1/engines/e/sleep")).status_code == 202
+            await wait_state(running.board, "e", "sleeping")
+            assert sim.stats().engine["last_sleep"] == {"level": "2", "mode": "wait"}
+            answer = await client.post("/v1/chat/completions", content=CHAT,
+                                       headers={"content-type": "application/json"})
+            assert answer.status_code == 200, answer.text
+            content = answer.json()["choices"][0]["message"]["content"]
+            assert content and "\ufffd" not in content
+        assert sim.stats().engine["reloads"] == 1
+        assert sim.stats().path("/reset_prefix_cache").count == 1

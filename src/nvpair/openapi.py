@@ -153,6 +153,13 @@ class Operation(EngineStatus):
     note: str | msgspec.UnsetType = UNSET
 
 
+class ModelOperation(Operation, kw_only=True):
+    """The 202 of a model's wake: the status of the engine that serves it, the operation
+    (``awake``, ``waking`` or ``loading``) and the model."""
+
+    model: str
+
+
 class Logs(msgspec.Struct):
     engine: str
     lines: list[str]
@@ -239,7 +246,8 @@ class Group(msgspec.Struct):
 
 
 TYPES: tuple[Any, ...] = (Error, Health, ModelList, ClusterModelList, Engines, EngineStatus,
-                          Operation, Logs, RouterCounters, History, Peers, Groups, Group)
+                          Operation, ModelOperation, Logs, RouterCounters, History, Peers,
+                          Groups, Group)
 
 #: component names of types whose class names are private in their modules
 _RENAMED = {"_Item": "ModelItem", "_Nvpair": "ModelNvpair"}
@@ -337,6 +345,13 @@ def _paths(parts: frozenset[str], engines: tuple[str, ...], models: tuple[str, .
             "parameters": [_param("model", "path", model, "a model id or alias")],
             "responses": _answers({200: ("the item /v1/models lists", {"content": {
                 "application/json": {"schema": {"type": "object"}}}})}, (404,))}},
+        "/v1/models/{model}/wake": {"post": {
+            "summary": "wake what serves the model: its sleeping engine, or a multi-model "
+                       "engine's load of it; a second wake joins the first (docs/sleep.md)",
+            "parameters": [_param("model", "path", model, "a model id or alias")],
+            "responses": _answers({202: ("accepted: the engine's status, the operation "
+                                         "and the model", _json(ModelOperation))},
+                                  (404, 409, 503))}},
         "/v1/engines": {"get": {
             "summary": "every engine's status; with after and wait_s, a long-poll",
             "parameters": [

@@ -138,7 +138,7 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
     sleepers = Sleepers(settings.engines, board, traffic)  # wake and sleep (docs/sleep.md)
     router = Router(board, settings.engines, settings.router, traffic, node=settings.node,
                     peers=None if peers is None else peers.table, cluster_token=cluster_token,
-                    activator=activator, sleepers=sleepers)
+                    activator=activator, sleepers=sleepers, queue=settings.activation)
     keys = Keyring(settings.keys) if settings.keys else None  # (docs/keys.md)
     mounts = [Mount(handler=TrafficView(traffic, keys), paths=frozenset({"/v1/router"}))]
     history = History(board)  # the dashboard's charts (docs/dashboard.md)

@@ -77,6 +77,8 @@ async def test_a_control_route_added_later_needs_an_admin_without_more_code() ->
                                                        "control"),
     ("POST", "/v1/engines/x/wake", False, "control"), ("DELETE", "/v1/engines", False,
                                                        "control"),
+    ("POST", "/v1/models/org/x/wake", False, "control"),  # (a model's wake: an admin's)
+    ("GET", "/v1/models/org/wake", False, "use"),  # (retrieves the model org/wake)
 ])
 def test_route_kinds(method: str, path: str, routed: bool, kind: str) -> None:
     assert route_kind(method, path, routed) == kind

@@ -219,7 +219,8 @@ def test_routes_are_a_bounded_set(path: str) -> None:
               Mount(handler=None, prefix="/v1/peers")]  # type: ignore[arg-type]
     label = route_label("/" + path, mounts)
     assert "\n" not in label
-    assert (label in {"other", "/v1/models/{model}", "/v1/engines/{name}", "/v1/peers*",
+    assert (label in {"other", "/v1/models/{model}", "/v1/models/{model}/wake",
+                      "/v1/engines/{name}", "/v1/peers*",
                       "/v1/chat/completions", "/healthz", "/metrics", "/v1/models",
                       "/v1/cluster/models", "/v1/engines", "/v1/events"}
             or label in {f"/v1/engines/{{name}}/{a}" for a in ("start", "stop", "restart",

@@ -2,14 +2,21 @@
 marked ``integration``) and nvpair's simulator (``[sim]``): which requests wake it or
 restart its idle timer. nvpair's probes rely on the answer (docs/sleep.md): ``/health``,
 ``/props`` and ``/v1/models`` must never wake it; ``GET /slots`` is a task, so it wakes it
-(nvpair's wake call), as does a generation.
+(nvpair's wake call), as does a generation. And nvpair over it: adopted without
+``sleep = true``, a sleeping server is listed ``sleeping``, and a chat wakes it.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx2
 import trio
-from tests.integration.llamacpp_process import ServerFactory
+from tests.integration.llamacpp_process import DEFAULT_ALIAS, ServerFactory
+from tests.managed import wait_state
+
+from nvpair import service
+from nvpair.config.settings import load_settings
 
 IDLE_S = 1
 #: the real server checks its idle time about once a second: asleep within a few
@@ -72,3 +79,36 @@ async def test_only_a_task_restarts_the_idle_timer(llama_server_factory: ServerF
             assert (await client.get("/slots")).status_code == 200
             assert not await is_sleeping(client), "asleep though /slots came every 0.2 s"
             await trio.sleep(0.2)
+
+
+async def test_nvpair_lists_an_adopted_sleeping_server_sleeping_without_sleep_true(
+        llama_server_factory: ServerFactory, nursery: trio.Nursery, tmp_path: Path) -> None:
+    """Started with ``--sleep-idle-seconds`` by someone else, adopted by nvpair with no
+    ``sleep = true``: listed ``sleeping`` once it sleeps (its /props), kept asleep by
+    nvpair's probes, woken by a chat routed through nvpair, then asleep again."""
+    extra = ["--sleep-idle-seconds", str(IDLE_S)]
+    async with llama_server_factory(extra=extra) as server, server.client() as direct:
+        config = tmp_path / "nvpair.toml"
+        config.write_text(
+            f"listen = '127.0.0.1:0'\n[[engines]]\nname = 'g'\nkind = 'llamacpp'\n"
+            f"port = {server.port}\nmodel = '{DEFAULT_ALIAS}'\n"
+            "[engines.probes.health]\ninterval_s = 0.5\ntimeout_s = 0.5\n"
+            "[engines.probes.identity]\ninterval_s = 1\ntimeout_s = 1\n"
+            "[engines.probes.models]\ninterval_s = 1\ntimeout_s = 1\n")
+        with trio.fail_after(120):
+            running = await nursery.start(service.run, load_settings(str(config)))
+            await wait_state(running.board, "g", "sleeping", within=ASLEEP_WITHIN_S + 30,
+                             where=lambda e: bool(e.models))
+            await trio.sleep(2.0)  # (probed every 0.5 s meanwhile)
+            assert await is_sleeping(direct), "nvpair's probes woke it"
+            async with httpx2.AsyncClient(base_url=running.url, timeout=60) as client:
+                listed = (await client.get("/v1/models")).json()["data"]
+                assert [m["nvpair"]["state"] for m in listed] == ["sleeping"]
+                chat = await client.post("/v1/chat/completions", json={
+                    "model": DEFAULT_ALIAS, "max_tokens": 2,
+                    "messages": [{"role": "user", "content": "hi"}]})
+                assert chat.status_code == 200, chat.text
+                assert chat.headers["x-nvpair-engine"] == "g"
+            e = running.board.current.engine("g")
+            assert e is not None and (health := e.probe("health")) is not None
+            assert health.path == "/props"  # (the sleeping probe, without sleep = true)

@@ -100,3 +100,53 @@ async def test_two_models_one_slot_through_nvpair(
         with trio.move_on_after(30, shield=True):
             await stop_process(proc)
         log.close()
+
+
+async def test_a_load_by_another_client_shows_after_the_next_routed_answer(
+        llama_assets: LlamaAssets, nursery: trio.Nursery, tmp_path: Path) -> None:
+    """Two slots; nvpair's model list every 30 s. A client loads beta straight on the
+    router; the next chat nvpair routes (to alpha) reads the list again once answered, so
+    beta shows ready within seconds, not at the next list."""
+    models = tmp_path / "models"
+    models.mkdir()
+    for name in ("alpha", "beta"):
+        (models / f"{name}.gguf").symlink_to(llama_assets.model)
+    port = free_port()
+    log = (tmp_path / "router.log").open("wb")
+    proc = await trio.lowlevel.open_process(
+        [str(llama_assets.binary), "--models-dir", str(models), "--models-max", "2",
+         "--host", "127.0.0.1", "--port", str(port), "-c", "1024", "-t", "1"],
+        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        path = tmp_path / "nvpair.toml"
+        path.write_text(f"listen = '127.0.0.1:0'\n[[engines]]\nname = 'r'\n"
+                        f"kind = 'llamacpp'\nport = {port}\n"
+                        "[engines.probes.ready]\ninterval_s = 0.2\ntimeout_s = 0.2\n"
+                        "[engines.probes.models]\ninterval_s = 30\ntimeout_s = 5\n")
+        with trio.fail_after(180):
+            running = await nursery.start(service.run, load_settings(str(path)))
+            await wait_state(running.board, "r", "ready", within=60,
+                             where=lambda e: len(e.models) == 2)
+            async with httpx2.AsyncClient(base_url=running.url, timeout=120, headers={
+                    "content-type": "application/json"}) as client, \
+                    httpx2.AsyncClient(base_url=f"http://127.0.0.1:{port}",
+                                       timeout=60) as direct:
+                assert (await client.post("/v1/chat/completions", content=chat("alpha"))
+                        ).status_code == 200
+                loaded = await direct.post("/models/load", json={"model": "beta"})
+                assert loaded.status_code == 200, loaded.text
+                while True:  # (the router's own state, over HTTP)
+                    listed = (await direct.get("/models")).json()["data"]
+                    if {m["id"]: m["status"]["value"] for m in listed}["beta"] == "loaded":
+                        break
+                    await trio.sleep(0.2)
+                assert states(running)["beta"] == "cold"  # (nvpair cannot know yet)
+                answer = await client.post("/v1/chat/completions", content=chat("alpha"))
+                assert answer.status_code == 200, answer.text
+                await wait_state(running.board, "r", "ready", within=5,
+                                 where=lambda e: states(running) == {
+                                     "alpha": "ready", "beta": "ready"})
+    finally:
+        with trio.move_on_after(30, shield=True):
+            await stop_process(proc)
+        log.close()

@@ -44,13 +44,15 @@ def chat(model: str, *, stream: bool = False, max_tokens: int = 2) -> bytes:
                                 "messages": [{"role": "user", "content": "hi"}]})
 
 
-async def start(nursery: trio.Nursery, tmp: Path, **options: object):  # type: ignore[no-untyped-def]
+async def start(nursery: trio.Nursery, tmp: Path, *, list_s: float = 0.2,  # type: ignore[no-untyped-def]
+                extra: str = "", **options: object):
     sim: SimHandle = await nursery.start(serve_sim, SimOptions(
         kind="llamacpp", models_dir=models_dir(tmp, "alpha", "beta"), **options))
     await sim.wait_phase("ready")
     path = tmp / "nvpair.toml"
-    path.write_text(f"listen = '127.0.0.1:0'\n[[engines]]\nname = 'r'\nkind = 'llamacpp'\n"
-                    f"port = {sim.port}\n{FAST}")
+    path.write_text(f"listen = '127.0.0.1:0'\n{extra}[[engines]]\nname = 'r'\n"
+                    f"kind = 'llamacpp'\nport = {sim.port}\n"
+                    f"{FAST.replace('interval_s = 0.2', f'interval_s = {list_s}')}")
     running = await nursery.start(service.run, load_settings(str(path)))
     return sim, running
 
@@ -167,3 +169,72 @@ async def test_without_autoload_nvpair_loads_the_model_first(nursery, tmp_path) 
             assert answer.status_code == 200, answer.text
         assert sim.stats().path("/models/load").count == 2
         assert sim.stats().path("/models/unload").count == 1
+
+
+async def test_the_routers_own_loads_show_after_the_next_routed_request(
+        nursery, tmp_path) -> None:
+    """Another client loads beta straight on the router: nvpair's model list comes every
+    30 s, but the request it routes next reads the list again once answered, so beta
+    shows loaded within a second of it, not at the next list."""
+    with trio.fail_after(30):
+        sim, running = await start(nursery, tmp_path, models_max=2, model_load_s=0.1,
+                                   list_s=30)
+        await wait_state(running.board, "r", "ready", where=lambda e: len(e.models) == 2)
+        async with httpx2.AsyncClient(base_url=running.url, headers=JSON, timeout=20) as client:
+            assert (await client.post("/v1/chat/completions", content=chat("alpha"))
+                    ).status_code == 200
+            await wait_state(running.board, "r", "ready",
+                             where=lambda e: states(running)["alpha"] == "ready")
+            async with httpx2.AsyncClient(base_url=sim.url) as direct:
+                loaded = await direct.post("/models/load", json={"model": "beta"})
+                assert loaded.status_code == 200, loaded.text
+            assert states(running)["beta"] == "cold"  # (nvpair cannot know yet)
+            answer = await client.post("/v1/chat/completions", content=chat("alpha"))
+            assert answer.status_code == 200
+            await wait_state(running.board, "r", "ready", within=3,
+                             where=lambda e: states(running) == {"alpha": "ready",
+                                                                 "beta": "ready"})
+        assert running.board.current.engine("r").probe("models").requests == 1
+
+
+async def test_requests_waiting_for_a_model_slot_have_the_queues_limits_and_show_queued(
+        nursery, tmp_path) -> None:
+    """While a stream holds the only slot, a request for the other model waits in nvpair:
+    it is the engine's ``queued``; one more than ``queue_max`` is 429 at once; the one
+    waiting gets 503 with why after ``queue_wait_s``; the stream ends whole."""
+    with trio.fail_after(30):
+        sim, running = await start(nursery, tmp_path, models_max=1, model_load_s=0.1,
+                                   token_rate=10.0,
+                                   extra="[activation]\nqueue_max = 1\nqueue_wait_s = 1\n")
+        await wait_state(running.board, "r", "ready", where=lambda e: len(e.models) == 2)
+        client = httpx2.AsyncClient(base_url=running.url, headers=JSON, timeout=20)
+        async with client, client.stream("POST", "/v1/chat/completions",
+                                         content=chat("alpha", stream=True, max_tokens=30)) as r:
+            assert r.status_code == 200
+            lines = r.aiter_lines()
+            await lines.__anext__()
+            answers: list[httpx2.Response] = []
+
+            async def other() -> None:
+                answers.append(await client.post("/v1/chat/completions", content=chat("beta")))
+
+            async with trio.open_nursery() as inner:
+                inner.start_soon(other)
+                e = await wait_state(running.board, "r", "ready", where=lambda e: e.queued == 1)
+                assert e.queued_since is not None
+                doc = (await client.get("/v1/engines/r")).json()
+                assert doc["queued"] == 1 and doc["queued_oldest_s"] is not None
+                full = await client.post("/v1/chat/completions", content=chat("beta"))
+                assert full.status_code == 429, full.text
+                assert full.json()["error"]["code"] == "queue_full"
+                assert "queue_max 1" in full.json()["error"]["message"]
+            [late] = answers
+            assert late.status_code == 503 and late.headers["retry-after"] == "5"
+            message = late.json()["error"]["message"]
+            assert "no free model slot for beta within queue_wait_s (1 s)" in message
+            assert "(alpha)" in message
+            e = running.board.current.engine("r")
+            assert e is not None and (e.queued, e.queued_since) == (0, None)
+            body = [line async for line in lines if line]
+        assert body[-1] == "data: [DONE]"
+        assert sim.stats().path("/models/unload").count == 0

@@ -218,3 +218,59 @@ async def test_a_peer_advertising_an_unusable_url_is_skipped(nursery, url) -> No
                 for r in answers:
                     assert r.status_code == 503, r.text
                     assert "node bad advertises a URL that cannot be used" in r.text
+
+
+async def test_a_cold_model_of_a_peers_multi_model_engine_is_routed_there_and_loaded(
+        nursery: trio.Nursery, tmp_path: Path) -> None:
+    """Node b adopts llama-server in router mode (the simulator), its models listed cold;
+    a request on node a for one of them goes to b, whose router loads it. An on-demand
+    engine's cold model on a peer stays unrouted (its engine is cold, not a router)."""
+    models = tmp_path / "models"
+    models.mkdir()
+    (tmp_path / "one.gguf").write_bytes(b"GGUF")
+    for name in ("alpha", "beta"):
+        (models / f"{name}.gguf").symlink_to(tmp_path / "one.gguf")
+    sim = await nursery.start(serve_sim, SimOptions(kind="llamacpp", models_dir=str(models),
+                                                    models_max=1, model_load_s=0.1))
+    await sim.wait_phase("ready")
+    engine_a = ScriptEngine("m-a")
+    await nursery.start(engine_a.serve)
+    port_a, port_b = free_port(), free_port()
+    a = await nursery.start(service.run, load_settings(
+        str(node_config(tmp_path, "a", port_a, engine_a, ("b", port_b)))))
+    path_b = node_config(tmp_path, "b", port_b, engine_a, ("a", port_a))
+    text = path_b.read_text().replace(f"name = 'e-b'\nkind = 'openai'\nport = {engine_a.port}",
+                                      f"name = 'r'\nkind = 'llamacpp'\nport = {sim.port}")
+    path_b.write_text(text)
+    b = await nursery.start(service.run, load_settings(str(path_b)))
+    with trio.fail_after(20):
+        await wait_state(b.board, "r", "ready", where=lambda e: len(e.models) == 2)
+        assert a.peers is not None
+        table, version = a.peers.table, -1
+        while not table.routes("alpha", trio.current_time()).loadable:
+            version = await table.wait_changed(version)
+        routes = table.routes("alpha", trio.current_time())
+        assert routes.ready == () and [r.node for r in routes.loadable] == ["b"]
+        async with httpx2.AsyncClient(base_url=a.url, timeout=10, headers={
+                **JSON, "authorization": "Bearer user-token-of-a"}) as client:
+            r = await client.post(CHAT, content=chat("alpha"))
+            assert r.status_code == 200, r.text
+            assert r.headers["x-nvpair-node"] == "b" and r.json()["model"] == "alpha"
+        assert sim.stats().path("/v1/chat/completions").count == 1
+
+
+async def test_a_peers_cold_model_is_loadable_only_on_a_ready_engine(autojump_clock) -> None:
+    table = PeerTable("me")
+    models = (AdvertModel(id="alpha", engine="r", engines=("r",), kind="llamacpp",
+                          state="cold"),
+              AdvertModel(id="big", engine="od", engines=("od",), kind="vllm", state="cold"))
+    table.receive(Advert(node="b", boot_id="x", seq=1, ttl_s=3.0, url="http://b:1",
+                         engines=(AdvertEngine(name="r", kind="llamacpp", state="ready",
+                                               models=("alpha",)),
+                                  AdvertEngine(name="od", kind="vllm", state="cold",
+                                               models=("big",))),
+                         models=models), 200, trio.current_time())
+    now = trio.current_time()
+    assert table.routes("alpha", now) == PeerRoutes(
+        loadable=(PeerRoute("b", "http://b:1", None),))
+    assert table.routes("big", now) == PeerRoutes(others=("node b's engine is cold",))

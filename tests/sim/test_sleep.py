@@ -101,6 +101,40 @@ async def test_vllm_sleep_defaults_to_abort_and_wait_lets_a_stream_finish(start_
         assert counts(sim)["sleeps"] == 2
 
 
+async def test_vllm_level_2_wake_without_a_weight_reload_answers_garbage(start_sim, http):
+    """Level 2 drops the weights: a plain ``/wake_up`` serves from uninitialised ones
+    (every token U+FFFD); waking the weights, ``reload_weights``, then the KV cache serves
+    the model again. A reload while the weights sleep is refused. Level 1 needs none."""
+    with trio.fail_after(20):
+        sim = await start_sim("vllm", enable_sleep_mode=True, dev_mode=True)
+        client = http(sim)
+
+        async def said() -> str:
+            answer = await client.post("/v1/chat/completions", json=CHAT)
+            assert answer.status_code == 200, answer.text
+            return str(answer.json()["choices"][0]["message"]["content"])
+
+        normal = await said()
+        assert "\ufffd" not in normal
+        assert (await client.post("/sleep?level=1&mode=wait")).status_code == 200
+        assert (await client.post("/wake_up")).status_code == 200
+        assert await said() == normal
+        assert (await client.post("/sleep?level=2&mode=wait")).status_code == 200
+        assert (await client.post("/wake_up")).status_code == 200
+        assert set(await said()) == {"\ufffd"}  # garbage
+        assert (await client.post("/sleep?level=2&mode=wait")).status_code == 200
+        rpc = {"method": "reload_weights"}
+        assert (await client.post("/collective_rpc", json=rpc)).status_code == 500
+        assert (await client.post("/wake_up?tags=weights")).status_code == 200
+        assert (await client.get("/is_sleeping")).json() == {"is_sleeping": True}
+        assert (await client.post("/collective_rpc", json=rpc)).status_code == 200
+        assert (await client.post("/wake_up?tags=kv_cache")).status_code == 200
+        assert (await client.get("/is_sleeping")).json() == {"is_sleeping": False}
+        assert (await client.post("/reset_prefix_cache")).status_code == 200
+        assert await said() == normal
+        assert sim.stats().engine["reloads"] == 1
+
+
 async def test_sglang_release_refuses_while_a_request_runs(start_sim, http):
     with trio.fail_after(20):
         sim = await start_sim("sglang", enable_memory_saver=True, token_rate=20)

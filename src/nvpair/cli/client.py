@@ -7,6 +7,7 @@ import argparse
 import os
 import sys
 from typing import Any
+from urllib.parse import quote
 
 import httpx2
 import msgspec
@@ -33,6 +34,17 @@ def base_url(args: argparse.Namespace) -> tuple[str, str | None]:
 
 
 def call(args: argparse.Namespace, method: str, path: str, *, timeout: float = 10.0) -> Any:
+    status, doc = answer(args, method, path, timeout=timeout)
+    if status >= 400:
+        message = doc.get("error", {}).get("message") if isinstance(doc, dict) else None
+        raise InputError(f"{method} {path}: {status}: {message or doc}")
+    return doc
+
+
+def answer(args: argparse.Namespace, method: str, path: str, *, timeout: float = 10.0
+           ) -> tuple[int, Any]:
+    """nvpair's answer to one request: its status and its JSON body (InputError when it
+    cannot be reached or answers other than JSON)."""
     url, token = base_url(args)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
@@ -47,10 +59,7 @@ def call(args: argparse.Namespace, method: str, path: str, *, timeout: float = 1
     except msgspec.DecodeError:
         raise InputError(
             f"{method} {url}{path}: answered {response.status_code}, not JSON") from None
-    if response.status_code >= 400:
-        message = doc.get("error", {}).get("message") if isinstance(doc, dict) else None
-        raise InputError(f"{method} {path}: {response.status_code}: {message or doc}")
-    return doc
+    return response.status_code, doc
 
 
 def _age(value: float | None) -> str:
@@ -146,7 +155,12 @@ def _run(args: argparse.Namespace) -> int:
                 for m in doc["data"]]
         print(render(("MODEL", "ENGINE", "NODE", "STATE"), rows) if rows else "no models listed")
         return 0
-    if cmd in ("start", "stop", "restart", "drain", "wake", "sleep"):
+    if cmd == "wake":  # an engine's name, else a model's id (docs/sleep.md)
+        doc = wake(args)
+        print(f"{args.name}: wake accepted ({doc.get('operation')}); engine {doc.get('name')} "
+              f"{doc.get('state')}")
+        return 0
+    if cmd in ("start", "stop", "restart", "drain", "sleep"):
         doc = call(args, "POST", f"/v1/engines/{args.name}/{cmd}")
         print(f"{args.name}: {cmd} accepted ({doc.get('operation')}); state {doc.get('state')}")
         return 0
@@ -161,6 +175,29 @@ def _run(args: argparse.Namespace) -> int:
 
         return groups.run(args)
     raise ConfigError(f"unknown command {cmd}")
+
+
+def wake(args: argparse.Namespace) -> Any:
+    """``nvpair wake NAME``: the engine NAME; when no engine has that name, the model NAME
+    (``POST /v1/models/{id}/wake``: its engine, or a multi-model engine's load of it)."""
+    path = f"/v1/engines/{quote(args.name, safe='')}/wake"
+    status, doc = answer(args, "POST", path)
+    if status == 404 and _code(doc) == "engine_not_found":
+        path = f"/v1/models/{quote(args.name, safe='/')}/wake"
+        status, doc = answer(args, "POST", path)
+        if status == 404:
+            raise InputError(f"no engine or model named {args.name!r} on this node")
+    if status >= 400:
+        raise InputError(f"POST {path}: {status}: {_message(doc)}")
+    return doc
+
+
+def _code(doc: Any) -> object:
+    return doc.get("error", {}).get("code") if isinstance(doc, dict) else None
+
+
+def _message(doc: Any) -> object:
+    return (doc.get("error", {}).get("message") if isinstance(doc, dict) else None) or doc
 
 
 #: How long one ``logs -f`` request waits for a new line before it asks again.

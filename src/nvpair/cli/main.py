@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("stop", "stop an engine"),
         ("restart", "restart an engine"),
         ("drain", "stop an engine once its requests in flight have finished"),
-        ("wake", "wake a sleeping engine (docs/sleep.md)"),
+        ("wake", "wake a sleeping engine, or what serves a model (docs/sleep.md)"),
         ("sleep", "put an engine to sleep once its requests in flight have finished"),
         ("logs", "show an engine's output"),
         ("events", "print a running nvpair's events as they come, one line each"),
@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
         config_arg(p)
         p.add_argument("--url", help="nvpair's base URL (default: from the config's listen)")
         if name in ("start", "stop", "restart", "drain", "wake", "sleep", "logs"):
-            p.add_argument("name", help="engine name")
+            p.add_argument("name", help="engine name, or (wake) a model's id"
+                           if name == "wake" else "engine name")
         if name in ("status", "memory"):
             p.add_argument("name", nargs="?", help="one engine (default: all)")
         if name == "logs":

@@ -212,6 +212,10 @@ class SleepManifest(Base, frozen=True):
     sleep: tuple[EngineCall, ...] = ()
     #: the calls that wake it, in order
     wake: tuple[EngineCall, ...] = ()
+    #: the calls that wake it from a sleep of this level (``sleep_level``), in place of
+    #: ``wake``: vLLM's level 2 discards the weights, which must be loaded again before
+    #: it serves
+    wake_by_level: dict[Literal["1", "2"], tuple[EngineCall, ...]] = {}
     #: what a managed engine with ``sleep = true`` is started with besides: argv
     #: fragments (each only when its placeholders have values) and environment
     argv: tuple[tuple[str, ...], ...] = ()
@@ -219,6 +223,11 @@ class SleepManifest(Base, frozen=True):
     #: whether a routed request wakes it by itself (llama-server); else nvpair wakes it
     #: before sending one (vLLM answers 503 while it sleeps)
     request_wakes: bool = False
+    #: any engine of the kind may sleep, however it was started (llama-server's
+    #: ``--sleep-idle-seconds`` on an adopted one), and the sleeping probe never wakes
+    #: it: every engine of the kind is probed for its sleep, listed ``sleeping`` and
+    #: woken, ``sleep = true`` or not (which then only adds ``argv`` and ``env``)
+    always_probed: bool = False
 
 
 class Manifest(Base, frozen=True):

@@ -242,8 +242,11 @@ class EngineSpec(msgspec.Struct, frozen=True):
     max_in_flight: int | None = None
     #: how often its KV-cache use is read (None: never)
     kv_cache_probe_s: float | None = None
-    #: how it sleeps and wakes, with ``sleep = true`` (None: nvpair never sleeps it)
+    #: how it sleeps and wakes, with ``sleep = true`` or a kind whose sleep is always
+    #: probed (None: nvpair never sees it asleep, never sleeps or wakes it)
     sleep: SleepManifest | None = None
+    #: ``sleep = true``: a managed engine is started with the kind's sleep flags
+    sleep_flags: bool = False
     idle_sleep_s: int | None = None
     sleep_level: int = 1
 
@@ -530,7 +533,10 @@ def _resolve_engine(eng: EngineConfig, where: str, base: Path) -> EngineSpec:
     except ManifestError as exc:
         raise ConfigError(f"{where}.kind: {exc}") from None
     probes = _merge_probes(manifest.probes, eng.probes, where)
-    if eng.sleep and manifest.sleep is not None and manifest.sleep.probe_path is not None:
+    # (a kind whose engines may sleep however they were started, llama-server's
+    # --sleep-idle-seconds, is probed for its sleep and woken whether sleep = true or not)
+    sleeps = eng.sleep or (manifest.sleep is not None and manifest.sleep.always_probed)
+    if sleeps and manifest.sleep is not None and manifest.sleep.probe_path is not None:
         probes = sleeping_probes(probes, manifest.sleep)
     check_probes(
         probes,
@@ -582,7 +588,8 @@ def _resolve_engine(eng: EngineConfig, where: str, base: Path) -> EngineSpec:
         memory_bytes=None if eng.memory_bytes == "measured" else eng.memory_bytes,
         max_in_flight=eng.max_in_flight,
         kv_cache_probe_s=eng.kv_cache_probe_s,
-        sleep=manifest.sleep if eng.sleep else None,
+        sleep=manifest.sleep if sleeps else None,
+        sleep_flags=eng.sleep,
         idle_sleep_s=eng.idle_sleep_s,
         sleep_level=eng.sleep_level,
     )
@@ -665,7 +672,7 @@ def placeholder_values(spec: EngineSpec) -> dict[str, object]:
         values["api_key"] = spec.api_key
     if spec.api_key_file is not None:
         values["api_key_file"] = spec.api_key_file
-    if spec.sleep is not None:  # (the manifest's sleep argv and env are added with them)
+    if spec.sleep is not None and spec.sleep_flags:  # (the kind's sleep argv and env too)
         values.update(sleep=True, sleep_level=spec.sleep_level)
         if spec.idle_sleep_s is not None:
             values["idle_sleep_s"] = spec.idle_sleep_s

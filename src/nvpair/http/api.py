@@ -84,6 +84,8 @@ class Controller(Protocol):
 
     async def command(self, name: str, action: str) -> tuple[int, dict[str, Any]]: ...
 
+    async def wake_model(self, model: str) -> tuple[int, dict[str, Any]]: ...
+
     def log(self, name: str) -> EngineLog | None: ...
 
 
@@ -300,6 +302,14 @@ class Api:
                 self.models_chunks(cluster) if key is None or key.spec.models is None
                 else self.key_models_chunks(key, cluster)))
             return
+        if (path.startswith("/v1/models/") and path.endswith(WAKE)
+                and len(path) > len("/v1/models/") + len(WAKE) and method != "GET"):
+            # (a GET there retrieves a model whose id ends in /wake; ids may hold slashes)
+            if method != "POST":
+                await send_wrong_method(send, "GET, POST", path)
+                return
+            await self.model_wake_route(send, path[len("/v1/models/"):-len(WAKE)])
+            return
         if len(parts) >= 4 and parts[:3] == ["", "v1", "models"] and path != "/v1/models/":
             await self.model_route(scope, send, path.removeprefix("/v1/models/"),
                                    request_key(scope))
@@ -359,6 +369,16 @@ class Api:
                              "model_not_found")
             return
         await send_json(send, 200, item)
+
+    async def model_wake_route(self, send: Send, model: str) -> None:
+        """``POST /v1/models/{model}/wake`` (docs/sleep.md): 202 with the status of the
+        engine that serves it and the operation, 409 with why not, 404 for a model no
+        engine here lists."""
+        if self.controller is None:
+            await send_error(send, 503, "this nvpair has no lifecycle controller")
+            return
+        status, doc = await self.controller.wake_model(model)
+        await send_json(send, status, doc)
 
     async def engine_route(self, scope: Scope, receive: Receive, send: Send, name: str,
                            rest: list[str]) -> None:
@@ -428,6 +448,8 @@ KIND_WORDS = {"read": "read status (a reader's or an admin's)",
 #: routes counted under their own path; others by their shape (``route_label``)
 FIXED_ROUTES = frozenset({"/healthz", "/openapi.json", "/metrics", "/v1/models",
                           "/v1/cluster/models", "/v1/engines", "/v1/events"})
+#: the end of a model's wake route (``POST /v1/models/{model}/wake``; ids may hold slashes)
+WAKE = "/wake"
 #: the engine routes that ask the controller for something (POST)
 ENGINE_COMMANDS = frozenset({"start", "stop", "restart", "drain", "wake", "sleep"})
 ENGINE_ACTIONS = ENGINE_COMMANDS | {"logs"}
@@ -446,7 +468,7 @@ def route_label(path: str, mounts: Sequence[Mount] = ()) -> str:
         return (f"/v1/engines/{{name}}/{rest[1]}" if len(rest) == 2 and rest[1] in ENGINE_ACTIONS
                 else "other")
     if path.startswith("/v1/models/"):
-        return "/v1/models/{model}"
+        return "/v1/models/{model}/wake" if path.endswith(WAKE) else "/v1/models/{model}"
     for mount in mounts:
         if path in mount.paths:
             return path

@@ -61,6 +61,24 @@ class Control:
             doc["note"] = ADOPTED_NOTE
         return 202, doc
 
+    async def wake_model(self, model: str) -> tuple[int, dict[str, Any]]:
+        """Wake what serves ``model`` (``Sleepers.wake_model``): 202 with the status of the
+        engine concerned, the operation and the model; 409 with why not; 404 (OpenAI's
+        ``model_not_found``) for a model no engine here lists."""
+        woken = None if self.sleepers is None else self.sleepers.wake_model(model)
+        if woken is None:
+            return 404, error_doc(404, f"The model `{model}` does not exist.",
+                                  "model_not_found")
+        if isinstance(woken.result, Busy):
+            return 409, error_doc(409, woken.result.reason, "engine_busy")
+        snap = self.board.current
+        engine = snap.engine(woken.engine)
+        assert engine is not None
+        doc = engine_status(engine, snap, trio.current_time(), self.node)
+        doc["operation"] = woken.result.operation
+        doc["model"] = model
+        return 202, doc
+
     def log(self, name: str) -> EngineLog | None:
         """The engine's log (None for an unknown or adopted engine: it has none)."""
         runner = self.runners.get(name)

@@ -56,8 +56,9 @@ IN_FLIGHT_RETRY_S = 1
 def route_kind(method: str, path: str, routed: bool) -> Kind:
     """What a request asks for: ``use`` (the model lists, one model, a routed request:
     ``routed``), ``read`` (any other GET or HEAD) or ``control`` (anything else)."""
-    if routed or path in MODEL_PATHS or path.startswith("/v1/models/"):
-        return "use"
+    if routed or path in MODEL_PATHS or (path.startswith("/v1/models/")
+                                         and method in ("GET", "HEAD")):
+        return "use"  # (a POST there, a model's wake, is control)
     return "read" if method in ("GET", "HEAD") else "control"
 
 

@@ -134,6 +134,10 @@ class Entry:
         self.states: dict[str, list[str]] = {}
         for m in advert.models:
             self.states.setdefault(m.id, []).append(m.state)
+        #: the models a ready engine lists cold: a multi-model engine (llama-server in
+        #: router mode) that loads them on request; an on-demand engine is cold itself
+        up = {g.name for g in advert.engines if g.state in LISTED_STATES}
+        self.loadable = {m.id for m in advert.models if m.state == "cold" and m.engine in up}
 
 
 class PeerTable:
@@ -363,8 +367,10 @@ class PeerTable:
 
     def routes(self, model: str, now: float) -> PeerRoutes:
         """Where a request for ``model`` (an id or alias a peer lists) may go: fresh peers
-        whose engine for it is ready, and, for an error message, why the others may not."""
+        whose engine for it is ready, fresh peers whose ready multi-model engine lists it
+        cold (``loadable``), and, for an error message, why the others may not."""
         ready: list[PeerRoute] = []
+        loadable: list[PeerRoute] = []
         others: list[str] = []
         for e in self.entries.values():
             states = e.states.get(model, ())
@@ -377,16 +383,19 @@ class PeerTable:
                 others.append(f"node {e.node} is {peer}")
             elif not e.advert.url:
                 others.append(f"node {e.node} advertises no URL")
+            elif model in e.loadable and not any(s in LISTED_STATES for s in states):
+                link = self.link_for(e)  # (it loads the model for the request)
+                loadable.append(PeerRoute(e.node, e.advert.url, link.token if link else None))
             elif not any(s in LISTED_STATES for s in states):
                 others.append(f"node {e.node}'s engine is {states[0]}")
             else:
                 link = self.link_for(e)
                 ready.append(PeerRoute(e.node, e.advert.url, link.token if link else None))
-        if not ready and not others:
+        if not ready and not others and not loadable:
             others = [f"node {n} no longer lists it" for n in sorted(self.seen.get(model, ()))]
         if len(others) > REASONS_SHOWN:  # a message, not a census
             others = [*others[:REASONS_SHOWN], f"and {len(others) - REASONS_SHOWN} more"]
-        return PeerRoutes(tuple(ready), tuple(others))
+        return PeerRoutes(tuple(ready), tuple(others), tuple(loadable))
 
     def doc(self, now: float) -> dict[str, Any]:
         """The peers part of ``GET /v1/peers``."""

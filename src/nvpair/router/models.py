@@ -11,9 +11,18 @@ in flight on, waits here until one of them is idle; nvpair then unloads that one
 (``POST /models/unload``) and sends the request. The decision and its bookkeeping are one
 sync step, so two requests never both take the last free slot.
 
+A request waiting for a slot waits as one in an on-demand engine's queue does: at most
+``queue_max`` wait per engine (then 429), each for at most ``queue_wait_s`` (then 503 with
+why), and they are the engine's ``queued`` (``queued_oldest_s``) on the board.
+
 What is loaded is nvpair's own account (the models it sent requests to, less those it
 unloaded), taken again from the engine's model list whenever a newer list comes
-(``EngineState.models_at``): the engine's own LRU and other clients show there.
+(``EngineState.models_at``): the engine's own LRU and other clients show there. The list
+is read again (``GET /models``) after each request the engine answered and after each load
+or unload nvpair made, one read in flight per engine and at most one every
+``REFRESH_MIN_S``, so what the engine did by itself meanwhile shows within about a second
+of nvpair's next request, not at the sweep's next list (30 s). Only routed requests ask
+for a read; a read of nvpair's API never does.
 """
 
 from __future__ import annotations
@@ -23,12 +32,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from functools import partial
 
+import msgspec
 import trio
 
+from nvpair.base.boundary import Part
+from nvpair.config.settings import ActivationConfig
 from nvpair.errors import ProbeError
-from nvpair.probing.probes import parse_listing
+from nvpair.probing.probes import Listing, parse_listing
+from nvpair.router.activation import QueueFull, Unavailable
 from nvpair.state.snapshot import Board, EngineState
-from nvpair.state.transitions import with_model_state
+from nvpair.state.transitions import with_model_list, with_model_state
 
 #: model states that hold one of the engine's slots
 HOLDING = frozenset({"ready", "loading", "sleeping"})
@@ -42,6 +55,12 @@ Control = Callable[[str, str, "str | None"], Awaitable[tuple[int, bytes]]]
 #: with ``--no-models-autoload``, a model nvpair loads is looked at this often until it is
 #: loaded (the 270M model loads in about 0.8 s; a request sent before gets 503)
 LOAD_POLL_S = 0.25
+#: the model list of an engine is read again at most this often (after a request it
+#: answered): one small GET (about 600 bytes a model) a second at most, beside the sweep's
+#: one every 30 s
+REFRESH_MIN_S = 1.0
+#: how long such a read may take (the manifest's model-list timeout, 5 s, for llamacpp)
+REFRESH_TIMEOUT_S = 5.0
 
 log = logging.getLogger("nvpair.router")
 
@@ -53,17 +72,35 @@ class _Engine:
         self.loaded: dict[str, float] = {}  # model -> trio time nvpair last used it
         self.in_flight: dict[str, int] = {}
         self.listed_at: float | None = None  # the model list the account was last taken from
+        #: requests waiting for a free slot: a token each -> when it came (trio time)
+        self.waiting: dict[object, float] = {}
+        #: the model list's reads: one in flight; another asked for meanwhile; the last
+        self.refreshing = False
+        self.refresh_again = False
+        self.refreshed_at = float("-inf")
 
 
 class ModelSlots:
     """nvpair's account of its multi-model engines' slots (see the module's docstring)."""
 
-    def __init__(self, board: Board, load_budgets: Mapping[str, float] | None = None) -> None:
+    def __init__(self, board: Board, load_budgets: Mapping[str, float] | None = None, *,
+                 queue: ActivationConfig | None = None) -> None:
         self.board = board
         #: per engine: how long nvpair waits for a model it loads (its startup budget)
         self.load_budgets = load_budgets or {}
+        #: ``queue_max`` and ``queue_wait_s`` of the requests that wait for a slot
+        self.queue = queue or ActivationConfig()
         self._engines: dict[str, _Engine] = {}
         self._changed = trio.Event()
+        #: where the model lists are read again (``attach``); None: never
+        self._nursery: trio.Nursery | None = None
+        self._control: Control | None = None
+        self._lists = Part("router: model lists", logger=log)
+
+    def attach(self, nursery: trio.Nursery | None, control: Control | None) -> None:
+        """Read the engines' model lists again in ``nursery`` with ``control`` (the
+        router's, while it runs; None, None: no more)."""
+        self._nursery, self._control = nursery, control
 
     def in_flight(self, engine: str, model: str) -> int:
         e = self._engines.get(engine)
@@ -104,30 +141,106 @@ class ModelSlots:
         so one that answered (not a 5xx, not a request that never got an answer) shows
         the model ready at once, not at the next model list."""
         e = None if name is None else self.board.current.engine(name)
-        if (name is None or e is None or e.identity is None or not e.identity.router
-                or not 200 <= status < 500):
+        if name is None or e is None or e.identity is None or not e.identity.router:
+            return
+        self.refresh(name)  # (what the engine did meanwhile: its LRU, another client)
+        if not 200 <= status < 500:
             return
         self.board.update(name, partial(with_model_state, model=model, state="ready"))
+
+    def refresh(self, name: str) -> None:
+        """Read engine ``name``'s model list again soon: at once when none was read for
+        ``REFRESH_MIN_S``, else then; one read in flight, the asks meanwhile one more."""
+        acc = self._engines.setdefault(name, _Engine())
+        if self._nursery is None or self._control is None:
+            return
+        if acc.refreshing:
+            acc.refresh_again = True
+            return
+        acc.refreshing = True
+        self._nursery.start_soon(self._refresh, name, acc, self._control)
+
+    async def _refresh(self, name: str, acc: _Engine, control: Control) -> None:
+        try:
+            while True:
+                acc.refresh_again = False
+                await trio.sleep_until(max(trio.current_time(),
+                                              acc.refreshed_at + REFRESH_MIN_S))
+                acc.refreshed_at = trio.current_time()
+                with self._lists.guard():  # a bug here is this read's, never the router's
+                    with trio.move_on_after(REFRESH_TIMEOUT_S):
+                        listing = _listing(await control(name, "/models", None))
+                        if listing is not None:
+                            self.board.update(name, partial(
+                                with_model_list, listing=listing, now=trio.current_time()))
+                            self._wake_waiters()  # (a slot the engine freed by itself)
+                    self._lists.ok()
+                if not acc.refresh_again:
+                    return
+        finally:
+            acc.refreshing = False
+
+    def _wake_waiters(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _publish_queue(self, name: str, acc: _Engine) -> None:
+        """The requests waiting for a slot, as the engine's ``queued`` on the board."""
+        count = len(acc.waiting)
+        since = min(acc.waiting.values()) if acc.waiting else None
+        self.board.update(name, lambda e: e if (e.queued, e.queued_since) == (count, since)
+                          else msgspec.structs.replace(e, queued=count, queued_since=since))
+
+    async def _wait_for_slot(self, name: str, model: str) -> tuple[EngineState, str | None]:
+        """Wait until a request for ``model`` may go to engine ``name``: the engine as it
+        was then, and the model to unload first. Raises QueueFull (``queue_max`` wait
+        already) or Unavailable (none freed within ``queue_wait_s``, with why)."""
+        e = self.board.current.engine(name)
+        assert e is not None and e.identity is not None
+        go, victim = self._place(e, model)
+        if go:
+            return e, victim
+        acc = self._engines[name]
+        limit, wait_s = self.queue.queue_max, self.queue.queue_wait_s
+        if len(acc.waiting) >= limit:
+            raise QueueFull(f"{len(acc.waiting)} requests are waiting for a free model slot "
+                            f"of engine {name} (queue_max {limit})")
+        token = object()
+        acc.waiting[token] = trio.current_time()
+        self._publish_queue(name, acc)
+        try:
+            with trio.move_on_after(wait_s):
+                while True:
+                    changed = self._changed
+                    with trio.move_on_after(RECHECK_S):
+                        await changed.wait()
+                    e = self.board.current.engine(name)
+                    assert e is not None and e.identity is not None
+                    go, victim = self._place(e, model)
+                    if go:
+                        return e, victim
+            busy = ", ".join(sorted(m for m, n in acc.in_flight.items() if n))
+            raise Unavailable(
+                f"engine {name} had no free model slot for {model} within queue_wait_s "
+                f"({wait_s:g} s): every slot held a model with requests in flight "
+                f"({busy or 'none now'})")
+        finally:
+            del acc.waiting[token]
+            self._publish_queue(name, acc)
 
     @asynccontextmanager
     async def held(self, name: str | None, model: str, control: Control
                    ) -> AsyncIterator[None]:
         """Hold a request for ``model`` on engine ``name`` while it runs: at once for a
         single-model engine; for a router, once a slot is free or can be freed without
-        evicting a model with requests in flight (then unloading that one first)."""
+        evicting a model with requests in flight (then unloading that one first). Raises
+        QueueFull or Unavailable (``_wait_for_slot``) before holding anything."""
         e = None if name is None else self.board.current.engine(name)
         if name is None or e is None or e.identity is None or not e.identity.router:
             yield
             return
-        while True:
-            e = self.board.current.engine(name)
-            assert e is not None and e.identity is not None
-            go, victim = self._place(e, model)
-            if go:
-                break
-            changed = self._changed
-            with trio.move_on_after(RECHECK_S):
-                await changed.wait()
+        e, victim = await self._wait_for_slot(name, model)
+        assert e.identity is not None
         acc = self._engines[name]
         acc.in_flight[model] = acc.in_flight.get(model, 0) + 1
         try:
@@ -140,6 +253,8 @@ class ModelSlots:
                                                     state="cold"))
             if not e.identity.autoload:
                 await _load(name, model, control, self.load_budgets.get(name, 600.0))
+            if victim is not None or not e.identity.autoload:
+                self.refresh(name)  # (its list after nvpair's own unload or load)
             yield
         finally:
             left = acc.in_flight[model] - 1
@@ -149,8 +264,7 @@ class ModelSlots:
                 del acc.in_flight[model]
             if model in acc.loaded:
                 acc.loaded[model] = trio.current_time()
-            self._changed.set()
-            self._changed = trio.Event()
+            self._wake_waiters()
 
 
 async def _load(name: str, model: str, control: Control, budget_s: float) -> None:
@@ -167,13 +281,20 @@ async def _load(name: str, model: str, control: Control, budget_s: float) -> Non
             await trio.sleep(LOAD_POLL_S)
 
 
-def _state(answer: tuple[int, bytes], model: str) -> str | None:
-    """``model``'s state in a model-list answer; None when the list cannot say."""
+def _listing(answer: tuple[int, bytes]) -> Listing | None:
+    """A model-list answer parsed; None when it is not one (not a 200, not a list)."""
     status, body = answer
     if status != 200:
         return None
     try:
-        listing = parse_listing(body, "openai", "/models")
+        return parse_listing(body, "openai", "/models")
     except ProbeError:
+        return None
+
+
+def _state(answer: tuple[int, bytes], model: str) -> str | None:
+    """``model``'s state in a model-list answer; None when the list cannot say."""
+    listing = _listing(answer)
+    if listing is None:
         return None
     return next((m.state for m in listing.models if m.id == model), None)

@@ -19,10 +19,13 @@ class PeerRoute(NamedTuple):
 
 class PeerRoutes(msgspec.Struct, frozen=True):
     """``ready``: peers that can take a request now; ``others``: why the peers that list
-    the model cannot (empty: no peer lists it)."""
+    the model cannot (empty: no peer lists it); ``loadable``: peers whose ready
+    multi-model engine lists the model ``cold`` and loads it on request (tried after this
+    node's own on-demand engines: docs/multi-model.md)."""
 
     ready: tuple[PeerRoute, ...] = ()
     others: tuple[str, ...] = ()
+    loadable: tuple[PeerRoute, ...] = ()
 
 
 class PeerRouter(Protocol):

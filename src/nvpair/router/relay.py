@@ -30,7 +30,7 @@ from nvpair.base.boundary import Part
 from nvpair.base.decoding import decode_json
 from nvpair.base.logformat import About, about
 from nvpair.base.streams import close_early
-from nvpair.config.settings import EngineSpec, RouterConfig
+from nvpair.config.settings import ActivationConfig, EngineSpec, RouterConfig
 from nvpair.errors import NvpairError
 from nvpair.http.asgi import (
     FORWARDED_BY,
@@ -137,7 +137,8 @@ class Router:
     def __init__(self, board: Board, engines: Iterable[EngineSpec], config: RouterConfig,
                  traffic: Traffic, *, node: str = "nvpair", peers: PeerRouter | None = None,
                  cluster_token: str | None = None, activator: Activator | None = None,
-                 sleepers: Sleepers | None = None) -> None:
+                 sleepers: Sleepers | None = None, queue: ActivationConfig | None = None
+                 ) -> None:
         self.board = board
         #: engines' wake (docs/sleep.md): a sleeping vLLM is woken before a request
         self.sleepers = sleepers
@@ -153,8 +154,9 @@ class Router:
         self.traffic = traffic
         self.known = Known(engines)
         #: multi-model engines' slots: never evict a model with requests in flight
+        #: (whose requests waiting for a slot have ``queue``'s limits, as a queue has)
         self.models = ModelSlots(board, {name: spec.manifest.startup_budget_s
-                                         for name, spec in self.specs.items()})
+                                         for name, spec in self.specs.items()}, queue=queue)
         self.rng = random.Random()
         self._targets: dict[str, Target] = {}
         self._stack: AsyncExitStack | None = None
@@ -171,6 +173,7 @@ class Router:
         async with AsyncExitStack() as stack, trio.open_nursery() as nursery:
             self._stack, self._nursery = stack, nursery
             stack.push_async_callback(self._close_all)
+            self.models.attach(nursery, self._control)  # (its model lists read again)
             task_status.started()
             try:
                 ticker = wakes.Ticker(REAP_EVERY_S)
@@ -181,6 +184,7 @@ class Router:
                         self._pools.ok()
             finally:
                 self._stack = self._nursery = None
+                self.models.attach(None, None)
 
     async def _close_all(self) -> None:
         targets, self._targets = list(self._targets.values()), {}
@@ -319,18 +323,20 @@ class Router:
             return
         targets = [self._engine(name) for name in choice.engines[:2]]
         reason, known = choice.reason, choice.known
+        loadable: list[Target] = []  # peers that load the model for it: after our own
         if not targets and self.peers is not None and header(scope, FORWARDED_BY) is None:
             routes = self.peers.routes(head.model, now)
             others = list(routes.others)
-            for route in order_peers(routes.ready, self.traffic, now, self.rng):
-                target = self._peer(route)
-                if target is None:
-                    others.append(f"node {route.node} advertises a URL that cannot be used")
-                    continue
-                targets.append(target)
-                if len(targets) == 2:
-                    break
-            if others and not targets:
+            for found, ordered in ((targets, routes.ready), (loadable, routes.loadable)):
+                for route in order_peers(ordered, self.traffic, now, self.rng):
+                    target = self._peer(route)
+                    if target is None:
+                        others.append(f"node {route.node} advertises a URL that cannot be used")
+                        continue
+                    found.append(target)
+                    if len(found) == 2:
+                        break
+            if others and not targets and not loadable:
                 known = True
                 reason = "; ".join(([reason] if choice.known and reason else [])
                                    + [f"no node serving {head.model!r} is ready: "
@@ -340,6 +346,8 @@ class Router:
             if cold is not None:  # hot nowhere: start it, wait in its queue
                 await self._queued(scope, receive, send, body, cold, head.model)
                 return
+        if not targets and loadable:  # a peer's multi-model engine loads it for this one
+            targets, known = loadable, True
         if not targets:
             if known:
                 await send_error(send, 503, reason or "no engine ready", "engine_not_ready",
@@ -355,9 +363,15 @@ class Router:
             nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
             # (a multi-model engine's request may wait here for a slot: docs/multi-model.md)
             held = choice.engines[0] if choice.engines else None
-            async with self.models.held(held, head.model, self._control):
-                await self._forward(scope, body, targets, send, on_answer=partial(
-                    self.models.answered, held, head.model))
+            try:
+                async with self.models.held(held, head.model, self._control):
+                    await self._forward(scope, body, targets, send, on_answer=partial(
+                        self.models.answered, held, head.model))
+            except QueueFull as exc:  # (waiting for a model slot: before anything was sent)
+                await send_error(send, 429, str(exc), "queue_full", [(b"retry-after", b"5")])
+            except Unavailable as exc:
+                await send_error(send, 503, str(exc), "engine_not_ready",
+                                 [(b"retry-after", b"5")])
             nursery.cancel_scope.cancel(reason="answer complete")
 
     async def _woken(self, name: str) -> str | None:

@@ -99,6 +99,11 @@ class Engine:
         """The kind's sleep with these options (None: it cannot sleep)."""
         return None
 
+    def garbled(self) -> bool:
+        """Whether it generates nonsense now (vLLM woken from a level-2 sleep without its
+        weights loaded again)."""
+        return False
+
     async def before_route(self, request: Request, reply: Reply) -> bool:
         """A gate in front of auth and routing; True when it answered."""
         await trio.lowlevel.checkpoint()

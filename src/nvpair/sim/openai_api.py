@@ -21,8 +21,12 @@ _WORDS = ("Hello", " from", " a", " simulated", " engine", ".")
 _SSE = "text/event-stream"
 
 
-def token_text(i: int) -> str:
-    return _WORDS[i % len(_WORDS)]
+#: a token of an engine that generates nonsense (``Engine.garbled``)
+GARBAGE = "\ufffd"
+
+
+def token_text(i: int, garbled: bool = False) -> str:
+    return GARBAGE if garbled else _WORDS[i % len(_WORDS)]
 
 
 def count_words(value: object) -> int:
@@ -93,7 +97,8 @@ class OpenAIApi:
                         **base,
                         "choices": [{
                             "index": 0, "logprobs": None, "finish_reason": finish,
-                            "message": {"role": "assistant", "content": _text(n)},
+                            "message": {"role": "assistant",
+                                        "content": _text(n, self.engine.garbled())},
                         }],
                         "usage": _usage(prompt, n),
                     })
@@ -112,7 +117,8 @@ class OpenAIApi:
                 stream = _Stream(reply, sse(choice({"role": "assistant", "content": ""}, None)))
 
                 async def on_token(i: int) -> None:
-                    await stream.write(sse(choice({"content": token_text(i)}, None)))
+                    await stream.write(sse(choice(
+                        {"content": token_text(i, self.engine.garbled())}, None)))
 
                 await state.decode(n, on_token)
                 await stream.write(sse(choice({}, finish)))
@@ -136,8 +142,8 @@ class OpenAIApi:
                     await state.decode(n, _nothing)
                     await reply.send_json(200, {
                         **base,
-                        "choices": [{"index": 0, "text": _text(n), "logprobs": None,
-                                     "finish_reason": finish}],
+                        "choices": [{"index": 0, "text": _text(n, self.engine.garbled()),
+                                     "logprobs": None, "finish_reason": finish}],
                         "usage": _usage(prompt, n),
                     })
                     return
@@ -153,7 +159,7 @@ class OpenAIApi:
                 stream = _Stream(reply, b"")
 
                 async def on_token(i: int) -> None:
-                    await stream.write(sse(choice(token_text(i), None)))
+                    await stream.write(sse(choice(token_text(i, self.engine.garbled()), None)))
 
                 await state.decode(n, on_token)
                 await stream.write(sse(choice("", finish)))
@@ -222,8 +228,8 @@ def _wants_usage(body: dict[str, Any]) -> bool:
     return isinstance(options, dict) and bool(options.get("include_usage"))
 
 
-def _text(n: int) -> str:
-    return "".join(token_text(i) for i in range(n))
+def _text(n: int, garbled: bool = False) -> str:
+    return "".join(token_text(i, garbled) for i in range(n))
 
 
 async def _nothing(i: int) -> None:

@@ -8,6 +8,13 @@ an error (a 500, or a stream cut before its end), the trap a manager must not fa
 ``mode=wait`` sleeps once they have finished. A sleeping engine answers inference with 503
 (one documented version's behaviour; unverified on others); ``/health``, ``/v1/models`` and
 ``/is_sleeping`` answer as usual and wake nothing.
+
+Level 2 discards the weights (level 1 keeps them in host RAM). ``POST /wake_up`` takes
+``tags`` (``weights``, ``kv_cache``; none: both) and the engine is awake once both are;
+after a level-2 sleep its weights must be loaded again, ``POST /collective_rpc
+{"method": "reload_weights"}`` (with the weights awake, landscape-3 §4: wake ``weights``,
+reload, wake ``kv_cache``), or it generates garbage: every token is U+FFFD, as a model
+run on uninitialised weights answers nonsense. ``POST /reset_prefix_cache`` answers 200.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import parse_qsl, urlsplit
 
 import trio
 
@@ -43,18 +51,31 @@ class VLLM(Engine):
         self.running: set[trio.CancelScope] = set()
         #: the level and mode of the last ``POST /sleep`` (None: none yet)
         self.last_sleep: dict[str, str] | None = None
+        #: the parts asleep (``weights``, ``kv_cache``) and whether the weights are the
+        #: model's (False after a level-2 sleep until ``reload_weights``)
+        self.parts_asleep: set[str] = set()
+        self.weights_loaded = True
+        self.reloads = 0
         if not self.options.enable_sleep_mode:
             return None
         return SimSleep(idle_s=None, wake_s=self.options.wake_s, on_change=self.state.touch)
 
     def status(self) -> dict[str, Any]:
-        return {} if self.last_sleep is None else {"last_sleep": self.last_sleep}
+        if self.last_sleep is None:
+            return {}
+        return {"last_sleep": self.last_sleep, "weights_loaded": self.weights_loaded,
+                "reloads": self.reloads}
+
+    def garbled(self) -> bool:
+        return not self.weights_loaded
 
     def add_routes(self, router: Router) -> None:
         if self.sleep is not None and self.options.dev_mode:
             router.add("POST", "/sleep", self.sleep_route)
             router.add("POST", "/wake_up", self.wake_up)
             router.add("GET", "/is_sleeping", self.is_sleeping)
+            router.add("POST", "/collective_rpc", self.collective_rpc)
+            router.add("POST", "/reset_prefix_cache", self.reset_prefix_cache)
         router.add("GET", "/health", self.health)
         router.add("GET,POST", "/ping", self.health)
         router.add("GET", "/version", self.version)
@@ -111,11 +132,39 @@ class VLLM(Engine):
         await self.state.wait_until(lambda: not self.running)
         await sleep.wake()  # (a wake in progress ends first)
         sleep.fall_asleep()
+        self.parts_asleep = {"weights", "kv_cache"}
+        if level == "2":
+            self.weights_loaded = False  # (discarded, not kept in host RAM)
         await reply.send(200, content_type=None)
 
     async def wake_up(self, request: Request, reply: Reply) -> None:
         assert self.sleep is not None
-        await self.sleep.wake()
+        tags = [v for k, v in parse_qsl(urlsplit(request.target).query) if k == "tags"]
+        if any(t not in ("weights", "kv_cache") for t in tags):
+            await self.error(reply, 400, f"unknown tags {tags!r}: weights, kv_cache")
+            return
+        self.parts_asleep -= set(tags or ("weights", "kv_cache"))
+        if not self.parts_asleep:
+            await self.sleep.wake()
+        await reply.send(200, content_type=None)
+
+    async def collective_rpc(self, request: Request, reply: Reply) -> None:
+        try:
+            method = request.json().get("method")
+        except (ValueError, AttributeError):
+            method = None
+        if method != "reload_weights":
+            await self.error(reply, 400, "the simulator knows only method reload_weights")
+            return
+        if "weights" in self.parts_asleep:
+            await self.error(reply, 500, "the weights are asleep: POST /wake_up?tags=weights "
+                                         "first")
+            return
+        self.weights_loaded = True
+        self.reloads += 1
+        await reply.send_json(200, {"results": [None]})
+
+    async def reset_prefix_cache(self, request: Request, reply: Reply) -> None:
         await reply.send(200, content_type=None)
 
     async def is_sleeping(self, request: Request, reply: Reply) -> None:

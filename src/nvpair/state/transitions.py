@@ -21,6 +21,7 @@ from nvpair.config.manifest import GENERATING_MIN_INTERVAL_S, ProbeSpec
 from nvpair.config.settings import EngineSpec
 from nvpair.state.snapshot import (
     ASLEEP_STATES,
+    LISTED_STATES,
     EngineState,
     Identity,
     Model,
@@ -371,6 +372,17 @@ def after_models(
         served = ", ".join(m.id for m in listing.models) or "no model"
         mismatch = f"{where(spec)} serves {served}, expected {spec.model}"
     return with_mismatch(engine, "models", mismatch, now)
+
+
+def with_model_list(engine: EngineState, listing: Listed, now: float) -> EngineState:
+    """A multi-model engine's model list read outside the sweep (the router reads it again
+    after a request the engine answered: docs/multi-model.md): its models' own states and
+    the list's time, ahead of the sweep's next list. An engine not listed is left alone."""
+    if engine.state not in LISTED_STATES:
+        return engine
+    return msgspec.structs.replace(
+        engine, models=steady_models(engine.models, listing.models), models_at=now,
+        models_stale=False)
 
 
 def steady_models(old: tuple[Model, ...], new: tuple[Model, ...]) -> tuple[Model, ...]:

@@ -6,6 +6,12 @@ router sends nothing new, and the routed requests in flight finish (however long
 nothing generating is cut); then the kind's sleep calls go out, which never abort (vLLM
 ``mode=wait``, SGLang ``retract``). Never the engines' default abort.
 
+A model is woken by what serves it (``wake_model``): the engine it is on, when that
+sleeps; for a multi-model engine (llama-server in router mode) whose model is not loaded,
+a load of that model (``POST /models/load``; ``GET /slots?model=`` for a model whose
+child sleeps), then its model list read every ``LOAD_POLL_S`` until it is loaded. A second
+wake of the model while one runs joins it.
+
 Each engine's operation runs in this module's nursery, inside a boundary of its own: a
 failing call is that engine's state (its error, its activity), never the service's.
 """
@@ -14,18 +20,22 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
+from functools import partial
+from typing import Any, NamedTuple
+from urllib.parse import quote
 
 import httpx2
+import msgspec
 import trio
 
 from nvpair.config.command import fill
 from nvpair.config.manifest import EngineCall
 from nvpair.config.settings import EngineSpec, placeholder_values
-from nvpair.errors import NvpairError
-from nvpair.state.snapshot import ASLEEP_STATES, Board, EngineState
+from nvpair.errors import NvpairError, ProbeError
+from nvpair.probing.probes import parse_listing
+from nvpair.state.snapshot import ASLEEP_STATES, Board, EngineState, ModelState
 from nvpair.state.traffic import Traffic
-from nvpair.state.transitions import enter
+from nvpair.state.transitions import enter, with_model_list, with_model_state
 from nvpair.supervision.lifecycle import Accepted, Busy, Result
 
 log = logging.getLogger("nvpair.sleep")
@@ -34,6 +44,11 @@ log = logging.getLogger("nvpair.sleep")
 DRAIN_POLL_S = 0.05
 #: states an engine can be put to sleep from
 AWAKE_STATES = frozenset({"ready", "stale"})
+#: a model a multi-model engine loads for a wake is looked at this often until it is loaded
+#: (the 270M model loads in about 0.8 s)
+LOAD_POLL_S = 0.25
+#: a multi-model engine's model states a wake of the model loads (or wakes) it from
+LOADABLE = frozenset({"cold", "sleeping", "loading"})
 
 
 class SleepError(NvpairError):
@@ -49,16 +64,30 @@ class Operation:
         self.error: str | None = None
 
 
+class ModelWake(NamedTuple):
+    """What a wake of a model did: the engine it concerns and the result (``Accepted``
+    with ``awake``, ``waking`` or ``loading``; ``Busy`` with why not)."""
+
+    engine: str
+    result: Result
+
+
 class Sleepers:
-    """The wake and sleep of every engine configured with ``sleep = true``, by name."""
+    """The wake and sleep of every engine that can sleep (``sleep = true``, or a kind whose
+    sleep is always probed), by name; and the wake of a model, by id."""
 
     def __init__(self, specs: Iterable[EngineSpec], board: Board, traffic: Traffic, *,
                  transport: httpx2.AsyncBaseTransport | None = None) -> None:
-        self.specs = {s.name: s for s in specs if s.sleep is not None}
+        every = tuple(specs)
+        self.specs = {s.name: s for s in every if s.sleep is not None}
+        #: every engine (a multi-model engine's model is loaded whether it sleeps or not)
+        self.engines = {s.name: s for s in every}
         self.board = board
         self.traffic = traffic
         self.transport = transport
         self.running: dict[str, Operation] = {}
+        #: the loads of multi-model engines' models in progress, by (engine, model)
+        self.loads: dict[tuple[str, str], Operation] = {}
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -136,6 +165,85 @@ class Sleepers:
         self._start(name, Operation("sleep"))
         return Accepted("going to sleep")
 
+    def wake_model(self, model: str) -> ModelWake | None:
+        """Wake what serves ``model`` (an id or alias an engine here lists): None when no
+        engine here lists it. ``awake`` when one serving it is awake; else the wake in
+        progress is joined; else a sleeping engine is woken (``waking``), or a multi-model
+        engine that has not loaded it loads it (``loading``); else ``Busy`` with why."""
+        serving = [(e, _model_state(e, model)) for e in self.board.current.engines
+                   if any(m.id == model for m in e.models) or model in e.aliases]
+        if not serving:
+            return None
+        for e, state in serving:
+            if e.state in AWAKE_STATES and e.admitting and state in (None, "ready"):
+                return ModelWake(e.name, Accepted("awake"))
+        for e, _ in serving:
+            if (e.name, model) in self.loads:
+                return ModelWake(e.name, Accepted("loading"))
+            running = self.running.get(e.name)
+            if running is not None and running.kind == "wake":
+                return ModelWake(e.name, Accepted("waking"))
+        for e, _ in serving:
+            if e.state in ASLEEP_STATES and e.name in self.specs:
+                return ModelWake(e.name, self.wake(e.name))
+        for e, state in serving:
+            if (e.identity is not None and e.identity.router and e.state in AWAKE_STATES
+                    and state in LOADABLE):
+                return ModelWake(e.name, self._load(e.name, model, state))
+        why = ", ".join(f"engine {e.name} is {e.state}" + (
+            "" if state is None else f" with {model} {state}") for e, state in serving)
+        return ModelWake(serving[0][0].name, Busy(
+            f"nothing here can wake {model}: {why}; only a sleeping engine wakes, and a "
+            "multi-model engine loads a model it lists"))
+
+    def _load(self, name: str, model: str, state: ModelState | None) -> Result:
+        """Start loading ``model`` on multi-model engine ``name`` (``Accepted("loading")``)."""
+        if self._nursery is None:
+            return Busy("nvpair is not running its sleep operations (starting or stopping)")
+        operation = self.loads[name, model] = Operation("load")
+        self.board.update(name, partial(with_model_state, model=model, state="loading"))
+        self._nursery.start_soon(self._run_load, name, model, state, operation)
+        return Accepted("loading")
+
+    async def _run_load(self, name: str, model: str, state: ModelState | None,
+                        operation: Operation) -> None:
+        spec = self.engines[name]
+        try:
+            started = trio.current_time()
+            if state == "sleeping":  # (its child sleeps: a task for it wakes it)
+                await self._request(spec, "GET", f"/slots?model={quote(model, safe='')}",
+                                    None, spec.startup_budget_s)
+            else:  # 400 "model is already running": someone loaded it meanwhile
+                await self._request(spec, "POST", "/models/load",
+                                    msgspec.json.encode({"model": model}).decode(),
+                                    spec.startup_budget_s, also_ok=(400,))
+            with trio.move_on_after(spec.startup_budget_s):
+                while True:  # (the engine's own state, over HTTP: nothing to wait on but time)
+                    answer = await self._request(spec, "GET", "/models", None, 5.0)
+                    try:
+                        listing = parse_listing(answer, "openai", "/models")
+                    except ProbeError as exc:
+                        raise SleepError(f"GET /models: {exc}") from None
+                    self.board.update(name, partial(with_model_list, listing=listing,
+                                                    now=trio.current_time()))
+                    if any(m.id == model and m.state == "ready" for m in listing.models):
+                        log.info("%s: %s loaded for a wake in %.1f s", name, model,
+                                 trio.current_time() - started)
+                        return
+                    await trio.sleep(LOAD_POLL_S)
+            raise SleepError(f"{model} was not loaded within {spec.startup_budget_s:g} s")
+        except SleepError as exc:
+            operation.error = str(exc)
+            log.warning("%s: load of %s for a wake: %s", name, model, exc)
+            if state is not None:
+                self.board.update(name, partial(with_model_state, model=model, state=state))
+        except Exception as exc:  # a bug of nvpair's: this engine's failure, never the service's
+            operation.error = f"load failed: {type(exc).__name__}: {exc}"
+            log.exception("%s: load of %s failed", name, model)
+        finally:
+            del self.loads[name, model]
+            operation.done.set()
+
     async def awake(self, name: str) -> str | None:
         """Wake engine ``name`` (or join the wake in progress) and wait until it is
         awake: None, or why it is not (in words). For a routed request to a sleeping
@@ -178,7 +286,10 @@ class Sleepers:
         assert spec.sleep is not None
         started = trio.current_time()
         try:
-            await self._calls(spec, spec.sleep.wake)
+            # (vLLM's level 2 wakes in more calls: its weights are loaded again)
+            calls = spec.sleep.wake_by_level.get(
+                "2" if spec.sleep_level == 2 else "1", spec.sleep.wake)
+            await self._calls(spec, calls)
         except SleepError as exc:
             self._set(spec.name, state="sleeping", activity=f"wake failed: {exc}")
             raise
@@ -211,28 +322,34 @@ class Sleepers:
     async def _calls(self, spec: EngineSpec, calls: tuple[EngineCall, ...]) -> None:
         """Send the calls in order; raise SleepError at the first that fails."""
         values = placeholder_values(spec)
+        for call in calls:
+            await self._request(spec, call.method, fill(call.path, values), call.body,
+                                call.timeout_s)
+
+    async def _request(self, spec: EngineSpec, method: str, path: str, body: str | None,
+                       timeout_s: float, *, also_ok: tuple[int, ...] = ()) -> bytes:
+        """One call to the engine: its body (at most what its answer holds), or SleepError
+        when it fails, is late or answers other than 2xx (or ``also_ok``)."""
         headers = {"user-agent": "nvpair"}
         if spec.api_key:
             headers["authorization"] = f"Bearer {spec.api_key}"
+        if body is not None:
+            headers["content-type"] = "application/json"
+        what = f"{method} {path}"
         async with httpx2.AsyncClient(base_url=spec.url, headers=headers,
                                       transport=self.transport) as client:
-            for call in calls:
-                path = fill(call.path, values)
-                what = f"{call.method} {path}"
-                try:
-                    with trio.fail_after(call.timeout_s):
-                        answer = await client.request(
-                            call.method, path, timeout=call.timeout_s,
-                            content=call.body.encode() if call.body is not None else None,
-                            headers={"content-type": "application/json"} if call.body else None)
-                except trio.TooSlowError:
-                    raise SleepError(f"{what} did not answer within {call.timeout_s:g} s"
-                                     ) from None
-                except httpx2.HTTPError as exc:
-                    raise SleepError(f"{what}: {type(exc).__name__}: {exc}") from None
-                if not 200 <= answer.status_code < 300:
-                    raise SleepError(f"{what} answered {answer.status_code}: "
-                                     f"{answer.text[:200]!r}")
+            try:
+                with trio.fail_after(timeout_s):
+                    answer = await client.request(
+                        method, path, timeout=timeout_s,
+                        content=body.encode() if body is not None else None)
+            except trio.TooSlowError:
+                raise SleepError(f"{what} did not answer within {timeout_s:g} s") from None
+            except httpx2.HTTPError as exc:
+                raise SleepError(f"{what}: {type(exc).__name__}: {exc}") from None
+        if not 200 <= answer.status_code < 300 and answer.status_code not in also_ok:
+            raise SleepError(f"{what} answered {answer.status_code}: {answer.text[:200]!r}")
+        return answer.content
 
     def _set(self, name: str, **changes: Any) -> None:
         def change(e: EngineState) -> EngineState:
@@ -244,3 +361,7 @@ class Sleepers:
 
         self.board.update(name, change)
 
+
+def _model_state(e: EngineState, model: str) -> ModelState | None:
+    """``model``'s own state on engine ``e`` (a multi-model engine's), None: the engine's."""
+    return next((m.state for m in e.models if m.id == model), None)
