@@ -55,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default /etc/nvpair/nvpair.toml)")
     p.add_argument("--user", metavar="NAME", help="the user it runs as (default nvpair)")
 
+    p = sub.add_parser("stop-engines", help="stop every managed engine on record, nvpair "
+                                            "running or not (on_exit = keep: docs/lifecycle.md)")
+    config_arg(p)
+    p.add_argument("--url", help="a running nvpair's base URL (default: from the config's "
+                                 "listen)")
+
     for name, helptext in (
         ("status", "show the engines of a running nvpair"),
         ("models", "list the models a running nvpair serves"),
@@ -161,6 +167,10 @@ def dispatch(args: argparse.Namespace) -> int:
                   f"`nvpair check --config {config} --show-commands` as the unit's user",
                   file=sys.stderr)
         return 0
+    if args.command == "stop-engines":
+        from nvpair.cli import stop_engines
+
+        return stop_engines.run(load_settings(args.config), args)
     if args.command == "demo":
         from nvpair.cli.demo import run_demo
 
