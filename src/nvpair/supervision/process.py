@@ -266,6 +266,9 @@ async def run_engine_process(
                          if handle.stuck is None else f"[nvpair] {handle.stuck}")
             if proc.returncode is not None:  # reaped
                 procs.forget(name, proc.pid)
+                if keep is not None:  # read to its end: its words are in the log now
+                    with contextlib.suppress(OSError):
+                        os.unlink(keep.output)
             else:  # reaped whenever the kernel lets it go
                 reaper.start_soon(_reap_late, handle, name, procs)
 
