@@ -375,3 +375,32 @@ async def test_an_engine_whose_command_changed_while_nvpair_was_down_is_restarte
                 assert not alive(pid)  # the old one was stopped, not left beside it
     finally:
         kill_all(engines)
+
+
+async def test_an_on_demand_engine_left_running_is_adopted_not_shown_cold(
+        tmp_path: Path) -> None:
+    config = write_config(tmp_path, free_port(), free_port())
+    config.write_text(config.read_text().replace("managed = true\n",
+                                                 "managed = true\nactivation = 'on_demand'\n"))
+    engines: list[int] = []
+    try:
+        with trio.fail_after(STEP_S):
+            async with serving(config, engines) as first:
+                async with httpx2.AsyncClient(base_url=first.url) as client:
+                    assert (await client.post("/v1/engines/e/start")).status_code == 202
+                pid = int((await first.engine())["pid"])  # type: ignore[call-overload]
+                engines.append(pid)
+                first.proc.send_signal(signal.SIGTERM)
+                assert await first.proc.wait() == 0
+        with trio.fail_after(STEP_S):
+            async with serving(config, engines) as serve:
+                listening = trio.current_time()
+                doc = await serve.engine()  # (cold would never become ready by itself)
+                assert doc["pid"] == pid
+                assert trio.current_time() - listening < PROBE_S
+                done = await trio.to_thread.run_sync(cli, "stop-engines", "--config",
+                                                     str(config), "--url", serve.url)
+                assert done.returncode == 0, done
+                assert not alive(pid)
+    finally:
+        kill_all(engines)

@@ -114,6 +114,10 @@ class OutputTail(trio.abc.ReceiveStream):
             await trio.to_thread.run_sync(self.save, self.offset)
 
     async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the file (sync: also in a cancelled scope, at nvpair's exit)."""
         if self._fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self._fd)

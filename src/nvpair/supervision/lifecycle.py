@@ -371,6 +371,8 @@ class EngineRunner:
         Cancelled. Whatever a step raises is this engine's failure (its state, its log
         line), never the service's: the step is tried again after a backoff (a request
         ends it early)."""
+        if self._adopting and self.spec.name in self.procs.adoptable:
+            self.desired = "running"  # (an on-demand engine left running is not cold)
         try:
             async with trio.open_nursery() as reaper:
                 self._reaper = reaper

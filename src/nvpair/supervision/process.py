@@ -254,7 +254,7 @@ async def run_engine_process(
                                else "engine process ended")
     finally:
         if tail is not None:
-            await tail.aclose()
+            tail.close()
         if handle.left:
             assert tail is not None
             procs.rewrite(proc.pid, tail.offset)  # (at exit: the loop may wait for it)
