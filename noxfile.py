@@ -67,6 +67,8 @@ def bench(session: nox.Session) -> None:
     session.run("python", "-m", "benchmarks.on_demand", *quick)
     # Multi-node groups: the failure timings (rank death, freeze, fencing, a rank's restart).
     session.run("python", "-m", "benchmarks.groups", *quick)
+    # A restart of nvpair with 16 managed engines: on_exit = "keep" against "stop".
+    session.run("python", "-m", "benchmarks.restart", *quick)
     if not quick:  # the same against the vLLM simulator (an engine-like, costly upstream)
         session.run("python", "-m", "benchmarks.router", "--upstream", "sim", *litellm)
     # A sleeping model's wake against a cold start, with the real llama-server: only where

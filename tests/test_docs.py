@@ -255,7 +255,7 @@ def test_the_readme_command_table_lists_every_command_of_the_cli() -> None:
     for line in _readme_section("Commands").splitlines():
         if line.startswith("| `nvpair "):
             cell = re.split(r"(?<!\\)\|", line)[1]  # (not at an escaped \| in the cell)
-            for words in re.findall(r"`nvpair ([a-z]+(?:\\\|[a-z]+)*)", cell):
+            for words in re.findall(r"`nvpair ([a-z][a-z-]*(?:\\\|[a-z]+)*)", cell):
                 listed.update(words.split("\\|"))  # start\|stop\|restart: three
     assert sorted(commands - listed) == [], "commands missing from README.md's table"
     assert sorted(listed - commands) == [], "README.md's table names no such command"

@@ -244,7 +244,8 @@ async def start_engines(nursery: trio.Nursery, runners: list[EngineRunner]) -> N
 class Signals:
     """What ``nvpair serve`` does on a signal.
 
-    SIGINT or SIGTERM shuts down (``asked``); while it does (or while an error ends the
+    SIGINT or SIGTERM shuts down (``asked``), leaving the engines with ``on_exit = "keep"``
+    running (the next nvpair adopts them); while it does (or while an error ends the
     service), another SIGINT or SIGTERM kills the engines now (``EngineProcs.kill_now``):
     their stop skips the rest of its grace period, and nvpair still waits for each to be
     reaped. SIGHUP is logged and ignored (a closed terminal or ssh session sends it; its
@@ -298,6 +299,11 @@ async def main(settings: Settings, *, announce: Callable[[str], None] = print,
             finally:
                 with trio.CancelScope(shield=True):
                     await orphans.end_strays(procs)
+                if procs.left:  # on_exit = "keep" (docs/lifecycle.md)
+                    log.warning("nvpair exits leaving %d engine(s) running (on_exit = keep): "
+                                "%s; the next nvpair adopts them, `nvpair stop-engines` stops "
+                                "them", len(procs.left), ", ".join(
+                                    f"{name} (pid {pid})" for pid, name in procs.left.items()))
             handling.cancel_scope.cancel(reason="nvpair has stopped")
 
 

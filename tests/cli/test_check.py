@@ -10,7 +10,7 @@ import pytest
 
 from nvpair.cli import check
 from nvpair.config.group import RANK_ENV
-from nvpair.config.settings import Settings, decode_config, resolve
+from nvpair.config.settings import Settings, decode_config, load_settings, resolve
 
 
 def settings(tmp_path: Path, node: str, kind: str = "sglang") -> Settings:
@@ -118,3 +118,20 @@ def test_check_shows_the_keys_names_roles_and_limits_never_their_tokens(
                               "token_file": str(tmp_path / "batch"), "max_in_flight": 2,
                               "requests_per_minute": 600, "models": ["qwen*", "gemma3-270m"]}
     assert "secret" not in out + json.dumps(doc)
+
+
+def test_check_says_which_engines_outlive_nvpair(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "nvpair.toml"
+    config.write_text("on_exit = 'keep'\n"
+                      "[[engines]]\nname = 'kept'\nkind = 'vllm'\nport = 9001\nmodel = 'm'\n"
+                      "managed = true\ncommand = ['x']\n"
+                      "[[engines]]\nname = 'stopped'\nkind = 'vllm'\nport = 9002\nmodel = 'm'\n"
+                      "managed = true\ncommand = ['x']\non_exit = 'stop'\n")
+    loaded = load_settings(str(config))
+    check.run(loaded, as_json=False)
+    rows = [line for line in capsys.readouterr().out.splitlines() if "http://" in line]
+    assert "managed, kept on exit" in next(r for r in rows if r.startswith("kept "))
+    assert "kept on exit" not in next(r for r in rows if r.startswith("stopped "))
+    assert [e["on_exit"] for e in check.report(loaded)["engines"]] == [  # type: ignore[union-attr]
+        "keep", "stop"]

@@ -62,3 +62,38 @@ def test_systemd_accepts_the_printed_unit(tmp_path: Path) -> None:
     v = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
                        text=True, timeout=60, cwd=tmp_path)
     assert v.returncode == 0 and v.stdout + v.stderr == "", v.stdout + v.stderr
+
+
+def test_the_keep_unit_leaves_engines_to_a_restart_and_stops_them_on_a_stop() -> None:
+    keys = _keys(unit_text(executable="/opt/nv/bin/nvpair", config="/etc/n.toml",
+                           on_exit="keep"))
+    assert keys["KillMode"] == "process"  # nothing but nvpair is signalled by systemd
+    assert keys["ExecStop"] == ("/opt/nv/bin/nvpair stop-engines --config /etc/n.toml "
+                                "--systemd-unit %n")
+    assert keys["ExecStart"] == "/opt/nv/bin/nvpair serve --config /etc/n.toml"
+    assert keys["Restart"] == "on-failure" and keys["OOMPolicy"] == "continue"
+    assert "ExecStop" not in _keys(unit_text())  # the default: stop, as before
+
+
+def test_nvpair_unit_follows_the_config_s_on_exit(tmp_path: Path) -> None:
+    config = tmp_path / "nvpair.toml"
+    config.write_text("on_exit = 'keep'\n[[engines]]\nname = 'e'\nkind = 'vllm'\n"
+                      "model = 'm'\nmanaged = true\ncommand = ['x']\n")
+    r = subprocess.run([sys.executable, "-m", "nvpair", "unit", "--config", str(config)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert _keys(r.stdout)["KillMode"] == "process"
+    r = subprocess.run([sys.executable, "-m", "nvpair", "unit", "--config", str(config),
+                        "--on-exit", "stop"], capture_output=True, text=True, timeout=60)
+    assert _keys(r.stdout)["KillMode"] == "mixed"
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")
+def test_systemd_accepts_the_keep_unit(tmp_path: Path) -> None:
+    unit = tmp_path / "nvpair.service"
+    text = unit_text(executable=sys.executable, config=str(tmp_path / "nvpair.toml"),
+                     on_exit="keep")
+    unit.write_text(text)
+    v = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
+                       text=True, timeout=60, cwd=tmp_path)
+    assert v.returncode == 0 and v.stdout + v.stderr == "", v.stdout + v.stderr

@@ -324,3 +324,20 @@ def test_an_engine_that_sleeps_is_probed_on_its_sleeping_probe_and_started_with_
     assert vllm.sleep is not None and vllm.sleep_level == 2
     argv, env = build_command(plain.manifest, None, placeholder_values(plain))
     assert "--enable-sleep-mode" not in argv and "VLLM_SERVER_DEV_MODE" not in env
+
+
+def test_on_exit_is_the_top_level_s_unless_the_engine_says_otherwise(write) -> None:
+    cmd = "command = ['x']\nmanaged = true\nmodel = 'm'\nkind = 'vllm'\n"
+    s = load_settings(str(write("nvpair.toml",
+        f"on_exit = 'keep'\n[[engines]]\nname = 'a'\nport = 9001\n{cmd}"
+        f"[[engines]]\nname = 'b'\nport = 9002\non_exit = 'stop'\n{cmd}"
+        "[[engines]]\nname = 'c'\nkind = 'vllm'\nport = 9003\n")))
+    assert [e.on_exit for e in s.engines] == ["keep", "stop", "stop"]
+    assert [e.on_exit for e in load_settings(str(write("default.toml",
+        f"[[engines]]\nname = 'a'\nport = 9001\n{cmd}"))).engines] == ["stop"]  # the default
+
+
+def test_on_exit_of_an_engine_nvpair_does_not_manage_is_one_line(write) -> None:
+    with pytest.raises(ConfigError, match=r"engines\[0\]\.on_exit: needs managed = true"):
+        load_settings(str(write("nvpair.toml",
+                                "[[engines]]\nname = 'a'\nkind = 'vllm'\non_exit = 'keep'\n")))

@@ -11,6 +11,8 @@ The modules:
   `serve` logs it).
 * ``client``: the commands that talk to a running nvpair (status, models, start, stop,
   logs).
+* ``stop_engines``: `nvpair stop-engines`: every engine on record stopped, through a running
+  nvpair's API or, its nvpair gone, from its record.
 * ``groups``: `nvpair groups`: multi-node groups' states, ranks and epochs; stop, start,
   restart.
 * ``memory``: `nvpair memory [NAME]`: each engine's memory, floor, slope and time to

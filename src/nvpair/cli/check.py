@@ -54,6 +54,7 @@ def report(settings: Settings) -> dict[str, object]:
                 "name": e.name,
                 "kind": e.kind,
                 "managed": e.managed,
+                "on_exit": e.on_exit if e.managed else None,
                 "command": command_of(e),
                 **activation_of(e),
                 "group": None if e.group is None else e.group.name,
@@ -194,6 +195,8 @@ def _print_report(settings: Settings, *, show_commands: bool) -> None:
         mode = "managed" if e.managed else ("adopt if found" if e.optional else "adopted")
         if e.activation == "on_demand":
             mode = "managed, on demand"
+        if e.managed and e.on_exit == "keep":  # (docs/lifecycle.md)
+            mode += ", kept on exit"
         if e.group is not None:
             mode = f"head of group {e.group.name}"
         rows.append((e.name, e.kind, mode, e.url, e.model or "(as served)"))

@@ -54,6 +54,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", "-c", metavar="FILE", help="the config it serves "
                    "(default /etc/nvpair/nvpair.toml)")
     p.add_argument("--user", metavar="NAME", help="the user it runs as (default nvpair)")
+    p.add_argument("--on-exit", choices=("stop", "keep"),
+                   help="what a stop or restart of the unit does to the engines (default: "
+                        "keep if the config keeps any engine, else stop)")
+
+    p = sub.add_parser("stop-engines", help="stop every managed engine on record, nvpair "
+                                            "running or not (on_exit = keep: docs/lifecycle.md)")
+    config_arg(p)
+    p.add_argument("--url", help="a running nvpair's base URL (default: from the config's "
+                                 "listen)")
+    p.add_argument("--systemd-unit", metavar="UNIT",
+                   help="as UNIT's ExecStop=: stop only for a stop job of UNIT, not while "
+                        "systemd restarts it or after nvpair crashed (docs/deploy.md)")
 
     for name, helptext in (
         ("status", "show the engines of a running nvpair"),
@@ -122,6 +134,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 141
 
 
+def _config_on_exit(config: str) -> str:
+    """"keep" if the config (when it can be read) keeps any managed engine, else "stop"."""
+    from nvpair.config.settings import load_settings
+
+    try:
+        settings = load_settings(config) if os.path.isfile(config) else None
+    except InputError:
+        return "stop"
+    keeps = settings is not None and any(e.on_exit == "keep" for e in settings.engines)
+    return "keep" if keeps else "stop"
+
+
 def dispatch(args: argparse.Namespace) -> int:
     from nvpair.config.settings import load_settings
 
@@ -155,13 +179,18 @@ def dispatch(args: argparse.Namespace) -> int:
     if args.command == "unit":
         from nvpair.config.deploy import unit_text
 
-        sys.stdout.write(unit_text(config=args.config, user=args.user))
         config = args.config or "/etc/nvpair/nvpair.toml"
+        on_exit = args.on_exit or _config_on_exit(config)
+        sys.stdout.write(unit_text(config=args.config, user=args.user, on_exit=on_exit))
         if not os.path.isfile(config):  # the unit is still printed: it may be written later
             print(f"nvpair: warning: {config} does not exist yet; write it, then run "
                   f"`nvpair check --config {config} --show-commands` as the unit's user",
                   file=sys.stderr)
         return 0
+    if args.command == "stop-engines":
+        from nvpair.cli import stop_engines
+
+        return stop_engines.run(load_settings(args.config), args)
     if args.command == "demo":
         from nvpair.cli.demo import run_demo
 

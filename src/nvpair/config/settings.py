@@ -69,6 +69,8 @@ class EngineConfig(Base, frozen=True):
     cgroup: str | None = None
     #: "always" runs it from the start; "on_demand" starts it for a request (docs/on-demand.md).
     activation: Literal["always", "on_demand"] = "always"
+    #: managed engines: what nvpair's own exit does to it (default: the top-level on_exit).
+    on_exit: Literal["stop", "keep"] | None = None
     #: on demand: stop after this long with no routed request (0: never).
     idle_unload_s: Annotated[float, msgspec.Meta(ge=0, le=30 * 86400)] = 0.0
     #: on demand: a higher priority survives eviction longer.
@@ -181,6 +183,9 @@ class Config(Base, frozen=True):
     log_bytes_per_s: Annotated[int, msgspec.Meta(ge=4096, le=1 << 34)] = 2 * 1024 * 1024
     #: where nvpair keeps a state file per managed engine process (docs/deploy.md).
     state_dir: str | None = None
+    #: managed engines when nvpair exits: "stop" them, or "keep" them running for the next
+    #: nvpair to adopt (docs/lifecycle.md); an engine's own on_exit overrides it.
+    on_exit: Literal["stop", "keep"] = "stop"
     #: nvpair's own log lines: "text" for people, "json" one object per line (journald, Loki).
     log_format: Literal["text", "json"] = "text"
     #: one line per routed request: true (in nvpair's log), or a file's path; docs/observability.md.
@@ -234,6 +239,8 @@ class EngineSpec(msgspec.Struct, frozen=True):
     #: this node's part of a multi-node group (None: a single-node engine).
     group: GroupSettings | None = None
     activation: str = "always"  # or "on_demand"
+    #: a managed engine at nvpair's exit: "stop" it, or "keep" it running to be adopted
+    on_exit: str = "stop"
     idle_unload_s: float = 0.0
     priority: int = 0
     #: the configured footprint (None: "measured", from the memory watch only)
@@ -425,6 +432,8 @@ def resolve(config: Config, source: str, base: Path, *, listen: str | None = Non
             raise ConfigError(f"{where}.name: duplicate engine name {eng.name!r}")
         names.add(eng.name)
         spec = _resolve_engine(eng, where, base)
+        if spec.managed and eng.group is None:  # a group's ranks: docs/lifecycle.md
+            spec = msgspec.structs.replace(spec, on_exit=eng.on_exit or config.on_exit)
         twin = next((e for e in engines if (e.host, e.port) == (spec.host, spec.port)), None)
         # two adopted engines at one address: a mistake as a rule; a load test may mean it.
         # (With a managed one it is two processes on one port: nvpair.cli.preflight's error.)
@@ -548,6 +557,12 @@ def _resolve_engine(eng: EngineConfig, where: str, base: Path) -> EngineSpec:
             f"{where}: managed = true but neither the engine's command nor the "
             f"{manifest.kind} manifest's start.argv says how to start it"
         )
+    if eng.on_exit is not None and not eng.managed:
+        raise ConfigError(f"{where}.on_exit: needs managed = true (nvpair never stops an "
+                          "engine it did not start)")
+    if eng.on_exit == "keep" and eng.group is not None:
+        raise ConfigError(f"{where}.on_exit: a group's engine is stopped with nvpair; "
+                          "on_exit = 'keep' is for single-node engines")
     if eng.activation == "on_demand" and not eng.managed:
         raise ConfigError(f"{where}.activation: on_demand needs managed = true (nvpair "
                           "starts and stops the engine)")

@@ -16,6 +16,8 @@ The modules:
   a drain before each sleep, the kind's calls in order.
 * ``orphans``: state files of the processes nvpair starts, so a later nvpair stops what a
   killed one left.
+* ``kept``: engines that outlive nvpair (`on_exit = "keep"`): the output file followed
+  (`OutputTail`), and a process adopted from a previous nvpair's record (`AdoptedProcess`).
 * ``memwatch``: `MemoryWatch`: each engine's processes, a reading tick off the loop, the
   trend, exits explained (`explain_exit`), `restart_when_quiet`.
 * ``group``: `GroupRunner`, this node's role in a multi-node group: the head's decisions or

@@ -48,7 +48,8 @@ from nvpair.probing.prober import Enrolment, ProbeMemory, open_client, run_probe
 from nvpair.state.snapshot import LISTED_STATES, Board, EngineState
 from nvpair.state.traffic import Traffic
 from nvpair.state.transitions import enter
-from nvpair.supervision.orphans import EngineProcs
+from nvpair.supervision.kept import UNKNOWN_EXIT, output_path
+from nvpair.supervision.orphans import EngineProcs, Kept, command_digest
 from nvpair.supervision.process import (
     KILL_WAIT_S,
     OUTPUT_DRAIN_S,
@@ -183,6 +184,10 @@ class EngineRunner:
         self.restarts = 0
         self._again = False  # the next start is a restart
         self._ready_at: float | None = None  # when the current process first became ready
+        #: the engine outlives nvpair (``on_exit = "keep"``; needs a state directory)
+        self.keep = spec.managed and spec.on_exit == "keep" and self.procs.dir is not None
+        #: its first step looks for a process a previous nvpair left it (``reclaim``)
+        self._adopting = self.keep
         self.log = None
         if spec.managed:
             path = None if log_dir is None else log_dir / f"{spec.name}.log"
@@ -366,6 +371,8 @@ class EngineRunner:
         Cancelled. Whatever a step raises is this engine's failure (its state, its log
         line), never the service's: the step is tried again after a backoff (a request
         ends it early)."""
+        if self._adopting and self.spec.name in self.procs.adoptable:
+            self.desired = "running"  # (an on-demand engine left running is not cold)
         try:
             async with trio.open_nursery() as reaper:
                 self._reaper = reaper
@@ -419,10 +426,15 @@ class EngineRunner:
 
     async def _run_process(self) -> None:
         spec = self.spec
-        try:
-            taken = await self._port_taken()  # (it says when the check worked)
-        except Exception as exc:  # the check itself failed: no start, the reason shown
-            taken = self._port_part.failed(exc)
+        adopt = self.procs.take(spec.name) if self._adopting else None
+        self._adopting = False
+        if adopt is not None:  # its own port: not taken by another
+            taken = None
+        else:
+            try:
+                taken = await self._port_taken()  # (it says when the check worked)
+            except Exception as exc:  # the check itself failed: no start, the reason shown
+                taken = self._port_part.failed(exc)
         if taken:
             self._set(state="down", pid=None, error=taken)
             self.operation = None
@@ -433,10 +445,24 @@ class EngineRunner:
         argv, extra_env = build_command(spec.manifest, spec.command, placeholder_values(spec))
         env = engine_env(os.environ, extra_env, spec.env)  # never nvpair's own secrets
         assert self.log is not None and self._reaper is not None
-        self.log.write(f"[nvpair] starting: {_shown(argv, spec.api_key)}")
+        keep = None
+        if self.keep:
+            assert self.procs.dir is not None
+            digest = command_digest(argv, {**extra_env, **spec.env})
+            if adopt is not None:  # restarts and backoff go on from the record
+                self.restarts = adopt.kept.restarts if adopt.kept else self.restarts
+                self.backoff = adopt.kept.backoff_s if adopt.kept else self.backoff
+            keep = Kept(digest=digest, restarts=self.restarts + self._again,
+                        backoff_s=self.backoff,
+                        output=str(output_path(self.procs.dir, spec.name)))
+        if adopt is not None:
+            self.log.write(f"[nvpair] adopted process {adopt.pid}, left running by nvpair "
+                           f"{adopt.nvpair_pid} (on_exit = keep)")
+        else:
+            self.log.write(f"[nvpair] starting: {_shown(argv, spec.api_key)}")
         run = partial(run_engine_process, argv, env, name=spec.name, log_to=self.log,
                       output=self._output_part, procs=self.procs, reaper=self._reaper,
-                      spawn=self._spawn,
+                      spawn=self._spawn, keep=keep, adopt=adopt,
                       stopping=Stopping(spec.manifest.stop.signal, spec.stop_grace_s))
         proc: EngineProcess | None = None
         async with trio.open_nursery() as lifetime:  # the process's: cancelled, it stops
@@ -445,25 +471,36 @@ class EngineRunner:
             except Exception as exc:  # OSError, but also ValueError (a NUL, an `=` in a name)
                 failure = exc
             else:
-                why = await self._serve(proc)
+                changed = (adopt is not None and keep is not None and adopt.kept is not None
+                           and adopt.kept.digest != keep.digest)
+                why = await self._serve(proc, adopted=adopt is not None, changed=changed)
+                proc.stop_on_cancel()  # (a kept engine too: this is a stop, not nvpair's exit)
                 lifetime.cancel_scope.cancel(reason=_REASONS[why])
         if proc is None:
             await self._failed_start(argv, failure)
         else:
             await self._after_exit(proc.returncode, why)
 
-    async def _serve(self, proc: EngineProcess) -> Why:
-        """A process just started: probe it until it exits, misses its startup budget or a
-        stop or restart is asked for, whichever comes first; that is returned."""
+    async def _serve(self, proc: EngineProcess, *, adopted: bool = False,
+                     changed: bool = False) -> Why:
+        """A process just started (or ``adopted``): probe it until it exits, misses its
+        startup budget or a stop or restart is asked for, whichever comes first; that is
+        returned. ``changed``: an adopted process whose command is no longer the config's
+        is drained and restarted."""
         self._spawn_part.ok()
         self._proc = proc
-        self.starts += 1
-        self.restarts += self._again
+        if not adopted:
+            self.starts += 1
+            self.restarts += self._again
         self._again = False
         self._ready_at = None
         self._set(state="starting", pid=proc.pid, error=None, exit_code=None,
                   exited_at=None, restarts=self.restarts, admitting=True)
         self.operation = None
+        if changed:
+            log.info("%s: its command changed while nvpair was down: restarting it",
+                     self.spec.name)
+            self.drain(then="restart", reason="its command changed while nvpair was down")
         async with trio.open_nursery() as probing:
             await probing.start(self._probes())
             why = await first_of(partial(self._exited, proc), self._budget, self._asked)
@@ -522,7 +559,8 @@ class EngineRunner:
         if why in ("stop", "restart"):
             self._drain_done()
             self._set(state=self.rest if why == "stop" else "starting", pid=None,
-                      exit_code=code, exited_at=_wall(), error=stuck, admitting=True)
+                      exit_code=None if code == UNKNOWN_EXIT else code, exited_at=_wall(),
+                      error=stuck, admitting=True)
             return
         if self.draining is not None and self.draining.then == "stop":  # it ended by itself
             self.desired = "stopped"
@@ -543,8 +581,8 @@ class EngineRunner:
             error = f"{error}; {stuck}"
         if self._ready_for() >= spec.manifest.restart.reset_after_s:
             self.backoff = spec.manifest.restart.initial_s
-        self._set(state="down", pid=None, exit_code=code, exited_at=_wall(),
-                  error=error)
+        self._set(state="down", pid=None, exit_code=None if code == UNKNOWN_EXIT else code,
+                  exited_at=_wall(), error=error)
         log.warning("%s: %s", spec.name, error)  # whether it restarts is said once it does
         await self._back_off()
 

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import json
 import logging
 import os
 import signal
 import sys
 import tempfile
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal
@@ -80,6 +81,30 @@ class Record(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     nvpair_pid: Annotated[int, msgspec.Meta(ge=1, le=1 << 22)]
     nvpair_start_time: Annotated[int, msgspec.Meta(ge=0, le=1 << 62)]
     version: Literal[1] = 1
+    #: what nvpair's exit does to it: "stop", or "keep" (the next nvpair adopts it)
+    on_exit: Literal["stop", "keep"] = "stop"
+    #: with keep: what the next nvpair needs to adopt it as the managed engine it was
+    kept: Kept | None = None
+
+
+class Kept(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a kept engine's record adds (``on_exit = "keep"``): the digest of the command it
+    runs (``command_digest``: another digest in the config means a restart), the runner's
+    restarts and backoff when it was started, and its output file with how far nvpair has
+    read it."""
+
+    digest: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
+    restarts: Annotated[int, msgspec.Meta(ge=0, le=1 << 31)] = 0
+    backoff_s: Annotated[float, msgspec.Meta(ge=0, le=1e6)] = 0.0
+    output: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)] = "-"
+    offset: Annotated[int, msgspec.Meta(ge=0, le=1 << 62)] = 0
+
+
+def command_digest(argv: Sequence[str], env: Mapping[str, str]) -> str:
+    """What a managed engine's process runs, as a sha256: its argv and the environment the
+    config gives it (a secret in it is hashed, never stored)."""
+    doc = msgspec.json.encode([list(argv), sorted(env.items())])
+    return hashlib.sha256(doc).hexdigest()
 
 
 def parse_record(data: bytes, source: str) -> Record:
@@ -199,6 +224,13 @@ class EngineProcs:
         #: set when nvpair must end its engines at once (a second SIGTERM or SIGINT while
         #: it shuts down): a stop in its grace period goes on to SIGKILL now.
         self.kill_now = trio.Event()
+        #: what is on record of each live process, by pid (rewritten with a new offset)
+        self.records: dict[int, Record] = {}
+        #: kept engines a previous nvpair left, found by ``reclaim``, by engine: each
+        #: runner takes its own (``take``) and adopts it
+        self.adoptable: dict[str, Record] = {}
+        #: processes of kept engines left running as this nvpair exits, by pid
+        self.left: dict[int, str] = {}
 
     def _path(self, engine: str, pid: int) -> Path:
         assert self.dir is not None
@@ -218,32 +250,62 @@ class EngineProcs:
                 self._reap_deferred = False
                 reap_once(self)
 
-    def record(self, engine: str, pid: int, argv: Iterable[str]) -> None:
-        """Write the state file of a process just started (atomically). Never raises: an
-        engine runs even where its state file cannot be written (that is logged)."""
+    def record(self, engine: str, pid: int, argv: Iterable[str], kept: Kept | None = None
+               ) -> None:
+        """Write the state file of a process just started, or just adopted (atomically:
+        a temporary file, fsync, rename). ``kept``: an engine that outlives nvpair. Never
+        raises: an engine runs even where its state file cannot be written (logged)."""
         self.live[pid] = engine
         s = stat(pid)
         if self.dir is None or s is None or self._me is None:
             return
         doc = Record(engine=engine, pid=pid, start_time=s.start_time, boot_id=self._boot,
                      argv=tuple(argv), nvpair_pid=os.getpid(),
-                     nvpair_start_time=self._me.start_time)
+                     nvpair_start_time=self._me.start_time,
+                     on_exit="stop" if kept is None else "keep", kept=kept)
+        self.records[pid] = doc
+        self._write(doc)
+
+    def rewrite(self, pid: int, offset: int) -> None:
+        """A kept engine's record again, with how far its output has been read. Never
+        raises (a failure is logged). Blocking (an fsync): call it off the loop, or at
+        exit."""
+        doc = self.records.get(pid)
+        if doc is None or doc.kept is None or doc.kept.offset == offset:
+            return
+        doc = msgspec.structs.replace(doc, kept=msgspec.structs.replace(doc.kept,
+                                                                         offset=offset))
+        self.records[pid] = doc
+        self._write(doc)
+
+    def _write(self, doc: Record) -> None:
+        if self.dir is None:
+            return
         with self._part.guard():
             self.dir.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{engine}.", dir=self.dir)
+            fd, tmp = tempfile.mkstemp(prefix=f".{doc.engine}.", dir=self.dir)
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(msgspec.json.encode(doc))
-                os.replace(tmp, self._path(engine, pid))
+                    f.flush()
+                    # the record, whole, before its name points at it (a write, fsync and
+                    # rename of ~500 bytes: 0.3 ms median, 0.55 ms at most in 50, on ext4)
+                    os.fsync(f.fileno())
+                os.replace(tmp, self._path(doc.engine, doc.pid))
             except BaseException:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
                 raise
             self._part.ok()
 
+    def take(self, engine: str) -> Record | None:
+        """The record of ``engine``'s kept process to adopt, once (None: none was found)."""
+        return self.adoptable.pop(engine, None)
+
     def forget(self, engine: str, pid: int) -> None:
         """The process has ended and been reaped: remove its state file."""
         self.live.pop(pid, None)
+        self.records.pop(pid, None)
         if self.dir is not None:
             with self._part.guard(), contextlib.suppress(FileNotFoundError):
                 self._path(engine, pid).unlink()
@@ -259,11 +321,19 @@ class Stop(msgspec.Struct, frozen=True):
     grace_s: float = DEFAULT_GRACE_S
 
 
-async def reclaim(procs: EngineProcs, engines: Iterable[EngineSpec] = ()) -> list[Record]:
+async def reclaim(procs: EngineProcs, engines: Iterable[EngineSpec] = (), *,
+                  adopt: bool = True) -> list[Record]:
     """Stop the engine processes a dead nvpair left running (in parallel, each with its
     engine's stop signal and grace period); remove the state files of processes that have
-    ended. Returns the records of the orphans it stopped."""
+    ended. Returns the records of the orphans it stopped.
+
+    ``adopt``: a process of a kept engine (``on_exit = "keep"``, in its record and in
+    ``engines``) is not stopped but put in ``procs.adoptable`` once it is proven the same
+    process (pid, start time and command line; else its record is dropped, and the
+    process, someone else's, left alone)."""
+    engines = list(engines)
     stops = {e.name: Stop(e.manifest.stop.signal, e.stop_grace_s) for e in engines}
+    keep = {e.name for e in engines if e.managed and e.on_exit == "keep"} if adopt else set()
     part = Part("orphans")
     paths: list[Path] = []
     with part.guard():  # an unreadable directory is logged; nvpair starts regardless
@@ -273,8 +343,12 @@ async def reclaim(procs: EngineProcs, engines: Iterable[EngineSpec] = ()) -> lis
     for path in paths:
         with part.guard():
             record = _read(path, procs)
-            if record is not None:
-                found.append((path, record))
+            if record is None:
+                continue
+            if (record.on_exit == "keep" and record.engine in keep
+                    and _adoptable(path, record, procs)):
+                continue
+            found.append((path, record))
     stopped: list[Record] = []
 
     async def stop_one(path: Path, record: Record) -> None:
@@ -323,6 +397,26 @@ def _read(path: Path, procs: EngineProcs) -> Record | None:
     return record
 
 
+def _adoptable(path: Path, record: Record, procs: EngineProcs) -> bool:
+    """Whether ``record``'s process (running: same pid, boot and start time) is adopted:
+    also its command line must be the one on record, else it is not the engine (its record
+    is dropped: True, and it is neither adopted nor signalled). A second record of one
+    engine (False) is stopped as an orphan."""
+    now = cmdline(record.pid)
+    if now is None or not same_command(record.argv, now):
+        log.warning("engine %s: process %d runs another command than the one on record; it "
+                    "is not that engine: record dropped, process left alone", record.engine,
+                    record.pid)
+        path.unlink(missing_ok=True)
+        return True
+    if record.engine in procs.adoptable:
+        return False
+    procs.adoptable[record.engine] = record
+    log.info("engine %s: process %d, left running by nvpair %d (on_exit = keep), is adopted",
+             record.engine, record.pid, record.nvpair_pid)
+    return True
+
+
 def same_command(started: Sequence[str], shown: Sequence[str]) -> bool:
     """Whether ``shown`` (``/proc/PID/cmdline`` now) is the command ``started`` ran: the
     same words, or a script's (``nvpair sim ...``) as its interpreter shows it once it runs
@@ -363,13 +457,13 @@ async def _stop_orphan(record: Record, stop: Stop, kill_now: trio.Event) -> None
                     record.nvpair_pid, signal.Signals(sig).name, stop.grace_s)
         _killpg(pid, sig)
         with trio.move_on_after(stop.grace_s):  # a second signal to nvpair cuts it
-            await unless_killing(partial(_ended, pid, record.start_time, pidfd), kill_now)
+            await unless_killing(partial(until_ended, pid, record.start_time, pidfd), kill_now)
         if running(pid, record.start_time):
             log.warning("engine %s: process %d did not stop within %g s; SIGKILL",
                         record.engine, pid, stop.grace_s)
             _killpg(pid, signal.SIGKILL)
             with trio.move_on_after(KILL_WAIT_S):
-                await _ended(pid, record.start_time, pidfd)
+                await until_ended(pid, record.start_time, pidfd)
             if running(pid, record.start_time):
                 raise OrphanStuck(f"engine {record.engine}: process {pid} did not exit within "
                                   f"{KILL_WAIT_S:g} s of SIGKILL (stuck in the kernel, D "
@@ -409,7 +503,7 @@ def _pidfd(pid: int) -> Iterator[int | None]:
             os.close(fd)
 
 
-async def _ended(pid: int, start_time: int, pidfd: int | None) -> None:
+async def until_ended(pid: int, start_time: int, pidfd: int | None) -> None:
     """Wait until a process that is not our child has ended (its parent reaps it)."""
     if pidfd is not None:
         await trio.lowlevel.wait_readable(pidfd)
@@ -509,11 +603,11 @@ async def end_strays(procs: EngineProcs, grace_s: float = 5.0) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
             with trio.move_on_after(grace_s):  # (a second signal to nvpair cuts it)
-                await unless_killing(partial(_ended, pid, s.start_time, pidfd), procs.kill_now)
+                await unless_killing(partial(until_ended, pid, s.start_time, pidfd), procs.kill_now)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             with trio.move_on_after(KILL_WAIT_S):  # stuck in the kernel: nvpair exits anyway
-                await _ended(pid, s.start_time, pidfd)
+                await until_ended(pid, s.start_time, pidfd)
 
     async with trio.open_nursery() as nursery:
         for pid in left:

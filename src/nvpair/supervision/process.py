@@ -27,6 +27,8 @@ import os
 import signal
 import subprocess
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from functools import partial
+from pathlib import Path
 from typing import Protocol
 
 import msgspec
@@ -35,7 +37,8 @@ import trio
 from nvpair.base.boundary import Part
 from nvpair.base.logs import EngineLog
 from nvpair.errors import NvpairError
-from nvpair.supervision.orphans import EngineProcs, unless_killing
+from nvpair.supervision.kept import UNKNOWN_EXIT, AdoptedProcess, OutputTail, open_output
+from nvpair.supervision.orphans import EngineProcs, Kept, Record, unless_killing
 
 log = logging.getLogger("nvpair.lifecycle")
 
@@ -101,11 +104,22 @@ class OsProcess:
         killpg(self.process.pid, sig)
 
 
-async def spawn_process(argv: Sequence[str], env: Mapping[str, str]) -> Proc:
-    """The real ``Spawn``: no shell, a new session, stdout and stderr into one pipe."""
-    process = await trio.lowlevel.open_process(
-        list(argv), env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, start_new_session=True)
+async def spawn_process(argv: Sequence[str], env: Mapping[str, str], *,
+                        output: Path | None = None) -> Proc:
+    """The real ``Spawn``: no shell, a new session, stdout and stderr into one pipe (or,
+    ``output``: into that file, emptied first: a kept engine's, ``nvpair.supervision.kept``)."""
+    if output is None:
+        process = await trio.lowlevel.open_process(
+            list(argv), env=dict(env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True)
+        return OsProcess(process)
+    fd = open_output(output)
+    try:
+        process = await trio.lowlevel.open_process(
+            list(argv), env=dict(env), stdin=subprocess.DEVNULL, stdout=fd,
+            stderr=subprocess.STDOUT, start_new_session=True)
+    finally:
+        os.close(fd)
     return OsProcess(process)
 
 
@@ -120,11 +134,20 @@ class Stopping(msgspec.Struct, frozen=True):
 class EngineProcess:
     """The started value of ``run_engine_process``: one running engine process."""
 
-    def __init__(self, proc: Proc) -> None:
+    def __init__(self, proc: Proc, *, kept: bool = False) -> None:
         self.proc = proc
         #: while the process outlives SIGKILL (D state): what to say about it; None once
         #: it is reaped (or if it never was stuck).
         self.stuck: str | None = None
+        #: a kept engine (``on_exit = "keep"``): a cancellation of its run leaves it running
+        #: (nvpair exits), unless ``stop_on_cancel`` was called first (a stop or restart)
+        self.kept = kept
+        #: whether the run left it running as nvpair exited
+        self.left = False
+
+    def stop_on_cancel(self) -> None:
+        """The next cancellation of the run is a stop (asked for), also of a kept engine."""
+        self.kept = False
 
     @property
     def pid(self) -> int:
@@ -152,6 +175,8 @@ async def run_engine_process(
     procs: EngineProcs,
     reaper: trio.Nursery,
     spawn: Spawn = spawn_process,
+    keep: Kept | None = None,
+    adopt: Record | None = None,
     task_status: trio.TaskStatus[EngineProcess] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run engine ``name``'s process from spawn to reap.
@@ -165,14 +190,33 @@ async def run_engine_process(
     is left to a task in ``reaper`` (``EngineProcess.stuck`` says so until it is reaped).
     The last log line says how the process ended.
 
+    ``keep``: an engine that outlives nvpair (``on_exit = "keep"``): its output goes to
+    its file (``keep.output``), which is followed (``nvpair.supervision.kept``); its record
+    says so; a cancellation leaves it running unless ``EngineProcess.stop_on_cancel`` was
+    called. ``adopt``: instead of a spawn, the kept process of that record (its output
+    read on from the record's offset).
+
     Raises: whatever ``spawn`` raises, before it is started (nothing was spawned then).
     Copying the output never raises: ``output`` is its fault boundary (on a failure the
     output is read and dropped for the backoff, then copied again).
     """
-    with procs.spawning():  # not a stray before it is on record
-        proc = await spawn(argv, env)
-        procs.record(name, proc.pid, argv)  # until reaped: docs/deploy.md
-    handle = EngineProcess(proc)
+    offset = 0
+    proc: Proc
+    if adopt is not None and keep is not None:
+        proc = AdoptedProcess(adopt.pid, adopt.start_time)
+        offset = adopt.kept.offset if adopt.kept is not None else 0
+        argv = adopt.argv
+        procs.record(name, proc.pid, argv, msgspec.structs.replace(keep, offset=offset))
+    else:
+        if keep is not None and spawn is spawn_process:  # (a test's fake spawns as it likes)
+            spawn = partial(spawn_process, output=Path(keep.output))
+        with procs.spawning():  # not a stray before it is on record
+            proc = await spawn(argv, env)
+            procs.record(name, proc.pid, argv, keep)  # until reaped: docs/deploy.md
+    handle = EngineProcess(proc, kept=keep is not None)
+    ended = trio.Event()  # (a kept engine's output file is read to its end after this)
+    tail = None if keep is None else OutputTail(Path(keep.output), offset, ended,
+                                                partial(procs.rewrite, proc.pid))
     try:
         async with trio.open_nursery() as pumping:
             pumped = trio.Event()
@@ -187,28 +231,46 @@ async def run_engine_process(
                 finally:
                     pumped.set()
 
-            if proc.stdout is None:
+            source = tail if tail is not None else proc.stdout
+            if source is None:
                 pumped.set()
             else:
-                pumping.start_soon(pump, proc.stdout)
+                pumping.start_soon(pump, source)
             try:
                 task_status.started(handle)
                 await proc.wait()
             finally:
                 with trio.CancelScope(shield=True):
-                    handle.stuck = await terminate(proc, stopping, procs.kill_now)
-                    if handle.stuck is not None:
-                        log.warning("%s: %s", name, handle.stuck)
-                    with trio.move_on_after(OUTPUT_DRAIN_S):  # a child may hold the pipe
-                        await pumped.wait()
-                reading.cancel(reason="engine process ended")
+                    if handle.kept and proc.returncode is None:  # nvpair exits: it stays
+                        handle.left = True
+                    else:
+                        handle.stuck = await terminate(proc, stopping, procs.kill_now)
+                        if handle.stuck is not None:
+                            log.warning("%s: %s", name, handle.stuck)
+                        ended.set()
+                        with trio.move_on_after(OUTPUT_DRAIN_S):  # a child may hold the pipe
+                            await pumped.wait()
+                reading.cancel(reason="nvpair is exiting" if handle.left
+                               else "engine process ended")
     finally:
-        log_to.write(f"[nvpair] process {proc.pid} ended: {describe_exit(proc.returncode)}"
-                     if handle.stuck is None else f"[nvpair] {handle.stuck}")
-        if proc.returncode is not None:  # reaped
-            procs.forget(name, proc.pid)
-        else:  # reaped whenever the kernel lets it go
-            reaper.start_soon(_reap_late, handle, name, procs)
+        if tail is not None:
+            tail.close()
+        if handle.left:
+            assert tail is not None
+            procs.rewrite(proc.pid, tail.offset)  # (at exit: the loop may wait for it)
+            procs.left[proc.pid] = name
+            log_to.write(f"[nvpair] nvpair exits; process {proc.pid} keeps running "
+                         "(on_exit = keep)")
+        else:
+            log_to.write(f"[nvpair] process {proc.pid} ended: {describe_exit(proc.returncode)}"
+                         if handle.stuck is None else f"[nvpair] {handle.stuck}")
+            if proc.returncode is not None:  # reaped
+                procs.forget(name, proc.pid)
+                if keep is not None:  # read to its end: its words are in the log now
+                    with contextlib.suppress(OSError):
+                        os.unlink(keep.output)
+            else:  # reaped whenever the kernel lets it go
+                reaper.start_soon(_reap_late, handle, name, procs)
 
 
 async def terminate(proc: Proc, stopping: Stopping,
@@ -292,6 +354,9 @@ def describe_exit(code: int | None) -> str:
     """How a process ended, in words (``exited with code 3``, ``killed by SIGKILL``)."""
     if code is None:
         return "is still running"
+    if code == UNKNOWN_EXIT:
+        return "ended (adopted from a previous nvpair, it is not nvpair's child: its exit " \
+               "status is unknown)"
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"
