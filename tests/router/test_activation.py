@@ -614,7 +614,7 @@ async def test_an_engine_a_request_was_just_let_through_to_is_no_victim() -> Non
     board.update("b", lambda e: msgspec.structs.replace(e, state="ready"))
     queue = activator.queue("b")
     ticket = Ticket(queue)
-    queue.waiting.append(ticket)
+    queue.waiting.add(ticket)
     queue.release(None)  # let through: not waiting any more, not in flight yet
     assert ticket.ready.is_set() and not queue.waiting
     assert [c.evictable for c in activator._running("a")] == [False]
