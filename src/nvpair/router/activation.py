@@ -59,6 +59,8 @@ IDLE_CHECK_S = 5.0
 ROOM_RECHECK_S = 1.0
 #: Retry-After of a request that waited too long or whose engine could not start
 RETRY_AFTER_S = 5
+#: how requests without an API key are named where keys are (no key's name can be this)
+ANONYMOUS = "(no key)"
 #: waiting requests whose place is worked out for a reader (``GET /v1/queue``, a 503's
 #: words): the first this many in the order they go; the rest are counted
 SHOWN_WAITING = 256
@@ -328,8 +330,11 @@ class Activator:
                 count = len(q.waiting)
                 oldest = q.waiting.oldest()
                 since = None if oldest is None else oldest.at
-                self.board.update(name, lambda e: e if (e.queued, e.queued_since) == (
-                    count, since) else _replace(e, queued=count, queued_since=since))
+                keys = tuple(sorted((ANONYMOUS if k is None else k, len(line), line[0].at)
+                                    for k, line in q.waiting.lines.items()))
+                self.board.update(name, lambda e: e if (e.queued, e.queued_since, e.queued_keys)
+                                  == (count, since, keys) else _replace(
+                                      e, queued=count, queued_since=since, queued_keys=keys))
             queue = self.queues[name] = EngineQueue(
                 name, publish, partial(self._serve, name),
                 FairQueue(self.config.priority_age_s))
