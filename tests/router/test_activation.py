@@ -995,7 +995,8 @@ async def test_waiting_requests_go_as_slots_free_and_newcomers_wait_their_turn(
     """max_in_flight = 2: of four requests waiting for a cold engine, two go once it is
     ready; each request that ends lets the next go, in arrival order; one that comes
     meanwhile waits behind those before it (no overtaking); one let go whose client leaves
-    before it reaches the engine gives its slot to the next."""
+    before it reaches the engine gives its slot to the next; while every slot is taken a
+    newcomer waits in the queue too."""
     from trio.testing import wait_all_tasks_blocked
 
     board, fake, _, activator = await one_on_demand(nursery, loading=True, max_in_flight=2)
@@ -1036,8 +1037,14 @@ async def test_waiting_requests_go_as_slots_free_and_newcomers_wait_their_turn(
     assert activator.holds("e")
     end(1)
     await wait_all_tasks_blocked()
-    assert sorted(tickets) == [0, 1, 2, 3, 4] and not activator.holds("e")
+    assert sorted(tickets) == [0, 1, 2, 3, 4]
     assert board.current.engine("e").queued == 0  # type: ignore[union-attr]
+    # nobody waits, but both slots are taken (3 in flight, 4 on its way): a newcomer waits
+    # its turn in the queue (its order: priority, key), not in the engine's
+    assert activator.holds("e")
+    start(4)
+    end(3)
+    assert not activator.holds("e")  # a slot is free: a newcomer goes straight there
 
 
 def test_the_capacity_is_max_in_flight_else_what_the_engine_says_else_none() -> None:
@@ -1087,4 +1094,4 @@ async def test_a_request_that_waits_too_long_for_a_slot_is_503_saying_so(
     assert trio.current_time() - asked == pytest.approx(60)
     assert str(waited.value) == ("engine e had no free slot within queue_wait_s (60 s): its 1 "
                                  "slot was busy")
-    assert activator.traffic.engines["e"].in_flight == 1 and not activator.holds("e")
+    assert activator.traffic.engines["e"].in_flight == 1 and not activator.queue("e").waiting

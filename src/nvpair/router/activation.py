@@ -57,6 +57,9 @@ IDLE_CHECK_S = 5.0
 #: the longest wait before room is looked for again, while engines that cannot be evicted
 #: now stand in the way (their changes on the board wake it sooner)
 ROOM_RECHECK_S = 1.0
+#: swap batching: an engine whose last request ended this recently still counts as busy
+#: (a closed-loop client's next request comes within milliseconds of its answer)
+SWAP_QUIET_S = 0.5
 #: Retry-After of a request that waited too long or whose engine could not start
 RETRY_AFTER_S = 5
 #: how requests without an API key are named where keys are (no key's name can be this)
@@ -262,10 +265,18 @@ class Activator:
         return None
 
     def holds(self, name: str) -> bool:
-        """Requests still wait for engine ``name`` (ready now, its slots busy): a new one
-        queues behind them, so that they go in arrival order."""
+        """A new request for engine ``name`` (ready now) waits in its queue: requests still
+        wait there (it queues behind them, in the queue's order), or the engine's slots
+        are all taken (``capacity``: it waits its turn by priority and key, not the
+        engine's own first come first served)."""
         queue = self.queues.get(name)
-        return queue is not None and bool(queue.waiting)
+        if queue is not None and queue.waiting:
+            return True
+        if name not in self.specs:
+            return False
+        slots = self.capacity(name)
+        sent = 0 if queue is None else queue.sent
+        return slots is not None and self._in_flight(name) + sent >= slots
 
     def used(self, name: str) -> None:
         """A routed request started on engine ``name`` (probes never call this)."""
@@ -572,9 +583,15 @@ class Activator:
             if c.name not in victims:
                 continue
             r = self.residency.get(c.name) or Residency(now)
-            v = verdict(self.swaps, Resident(c.name, r.since, r.served, c.in_flight > 0),
-                        name, waited, now)
+            # busy: a request in flight, or one ended a moment ago (a client's next request
+            # follows its answer within milliseconds; the gap between them is no idleness)
+            quiet = now - self.last_used.get(c.name, 0.0)
+            busy = c.in_flight > 0 or quiet < SWAP_QUIET_S
+            v = verdict(self.swaps, Resident(c.name, r.since, r.served, busy), name, waited,
+                        now)
             if not v.evict:
+                if c.in_flight == 0:  # (held only by the moment: look again once it is over)
+                    v = Verdict(False, v.why, min(v.until or now, now + SWAP_QUIET_S - quiet))
                 return v
             verdicts[c.name] = v.why
         self._held_since.pop(name, None)
