@@ -32,8 +32,8 @@ from nvpair.probing.prober import node_probe_rate
 from nvpair.probing.sweep import Sweep
 from nvpair.router import ROUTED_PATHS, Router, Traffic
 from nvpair.router.activation import Activator
-from nvpair.router.queueview import QueueView
 from nvpair.router.counters import TrafficView
+from nvpair.router.queueview import QueueView
 from nvpair.runtime import looplag
 from nvpair.runtime.collector import Collector, left_alone
 from nvpair.state.events import Journal
