@@ -45,8 +45,8 @@ def dispatched() -> dict[str, str]:
                    for a in ENGINE_ACTIONS})
     routes["/v1/models/{model}"] = "get"
     routes.update({path: "post" for path in ROUTED_PATHS})
-    routes.update({"/v1/router": "get", QUEUE_PATH: "get", HistoryView.path: "get", Dashboard.prefix: "get",
-                   PEERS_PATH: "get", ADVERTS_PATH: "post", GROUPS: "get",
+    routes.update({"/v1/router": "get", QUEUE_PATH: "get", HistoryView.path: "get",
+                   Dashboard.prefix: "get", PEERS_PATH: "get", ADVERTS_PATH: "post", GROUPS: "get",
                    GROUPS + "/{name}": "get"})
     routes.update({f"{GROUPS}/{{name}}/{a}": "post" for a in GROUP_ACTIONS})
     return routes
