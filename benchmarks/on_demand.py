@@ -25,7 +25,7 @@ router as it was) and ``od`` (``activation = "on_demand"``, loading for ``--load
   the queue wait per key (``x-nvpair-queue-ms``), the longest wait, failures (must be 0).
 
 Writes ``benchmarks/results/on-demand.json`` (``on-demand-quick.json`` with ``--quick``).
-``--only alternation`` runs that scenario alone.
+``--only alternation`` runs that scenario alone (``on-demand-alternation[-quick].json``).
 """
 
 from __future__ import annotations
@@ -252,7 +252,11 @@ def alternation_once(procs: Procs, policy: str, name: str, per_client: int) -> d
             top += f"[[keys]]\nname = '{key}'\ntoken_file = '{key}'\nrole = 'user'\n"
     top = top.replace("token_file = 'admin'", f"token_file = '{procs.workdir / 'admin'}'")
     top = re.sub(r"token_file = '(c\d)'", lambda m: f"token_file = '{procs.workdir / m[1]}'", top)
-    engines = (f"[activation]\nmemory_budget_bytes = 10_000_000_000\n{policy}\n")
+    # The planner plans with memory_bytes: the memory watch reads once, at start (the
+    # engines cold), and not again within the run (a simulator's real footprint, 20 MB,
+    # would let both fit).
+    engines = (f"[activation]\nmemory_budget_bytes = 10_000_000_000\n{policy}\n"
+               "[memory]\ninterval_s = 600\n")
     for model in ("qwen", "gemma"):
         port = free_port()
         argv = [PY, "-m", "nvpair.sim", "vllm", "--port", str(port), "--model", model,
@@ -307,7 +311,9 @@ def main() -> int:
     parser.add_argument("--only", choices=["alternation"])
     args = parser.parse_args()
     if args.only == "alternation":
-        alt = alternation(args.quick)
+        alt = {"machine": machine(), "quick": args.quick, **alternation(args.quick)}
+        name = "on-demand-alternation-quick.json" if args.quick else "on-demand-alternation.json"
+        (ROOT / "benchmarks" / "results" / name).write_text(json.dumps(alt, indent=1) + "\n")
         print(json.dumps(alt, indent=1))
         failed = alt["fifo"]["failures"] + alt["swap_batching"]["failures"]
         return 1 if failed else 0
