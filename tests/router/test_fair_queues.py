@@ -120,8 +120,12 @@ async def test_a_low_priority_waits_behind_high_and_goes_within_the_ageing_bound
     before = [t for key, t in served if key == "ops" and sent < t < sent + began]
     assert len(before) >= 5  # it waited behind ops (0.2 s each, for 2 s)
     assert began >= 2.0  # its level was below ops' until it had waited 2 * priority_age_s
-    # within the bound: 2 s, then at most 2 turns of 0.2 s (1.5 s for a shared machine)
-    assert began <= 2.0 + 2 * 0.2 + 1.5, began
+    # within the bound, counted in turns: once it had waited 2 s, at most K * (m + 1) - 1 =
+    # 1 ops request was let go before it (one more may show here: an ops answer's head
+    # reaches its client a moment after it was let go)
+    after_bound = [t for t in before if t > sent + 2.0]
+    assert len(after_bound) <= 2, (began, after_bound)
+    assert began < 10, began
 
 
 def sharing(tmp: Path, activation: str) -> object:

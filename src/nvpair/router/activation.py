@@ -424,6 +424,7 @@ class Activator:
         finally:
             queue.activating = False
             self._reserved.discard(name)
+            self._held_since.pop(name, None)  # (a held swap's episode ends with the start)
         if failure is not None:
             log.warning("%s: %s", name, failure)
             queue.fail_all(failure)
@@ -738,6 +739,7 @@ class Activator:
             reason = f"idle for {_duration(idle)}"
             if not isinstance(self.runners[name].drain(then="stop", reason=reason), Busy):
                 drained.append(name)
+                self.residency.pop(name, None)  # (its next load is a new batch)
         return drained
 
 
