@@ -703,8 +703,9 @@ async def test_the_queue_and_each_activation_are_events(nursery, tmp_path) -> No
                         event = await events.next()
                         if event.event == "engine":
                             seen.append(json.loads(event.data or "{}"))
-    assert any(e["queued"] == 1 for e in seen), seen
+    assert any(e["queued"] == 1 and e["queued_keys"] == {"(no key)": 1} for e in seen), seen
     assert any(e["activity"] == "started a for a request (queued 1)" for e in seen), seen
+    assert seen[-1]["queued_keys"] == {}
 
 
 async def test_a_request_for_the_engine_being_evicted_waits_and_is_served(

@@ -197,3 +197,30 @@ async def test_a_waiter_that_waited_max_swap_wait_s_ends_the_hold(
     assert re.search(r"; swap: b waited 1\.\d s >= max_swap_wait_s 1 s \(served \d+\)$",
                      activity), activity
     assert served < 10000
+
+
+async def test_queue_max_is_each_keys_share(nursery, tmp_path) -> None:
+    """queue_max = 2: a third request of ``big`` waiting for the engine is 429, while
+    ``small`` still gets a place (one busy key cannot fill the queue)."""
+    settings = on_demand(tmp_path, {"a": sim_command("vllm", "--load-s", "3")},
+                         activation="queue_max = 2\n" + keys(tmp_path, big=0, small=0))
+    statuses: dict[str, list[int]] = {"big": [], "small": []}
+    with trio.fail_after(40):
+        async with on_demand_service(nursery, settings) as (running, client, _):
+
+            async def one(key: str) -> None:
+                r = await client.post(CHAT, headers=as_key(key), content=payload("model-a"))
+                statuses[key].append(r.status_code)
+
+            async with trio.open_nursery() as n:
+                for i in range(2):
+                    n.start_soon(one, "big")
+                    await queued(running.board, "a", i + 1)
+                full = await client.post(CHAT, headers=as_key("big"),
+                                         content=payload("model-a"))
+                n.start_soon(one, "small")
+                await queued(running.board, "a", 3)
+    assert full.status_code == 429, full.text
+    assert full.json()["error"]["message"] == (
+        "2 requests of key 'big' are waiting for engine a to start (queue_max 2)")
+    assert statuses == {"big": [200, 200], "small": [200]}
