@@ -25,6 +25,7 @@ from nvpair.openapi import PARTS, document, document_json
 from nvpair.peers.receiver import ADVERTS_PATH
 from nvpair.peers.status import PEERS_PATH
 from nvpair.router import ROUTED_PATHS
+from nvpair.router.queueview import PATH as QUEUE_PATH
 from nvpair.sim import SimOptions, serve_sim
 
 
@@ -45,8 +46,8 @@ def dispatched() -> dict[str, str]:
     routes["/v1/models/{model}"] = "get"
     routes["/v1/models/{model}" + WAKE] = "post"
     routes.update({path: "post" for path in ROUTED_PATHS})
-    routes.update({"/v1/router": "get", HistoryView.path: "get", Dashboard.prefix: "get",
-                   PEERS_PATH: "get", ADVERTS_PATH: "post", GROUPS: "get",
+    routes.update({"/v1/router": "get", QUEUE_PATH: "get", HistoryView.path: "get",
+                   Dashboard.prefix: "get", PEERS_PATH: "get", ADVERTS_PATH: "post", GROUPS: "get",
                    GROUPS + "/{name}": "get"})
     routes.update({f"{GROUPS}/{{name}}/{a}": "post" for a in GROUP_ACTIONS})
     return routes

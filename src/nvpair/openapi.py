@@ -27,6 +27,7 @@ from nvpair.http.groups import PREFIX as GROUPS_PATH
 from nvpair.peers.receiver import ADVERTS_PATH
 from nvpair.peers.status import PEERS_PATH
 from nvpair.router import ROUTED_PATHS
+from nvpair.router.queueview import PATH as QUEUE_PATH
 from nvpair.state.listing import _Item as ModelItem
 
 UNSET = msgspec.UNSET
@@ -196,6 +197,47 @@ class RouterKey(msgspec.Struct):
     refused: bool
 
 
+class QueueWaiter(msgspec.Struct):
+    position: int
+    key: str | None
+    priority: int
+    level: int
+    age_s: float
+    request_id: str | None
+
+
+class QueueEngineKey(msgspec.Struct):
+    depth: int
+    priority: int
+    oldest_wait_s: float
+
+
+class QueueEngine(msgspec.Struct):
+    model: str | None
+    depth: int
+    oldest_wait_s: float | None
+    activating: bool
+    blocked: str | None
+    keys: dict[str, QueueEngineKey]
+    waiting: list[QueueWaiter]
+    more: int
+
+
+class QueueKey(msgspec.Struct):
+    depth: int
+    oldest_wait_s: float
+    engines: dict[str, int]
+
+
+class Queue(msgspec.Struct):
+    """``GET /v1/queue``: per on-demand engine, its waiting requests in the order they go
+    (position, key, priority and the level ageing lifted it to, age; no bodies), and per
+    key (``(no key)``: requests without one) over every engine (docs/on-demand.md)."""
+
+    engines: dict[str, QueueEngine]
+    keys: dict[str, QueueKey]
+
+
 class RouterCounters(msgspec.Struct):
     """``GET /v1/router``: per engine (or ``peer NODE``), and per key when the API has
     keys (docs/keys.md)."""
@@ -246,8 +288,8 @@ class Group(msgspec.Struct):
 
 
 TYPES: tuple[Any, ...] = (Error, Health, ModelList, ClusterModelList, Engines, EngineStatus,
-                          Operation, ModelOperation, Logs, RouterCounters, History, Peers,
-                          Groups, Group)
+                          Operation, ModelOperation, Logs, RouterCounters, Queue, History,
+                          Peers, Groups, Group)
 
 #: component names of types whose class names are private in their modules
 _RENAMED = {"_Item": "ModelItem", "_Nvpair": "ModelNvpair"}
@@ -382,6 +424,9 @@ def _paths(parts: frozenset[str], engines: tuple[str, ...], models: tuple[str, .
         "/v1/router": {"get": {"summary": "the router's per-engine counters",
                                "responses": _answers({200: ("the counters",
                                                             _json(RouterCounters))}, ())}},
+        QUEUE_PATH: {"get": {
+            "summary": "who waits for which on-demand engine, in the order they go",
+            "responses": _answers({200: ("the queues", _json(Queue))}, ())}},
         HistoryView.path: {"get": {
             "summary": "the dashboard's charts",
             "parameters": [_param("engine", "query", {"type": "string"}, "one engine"),

@@ -33,6 +33,7 @@ from nvpair.probing.sweep import Sweep
 from nvpair.router import ROUTED_PATHS, Router, Traffic
 from nvpair.router.activation import Activator
 from nvpair.router.counters import TrafficView
+from nvpair.router.queueview import QueueView
 from nvpair.runtime import looplag
 from nvpair.runtime.collector import Collector, left_alone
 from nvpair.state.events import Journal
@@ -140,7 +141,8 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
                     peers=None if peers is None else peers.table, cluster_token=cluster_token,
                     activator=activator, sleepers=sleepers, queue=settings.activation)
     keys = Keyring(settings.keys) if settings.keys else None  # (docs/keys.md)
-    mounts = [Mount(handler=TrafficView(traffic, keys), paths=frozenset({"/v1/router"}))]
+    mounts = [Mount(handler=TrafficView(traffic, keys), paths=frozenset({"/v1/router"})),
+              Mount(handler=QueueView(activator), paths=QueueView.paths)]
     history = History(board)  # the dashboard's charts (docs/dashboard.md)
     mounts += [Mount(handler=Dashboard(token_set=keys is not None,
                                        allowed_hosts=frozenset(settings.allowed_hosts)),

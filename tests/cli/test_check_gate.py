@@ -142,7 +142,8 @@ def test_show_commands_prints_the_argv_and_environment_with_secrets_masked(
             ) in r.stdout  # (the key reaches llama-server by file, never in its argv)
     assert "secret" not in r.stdout + r.stderr
     assert ("on demand: started by a request, memory budget 90.0 GB (90,000,000,000 bytes), "
-            "queue 64 requests per model for up to 300 s\n  small: priority 5, footprint "
+            "queue 64 requests per key and model for up to 300 s (a level of priority every "
+            "10 s waited)\n  small: priority 5, footprint "
             "84 MB (83,886,080 bytes), unloaded after 600 s idle\n") in r.stdout
     assert "small   llamacpp  managed, on demand" in r.stdout
     r = check(tmp_path, text, "--json", path=str(bin_dir))

@@ -627,7 +627,7 @@ async def test_an_engine_a_request_was_just_let_through_to_is_no_victim() -> Non
     board.update("b", lambda e: msgspec.structs.replace(e, state="ready"))
     queue = activator.queue("b")
     ticket = Ticket(queue)
-    queue.waiting.append(ticket)
+    queue.waiting.add(ticket)
     queue.release(None)  # let through: not waiting any more, not in flight yet
     assert ticket.ready.is_set() and not queue.waiting
     assert [c.evictable for c in activator._running("a")] == [False]
@@ -716,8 +716,9 @@ async def test_the_queue_and_each_activation_are_events(nursery, tmp_path) -> No
                         event = await events.next()
                         if event.event == "engine":
                             seen.append(json.loads(event.data or "{}"))
-    assert any(e["queued"] == 1 for e in seen), seen
+    assert any(e["queued"] == 1 and e["queued_keys"] == {"(no key)": 1} for e in seen), seen
     assert any(e["activity"] == "started a for a request (queued 1)" for e in seen), seen
+    assert seen[-1]["queued_keys"] == {}
 
 
 async def test_a_request_for_the_engine_being_evicted_waits_and_is_served(
@@ -1008,7 +1009,8 @@ async def test_waiting_requests_go_as_slots_free_and_newcomers_wait_their_turn(
     """max_in_flight = 2: of four requests waiting for a cold engine, two go once it is
     ready; each request that ends lets the next go, in arrival order; one that comes
     meanwhile waits behind those before it (no overtaking); one let go whose client leaves
-    before it reaches the engine gives its slot to the next."""
+    before it reaches the engine gives its slot to the next; while every slot is taken a
+    newcomer waits in the queue too."""
     from trio.testing import wait_all_tasks_blocked
 
     board, fake, _, activator = await one_on_demand(nursery, loading=True, max_in_flight=2)
@@ -1049,8 +1051,14 @@ async def test_waiting_requests_go_as_slots_free_and_newcomers_wait_their_turn(
     assert activator.holds("e")
     end(1)
     await wait_all_tasks_blocked()
-    assert sorted(tickets) == [0, 1, 2, 3, 4] and not activator.holds("e")
+    assert sorted(tickets) == [0, 1, 2, 3, 4]
     assert board.current.engine("e").queued == 0  # type: ignore[union-attr]
+    # nobody waits, but both slots are taken (3 in flight, 4 on its way): a newcomer waits
+    # its turn in the queue (its order: priority, key), not in the engine's
+    assert activator.holds("e")
+    start(4)
+    end(3)
+    assert not activator.holds("e")  # a slot is free: a newcomer goes straight there
 
 
 def test_the_capacity_is_max_in_flight_else_what_the_engine_says_else_none() -> None:
@@ -1100,4 +1108,4 @@ async def test_a_request_that_waits_too_long_for_a_slot_is_503_saying_so(
     assert trio.current_time() - asked == pytest.approx(60)
     assert str(waited.value) == ("engine e had no free slot within queue_wait_s (60 s): its 1 "
                                  "slot was busy")
-    assert activator.traffic.engines["e"].in_flight == 1 and not activator.holds("e")
+    assert activator.traffic.engines["e"].in_flight == 1 and not activator.queue("e").waiting

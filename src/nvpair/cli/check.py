@@ -234,7 +234,12 @@ def _print_on_demand(settings: Settings) -> None:
     shown = ("auto (free memory less the reserve)" if budget == "auto"
              else f"{size(budget)} ({budget:,} bytes)")
     print(f"on demand: started by a request, memory budget {shown}, queue {a.queue_max} "
-          f"requests per model for up to {a.queue_wait_s:g} s")
+          f"requests per key and model for up to {a.queue_wait_s:g} s (a level of priority "
+          f"every {a.priority_age_s:g} s waited)")
+    if a.swap_batch or a.min_residency_s:
+        print(f"  swap batching: a loaded engine serves {a.swap_batch} requests and stays "
+              f"{a.min_residency_s:g} s before a swap, unless a request waited "
+              f"{a.max_swap_wait_s:g} s")
     for e in on_demand:
         footprint = ("measured once it runs" if e.memory_bytes is None
                      else f"{size(e.memory_bytes)} ({e.memory_bytes:,} bytes)")

@@ -95,10 +95,21 @@ class ActivationConfig(Base, frozen=True):
 
     #: what on-demand engines may use together ("auto": headroom minus the reserve).
     memory_budget_bytes: Literal["auto"] | Annotated[int, msgspec.Meta(ge=0)] = "auto"
-    #: requests waiting per model, then 429.
+    #: requests waiting per engine from each key (requests without a key are one key), then
+    #: 429: one busy key cannot fill an engine's queue.
     queue_max: Annotated[int, msgspec.Meta(ge=1, le=100_000)] = 64
     #: a waiting request gets 503 with Retry-After after this long.
     queue_wait_s: Seconds = 300.0
+    #: a waiting request rises one priority level for every this many seconds it waits
+    #: (up to the highest priority waiting): none starves (docs/on-demand.md).
+    priority_age_s: Seconds = 10.0
+    #: swap batching: a loaded engine with work of its own serves this many requests
+    #: before it is evicted for another (0: no hold).
+    swap_batch: Annotated[int, msgspec.Meta(ge=0, le=100_000)] = 0
+    #: swap batching: ... and stays loaded at least this long (0: no hold).
+    min_residency_s: Annotated[float, msgspec.Meta(ge=0, le=86400)] = 0.0
+    #: swap batching: a request waiting this long for the other engine ends the hold.
+    max_swap_wait_s: Seconds = 60.0
 
 
 #: hours, fractions allowed (a test watches windows of seconds)

@@ -169,7 +169,7 @@ class Metrics:
                 f"nvpair_probe_duration_seconds_count{{{lbl}}} {int(n)}\n")
         self._sweep(family, add)
         self._peers(now, family, add)
-        self._router(engines, names, family, add)
+        self._router(engines, names, now, family, add)
         if self.keys is not None:
             key_families(self.keys, family, add)
         memory_families(snap, names, family, add)
@@ -197,7 +197,7 @@ class Metrics:
             for s in PEER_STATES:
                 add(f'{head}{s}"}} {int(s == state)}\n')
 
-    def _router(self, engines: tuple[EngineState, ...], names: list[str],
+    def _router(self, engines: tuple[EngineState, ...], names: list[str], now: float,
                 family: Callable[[str, str, str], None], add: Callable[[str], None]) -> None:
         traffic = self.traffic
         if traffic is None:
@@ -231,6 +231,7 @@ class Metrics:
                "Requests waiting in nvpair's queue for the engine (on-demand engines).")
         for e, lbl in zip(engines, models, strict=True):
             add(f"nvpair_requests_waiting{{{lbl}}} {e.queued}\n")
+        queue_families(engines, now, family, add)
         family("nvpair_requests_running", "gauge",
                "Requests nvpair is relaying to the engine now.")
         for e, lbl in zip(engines, models, strict=True):
@@ -313,6 +314,27 @@ def _model_lines(e: EngineState, lbl: str, state: str) -> str:
             head = f'nvpair_model_state{{{lbl},model="{escape(m.id)}",state="'
             out += [f'{head}{s}"}} {int(s == shown)}\n' for s in MODEL_STATES]
     return "".join(out)
+
+
+def queue_families(engines: tuple[EngineState, ...], now: float,
+                   family: Callable[[str, str, str], None], add: Callable[[str], None]) -> None:
+    """Per key, over every on-demand engine's queue: requests waiting, and the longest
+    wait of one of them now (``"(no key)"``: requests without a key)."""
+    waiting: dict[str, int] = {}
+    since: dict[str, float] = {}
+    for e in engines:
+        for key, n, at in e.queued_keys:
+            waiting[key] = waiting.get(key, 0) + n
+            since[key] = min(since.get(key, at), at)
+    family("nvpair_queue_waiting", "gauge",
+           "Requests of the key waiting in on-demand engines' queues.")
+    for key, n in sorted(waiting.items()):
+        add(f'nvpair_queue_waiting{{key="{escape(key)}"}} {n}\n')
+    family("nvpair_queue_oldest_wait_seconds", "gauge",
+           "How long the key's longest-waiting request in a queue has waited.")
+    for key, at in sorted(since.items()):
+        add(f'nvpair_queue_oldest_wait_seconds{{key="{escape(key)}"}} '
+            f"{number(max(now - at, 0.0))}\n")
 
 
 def key_families(keys: Keyring, family: Callable[[str, str, str], None],

@@ -15,6 +15,10 @@ The modules:
 * ``peering``: what the router knows of peers: `PeerRouter`, the routes to a model.
 * ``activation``: engines on demand: `Activator`, the single-flight start, the bounded queue
   per engine, evictions and idle unloads.
+* ``fairqueue``: `FairQueue`, the order of an engine's waiting requests: priority with
+  ageing, round-robin across keys (pure).
+* ``swaps``: swap batching, when a loaded engine may be evicted for another (`verdict`, pure).
+* ``queueview``: `QueueView`, `GET /v1/queue`: who waits for which engine, in order.
 
 The router's memory of real requests, ``nvpair.state.traffic``, lives below both the router,
 which writes it, and the prober, which reads it. Peers come in through the ``PeerRouter``

@@ -28,7 +28,6 @@ bug fails that engine's waiters (503), never the router.
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -42,6 +41,8 @@ from nvpair.base.logformat import about
 from nvpair.config.settings import ActivationConfig, EngineSpec, MemoryConfig
 from nvpair.errors import NvpairError
 from nvpair.router.evict import Candidate, gigabytes, plan
+from nvpair.router.fairqueue import FairQueue
+from nvpair.router.swaps import Resident, SwapPolicy, Verdict, verdict
 from nvpair.state.memory import NodeMemory
 from nvpair.state.snapshot import LISTED_STATES, Board, EngineState
 from nvpair.state.traffic import Traffic
@@ -56,10 +57,26 @@ IDLE_CHECK_S = 5.0
 #: the longest wait before room is looked for again, while engines that cannot be evicted
 #: now stand in the way (their changes on the board wake it sooner)
 ROOM_RECHECK_S = 1.0
+#: swap batching: an engine whose last request ended this recently still counts as busy
+#: (a closed-loop client's next request comes within milliseconds of its answer)
+SWAP_QUIET_S = 0.5
 #: Retry-After of a request that waited too long or whose engine could not start
 RETRY_AFTER_S = 5
+#: how requests without an API key are named where keys are (no key's name can be this)
+ANONYMOUS = "(no key)"
+#: waiting requests whose place is worked out for a reader (``GET /v1/queue``, a 503's
+#: words): the first this many in the order they go; the rest are counted
+SHOWN_WAITING = 256
 #: states of an engine that is up: its memory reading is its whole footprint
 UP_STATES = LISTED_STATES | {"unhealthy"}
+
+
+@dataclass
+class Residency:
+    """An engine loaded for requests: since when, and routed requests started since."""
+
+    since: float
+    served: int = 0
 
 
 class QueueFull(NvpairError):
@@ -82,8 +99,10 @@ class Ticket:
     at: float = field(default_factory=trio.current_time)
     failure: str | None = None
     stage: Literal["waiting", "sent", "started", "gone"] = "waiting"
-    #: the name of the API key it came with (None: no keys), for the engine's activity
+    #: the name of the API key it came with (None: no key): its line in the queue
     key: str | None = None
+    #: its key's priority (``nvpair.router.fairqueue``: higher goes first, with ageing)
+    priority: int = 0
     #: the id of the request that waits (its log lines name it: the start it caused too)
     request_id: str | None = field(default_factory=lambda: getattr(about.get(), "request_id",
                                                                    None))
@@ -99,8 +118,7 @@ class Ticket:
         slot it held and never used goes to the next in line."""
         stage, self.stage = self.stage, "gone"
         if stage == "waiting":
-            if self in self.queue.waiting:
-                self.queue.waiting.remove(self)
+            self.queue.waiting.remove(self)
             self.queue.publish()
         elif stage == "sent":
             self.queue.sent -= 1
@@ -113,7 +131,8 @@ class EngineQueue:
     publish: Callable[[], None]
     #: a slot came free (a request sent never got to the engine): let the next go
     freed: Callable[[], None]
-    waiting: deque[Ticket] = field(default_factory=deque)
+    #: in the order they go (``nvpair.router.fairqueue``: priority, ageing, turns by key)
+    waiting: FairQueue[Ticket] = field(default_factory=lambda: FairQueue(10.0))
     #: tickets sent that the router does not count in flight yet (each holds a slot)
     sent: int = 0
     activating: bool = False
@@ -121,10 +140,10 @@ class EngineQueue:
     blocked_by: Callable[[], str] | None = None
 
     def release(self, room: int | None) -> None:
-        """Let the first ``room`` waiters go (None: all), in arrival order."""
-        let = 0
+        """Let the first ``room`` waiters go (None: all), in the queue's order."""
+        let, now = 0, trio.current_time()
         while self.waiting and (room is None or let < room):
-            ticket = self.waiting.popleft()
+            ticket = self.waiting.pop(now)
             ticket.stage = "sent"
             self.sent += 1
             ticket.ready.set()
@@ -132,8 +151,9 @@ class EngineQueue:
         self.publish()
 
     def fail_all(self, reason: str) -> None:
+        now = trio.current_time()
         while self.waiting:
-            ticket = self.waiting.popleft()
+            ticket = self.waiting.pop(now)
             ticket.stage = "gone"
             ticket.failure = reason
             ticket.ready.set()
@@ -217,6 +237,16 @@ class Activator:
         #: engines whose room is made (planned, taken at once), until they are up or failed:
         #: they count against the budget while still cold, so two starts never share room
         self._reserved: set[str] = set()
+        #: swap batching (``nvpair.router.swaps``): each loaded engine's residency, and an
+        #: event that moves when a routed request starts or ends on any of them
+        self.swaps = SwapPolicy(config.swap_batch, config.min_residency_s,
+                                config.max_swap_wait_s)
+        self.residency: dict[str, Residency] = {}
+        self._served_moved = trio.Event()
+        #: engines whose start waits for a victim to serve its batch: since when
+        self._held_since: dict[str, float] = {}
+        #: why each victim of a swap that goes ahead was let go (its activity says so)
+        self._swap_why: dict[str, str] = {}
         self._part = Part("activation", logger=log)
         self._nursery: trio.Nursery | None = None
         self._wake = trio.Event()
@@ -242,15 +272,25 @@ class Activator:
         return None
 
     def holds(self, name: str) -> bool:
-        """Requests still wait for engine ``name`` (ready now, its slots busy): a new one
-        queues behind them, so that they go in arrival order."""
+        """A new request for engine ``name`` (ready now) waits in its queue: requests still
+        wait there (it queues behind them, in the queue's order), or the engine's slots
+        are all taken (``capacity``: it waits its turn by priority and key, not the
+        engine's own first come first served)."""
         queue = self.queues.get(name)
-        return queue is not None and bool(queue.waiting)
+        if queue is not None and queue.waiting:
+            return True
+        if name not in self.specs:
+            return False
+        slots = self.capacity(name)
+        sent = 0 if queue is None else queue.sent
+        return slots is not None and self._in_flight(name) + sent >= slots
 
     def used(self, name: str) -> None:
         """A routed request started on engine ``name`` (probes never call this)."""
         if name in self.specs:
-            self.last_used[name] = trio.current_time()
+            now = self.last_used[name] = trio.current_time()
+            self.residency.setdefault(name, Residency(now)).served += 1
+            self._served()
 
     def ended(self, name: str) -> None:
         """A routed request on engine ``name`` ended (the router counts it out of flight
@@ -258,6 +298,13 @@ class Activator:
         if name in self.specs:
             self.last_used[name] = trio.current_time()
             self._serve(name)
+            self._served()
+
+    def _served(self) -> None:
+        """Wake the starts that wait for a victim to serve its batch (it served one more,
+        or has one fewer in flight)."""
+        moved, self._served_moved = self._served_moved, trio.Event()
+        moved.set()
 
     def capacity(self, name: str) -> int | None:
         """How many requests engine ``name`` serves at once, as its queue counts them: its
@@ -299,26 +346,35 @@ class Activator:
             def publish() -> None:
                 q = self.queues[name]
                 count = len(q.waiting)
-                since = q.waiting[0].at if q.waiting else None
-                self.board.update(name, lambda e: e if (e.queued, e.queued_since) == (
-                    count, since) else _replace(e, queued=count, queued_since=since))
-            queue = self.queues[name] = EngineQueue(name, publish, partial(self._serve, name))
+                oldest = q.waiting.oldest()
+                since = None if oldest is None else oldest.at
+                keys = tuple(sorted((ANONYMOUS if k is None else k, len(line), line[0].at)
+                                    for k, line in q.waiting.lines.items()))
+                self.board.update(name, lambda e: e if (e.queued, e.queued_since, e.queued_keys)
+                                  == (count, since, keys) else _replace(
+                                      e, queued=count, queued_since=since, queued_keys=keys))
+            queue = self.queues[name] = EngineQueue(
+                name, publish, partial(self._serve, name),
+                FairQueue(self.config.priority_age_s))
         return queue
 
-    async def admit(self, name: str, key: str | None = None) -> Ticket:
+    async def admit(self, name: str, key: str | None = None, priority: int = 0) -> Ticket:
         """Wait in engine ``name``'s queue until it is ready and it is this request's turn
-        (a free slot).
+        (a free slot; the turns: ``nvpair.router.fairqueue``, by ``key`` and its
+        ``priority``).
 
         Returns the ticket (call ``started`` once the router counts the request in flight,
         ``leave`` in a ``finally``). Raises ``QueueFull`` (429) or ``Unavailable`` (503: the
         wait was too long, the start failed, nothing could make room). Cancelled (the
         client left): the ticket leaves the queue at once."""
         queue = self.queue(name)
-        if len(queue.waiting) >= self.config.queue_max:
-            raise QueueFull(f"{len(queue.waiting)} requests are waiting for engine {name} to "
-                       f"start (queue_max {self.config.queue_max})")
-        ticket = Ticket(queue, key=key)
-        queue.waiting.append(ticket)
+        mine = queue.waiting.count(key)  # (queue_max is each key's: one cannot fill it)
+        if mine >= self.config.queue_max:
+            whose = "" if key is None else f" of key {key!r}"
+            raise QueueFull(f"{mine} requests{whose} are waiting for engine {name} to "
+                            f"start (queue_max {self.config.queue_max})")
+        ticket = Ticket(queue, key=key, priority=priority)
+        queue.waiting.add(ticket)
         queue.publish()
         self._serve(name)
         try:
@@ -343,7 +399,8 @@ class Activator:
         slots = self.capacity(name)
         if (not queue.activating and e is not None and e.state in LISTED_STATES
                 and e.admitting and slots is not None):
-            ahead = queue.waiting.index(ticket) if ticket in queue.waiting else 0
+            order = queue.waiting.order(trio.current_time(), SHOWN_WAITING)
+            ahead = order.index(ticket) if ticket in order else len(order)
             before = f", and {_requests(ahead)} waited before this one" if ahead else ""
             return (f"engine {name} had no free slot within {wait}: its {slots} "
                     f"{'slot was' if slots == 1 else 'slots were'} busy{before}")
@@ -374,11 +431,13 @@ class Activator:
         finally:
             queue.activating = False
             self._reserved.discard(name)
+            self._held_since.pop(name, None)  # (a held swap's episode ends with the start)
         if failure is not None:
             log.warning("%s: %s", name, failure)
             queue.fail_all(failure)
             return
         self.last_used[name] = trio.current_time()
+        self.residency[name] = Residency(self.last_used[name])  # (loaded now: its batch)
         self.traffic.activation.observe(self.last_used[name] - began)  # (/metrics)
         self._serve(name)
 
@@ -398,7 +457,8 @@ class Activator:
                 if failure is not None:
                     return failure
                 waiting = self.queue(name).waiting
-                key = waiting[0].key if waiting else None  # (whose request woke it)
+                first = waiting.oldest()
+                key = None if first is None else first.key  # (whose request woke it)
                 result = runner.request("start")
                 if isinstance(result, Busy):
                     return result.reason
@@ -407,9 +467,9 @@ class Activator:
                             f"{'' if key is None else f' of key {key!r}'} "
                             f"(queued {len(waiting)})")
                 self.board.update(name, partial(_replace, activity=activity))
-                waiting = self.queue(name).waiting  # (the line names the first request)
+                first = self.queue(name).waiting.oldest()  # (the line names the first request)
                 log.info("%s", activity, extra={"engine": name, "request_id": (
-                    waiting[0].request_id if waiting else None)})
+                    None if first is None else first.request_id)})
             settled = await self._settled(name, just_started=started)
             if settled == "ready":
                 return None
@@ -497,16 +557,74 @@ class Activator:
             budget = self.budget(running)
             decided = plan(name, need, budget, running)
             if decided.reason is None:
-                self._reserved.add(name)  # (before any await: the room is this engine's)
-                break
+                held = self._swap_held(name, running, decided.victims)
+                if held is None:
+                    self._reserved.add(name)  # (before any await: the room is this engine's)
+                    break
+                if not self.queue(name).waiting:  # (swap batching: the victims serve on)
+                    return f"no request waits for {name} any more"
+                await self._hold(name, held)
+                continue
             fits_alone = (budget if need is None else need) <= budget
             blocked = fits_alone and any(not c.evictable for c in running)
             if not blocked or not self.queue(name).waiting:
                 return f"no room for {name}: {decided.reason}"
             with trio.move_on_after(ROOM_RECHECK_S):  # (a queue's change is a board change)
                 await self.board.wait_changed(self.board.current.version)
-        return await self._evict(name, [next(c for c in running if c.name == victim)
-                                        for victim in decided.victims])
+        failure = await self._evict(name, [next(c for c in running if c.name == victim)
+                                           for victim in decided.victims])
+        for victim in decided.victims:  # (the event says why the swap happened)
+            why = self._swap_why.pop(victim, None)
+            if failure is None and self.swaps.holds and why is not None:
+                self.board.update(victim, partial(_swap_activity, name, why))
+        return failure
+
+    def _swap_held(self, name: str, running: list[Candidate],
+                   victims: tuple[str, ...]) -> Verdict | None:
+        """Swap batching (``nvpair.router.swaps``): the verdict that holds the eviction of
+        one of ``victims`` for ``name`` now, or None (each may go: the log line says why)."""
+        now = trio.current_time()
+        oldest = self.queue(name).waiting.oldest()
+        waited = 0.0 if oldest is None else now - oldest.at
+        verdicts = {}
+        for c in running:
+            if c.name not in victims:
+                continue
+            r = self.residency.get(c.name) or Residency(now)
+            # busy: a request in flight, or one ended a moment ago (a client's next request
+            # follows its answer within milliseconds; the gap between them is no idleness)
+            quiet = now - self.last_used.get(c.name, 0.0)
+            busy = c.in_flight > 0 or quiet < SWAP_QUIET_S
+            v = verdict(self.swaps, Resident(c.name, r.since, r.served, busy), name, waited,
+                        now)
+            if not v.evict:
+                if c.in_flight == 0:  # (held only by the moment: look again once it is over)
+                    v = Verdict(False, v.why, min(v.until or now, now + SWAP_QUIET_S - quiet))
+                return v
+            verdicts[c.name] = v.why
+        self._held_since.pop(name, None)
+        for victim, why in verdicts.items():
+            log.info("swap: %s evicted for %s: %s", victim, name, why,
+                     extra={"engine": victim})
+            self._swap_why[victim] = why
+            self.residency.pop(victim, None)
+        return None
+
+    async def _hold(self, name: str, held: Verdict) -> None:
+        """Wait while the swap for ``name`` is held: until the victim served one more or
+        ended one, the hold's end, or ``ROOM_RECHECK_S``."""
+        now, queue = trio.current_time(), self.queue(name)
+        if name not in self._held_since:
+            self._held_since[name] = now
+            log.info("swap for %s held: %s", name, held.why, extra={"engine": name})
+            self.board.update(name, partial(_replace, activity=f"waiting: {held.why}"))
+        queue.blocked_by = lambda: f"swap batching: {held.why}"
+        moved = self._served_moved
+        try:
+            with trio.move_on_at(min(held.until or now + ROOM_RECHECK_S, now + ROOM_RECHECK_S)):
+                await moved.wait()
+        finally:
+            queue.blocked_by = None
 
     async def _evict(self, name: str, victims: list[Candidate]) -> str | None:
         """Drain the victims together, with no deadline (nothing generating is cut), and
@@ -628,11 +746,17 @@ class Activator:
             reason = f"idle for {_duration(idle)}"
             if not isinstance(self.runners[name].drain(then="stop", reason=reason), Busy):
                 drained.append(name)
+                self.residency.pop(name, None)  # (its next load is a new batch)
         return drained
 
 
 def _replace(e: EngineState, **changes: object) -> EngineState:
     return msgspec.structs.replace(e, **changes)
+
+
+def _swap_activity(name: str, why: str, e: EngineState) -> EngineState:
+    """The victim's activity once evicted for ``name``, with why the swap went ahead."""
+    return _replace(e, activity=f"{e.activity or f'evicted for {name}'}; swap: {why}")
 
 
 def _at_rest(e: EngineState | None) -> bool:

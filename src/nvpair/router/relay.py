@@ -435,7 +435,8 @@ class Router:
                 try:
                     try:
                         ticket = await self.activator.admit(
-                            name, None if key is None else key.name)
+                            name, None if key is None else key.name,
+                            0 if key is None else key.spec.priority)
                     except QueueFull:
                         full = True  # (refused at once: it never waited)
                         raise

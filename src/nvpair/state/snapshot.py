@@ -141,6 +141,9 @@ class EngineState(msgspec.Struct, frozen=True, gc=False):
     queued: int = 0
     #: trio time the longest-waiting of them came (None: none waits); status shows its age
     queued_since: float | None = None
+    #: of them, each API key's ("(no key)": requests without one), by name: (key, how many,
+    #: trio time its longest-waiting came)
+    queued_keys: tuple[tuple[str, int, float], ...] = ()
     #: the last activation, eviction or drain, in words (an event when it changes)
     activity: str | None = None
     #: the head of a multi-node group: its group, for its models' nvpair.group (docs/groups.md)

@@ -207,6 +207,7 @@ function handle(type, doc, id) {
     renderEngines(doc.name);
     if (view.drawer === doc.name) renderDrawerEvents();
     refreshEngines();
+    if (doc.queued || !$('queue-section').hidden) refreshQueue();
   } else if (type === 'peer') {
     remember(type, doc, id);
     if (doc.state === 'forgotten') view.peers.delete(doc.node);
@@ -610,6 +611,23 @@ function renderModels(items) {
       el('td', {}, age === null || age === undefined ? '–' : `${ago(age)} ago`));
   }));
 }
+
+// GET /v1/queue, read while anything waits (an engine event says so), once a second at most
+const refreshQueue = coalesced(async () => {
+  const response = await api('v1/queue');
+  if (!response.ok) return;  // (a key that may not read: no section)
+  const engines = Object.entries((await response.json()).engines || {})
+    .filter(([, q]) => q.depth > 0);
+  $('queue-section').hidden = !engines.length;
+  document.querySelector('#queue tbody').replaceChildren(...engines.map(([name, q]) => el('tr', {},
+    el('td', {}, name),
+    el('td', {}, String(q.depth)),
+    el('td', {}, q.oldest_wait_s === null ? '–' : ago(q.oldest_wait_s)),
+    el('td', {}, Object.entries(q.keys).map(([k, v]) => `${k}: ${v.depth}`).join(', ')),
+    el('td', {}, q.waiting.slice(0, 5).map((w) => w.key ?? '(no key)').join(', ')),
+    el('td', { class: 'quiet' }, q.blocked || ''))));
+  if (engines.length) setTimeout(refreshQueue, 1000);  // (ages move while they wait)
+}, 1000);
 
 function renderGroups(doc) {
   const groups = Array.isArray(doc) ? doc : (doc.groups || Object.values(doc).filter((g) => g && typeof g === 'object'));
