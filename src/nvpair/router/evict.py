@@ -181,7 +181,7 @@ def plan(name: str, need: int | None, budget: int, running: Sequence[Candidate],
 
     def idle_words(c: Candidate) -> str:
         if c.in_flight:
-            return f"{_requests(c.in_flight)} in flight, which finish first"
+            return f"{_requests(c.in_flight)} in flight, drained first"
         return f"idle {_duration(max(at - c.last_used, 0.0))}"
 
     def tiers(group: list[Candidate]) -> None:

@@ -43,10 +43,15 @@ class SleepError(NvpairError):
 class Operation:
     """A wake or a sleep in progress: what it is, and when it ends (``error``: why not)."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, level: int | None = None) -> None:
         self.kind = kind
+        #: a sleep's level (vLLM's ``{sleep_level}``; None: the engine's ``sleep_level``)
+        self.level = level
         self.done = trio.Event()
         self.error: str | None = None
+        #: a sleep still draining (no call sent yet) ends here when called off
+        self.drain = trio.CancelScope()
+        self.calling = False
 
 
 class Sleepers:
@@ -59,6 +64,9 @@ class Sleepers:
         self.traffic = traffic
         self.transport = transport
         self.running: dict[str, Operation] = {}
+        #: how long each engine's last wake took (seconds), what eviction plans come-backs
+        #: with (``nvpair.router.evict``)
+        self.woke_in: dict[str, float] = {}
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -107,10 +115,24 @@ class Sleepers:
         self._start(name, Operation("wake"))
         return Accepted("waking")
 
-    def sleep(self, name: str) -> Result:
-        """Put engine ``name`` to sleep, drained first: ``Accepted("going to sleep")``
-        (also when in progress), ``Accepted("sleeping")`` when it sleeps already, or
-        ``Busy`` with why not (llama-server sleeps only by itself)."""
+    def levels(self, name: str) -> tuple[int, ...]:
+        """The levels nvpair can put engine ``name`` to sleep at: a kind whose sleep call
+        takes ``{sleep_level}`` (vLLM) at its ``sleep_level`` and deeper, ``(1, 2)`` or
+        ``(2,)``; another that has sleep calls (SGLang's release keeps no copy of the
+        weights) ``(2,)``; none when it sleeps only by itself (llama-server)."""
+        spec = self.specs.get(name)
+        if spec is None or spec.sleep is None or not spec.sleep.sleep:
+            return ()
+        if any("{sleep_level}" in call.path for call in spec.sleep.sleep):
+            return tuple(range(spec.sleep_level, 3))
+        return (2,)
+
+    def sleep(self, name: str, level: int | None = None, *, reason: str | None = None
+              ) -> Result:
+        """Put engine ``name`` to sleep (at ``level``: vLLM's; None: its ``sleep_level``),
+        drained first: ``Accepted("going to sleep")`` (also when in progress),
+        ``Accepted("sleeping")`` when it sleeps already, or ``Busy`` with why not
+        (llama-server sleeps only by itself). ``reason``: why, for its activity."""
         spec, e = self.specs.get(name), self.board.current.engine(name)
         if spec is None or spec.sleep is None or e is None:
             return Busy(f"engine {name} cannot sleep: set sleep = true for it "
@@ -131,10 +153,22 @@ class Sleepers:
             why = "draining" if not e.admitting else e.state
             return Busy(f"engine {name} is {why}: only a ready engine goes to sleep")
         # at once, as a drain does: the router sends nothing new from now
-        self._set(name, admitting=False, activity=f"draining to sleep: "
+        because = "" if reason is None else f" ({reason})"
+        self._set(name, admitting=False, activity=f"draining to sleep{because}: "
                   f"{self._in_flight(name)} in flight, then sleep")
-        self._start(name, Operation("sleep"))
+        self._start(name, Operation("sleep", level))
         return Accepted("going to sleep")
+
+    def call_off(self, name: str, reason: str) -> bool:
+        """End the sleep of engine ``name`` while it still waits for its requests in
+        flight (no sleep call sent yet): it admits again. False when there is none such.
+        Never waits."""
+        running = self.running.get(name)
+        if running is None or running.kind != "sleep" or running.calling:
+            return False
+        running.drain.cancel(reason=reason)
+        running.error = f"sleep called off ({reason})"
+        return True
 
     async def awake(self, name: str) -> str | None:
         """Wake engine ``name`` (or join the wake in progress) and wait until it is
@@ -162,7 +196,7 @@ class Sleepers:
             if operation.kind == "wake":
                 await self._wake(spec)
             else:
-                await self._sleep(spec)
+                await self._sleep(spec, operation)
         except SleepError as exc:
             operation.error = str(exc)
             log.warning("%s: %s", name, exc)
@@ -183,19 +217,27 @@ class Sleepers:
             self._set(spec.name, state="sleeping", activity=f"wake failed: {exc}")
             raise
         took = trio.current_time() - started
+        self.woke_in[spec.name] = took
         self._set(spec.name, state="ready", error=None, activity=f"woken in {took:.1f} s")
         log.info("%s: woken in %.1f s", spec.name, took)
 
-    async def _sleep(self, spec: EngineSpec) -> None:
+    async def _sleep(self, spec: EngineSpec, operation: Operation) -> None:
         assert spec.sleep is not None
         name = spec.name
         in_flight = self._in_flight(name)
+        level = spec.sleep_level if operation.level is None else operation.level
         try:
             # nothing generating is cut: no deadline. The router's count tells no change,
             # so it is polled, as the lifecycle's drain polls it.
-            while self._in_flight(name) > 0:  # noqa: ASYNC110
-                await trio.sleep(DRAIN_POLL_S)
-            await self._calls(spec, spec.sleep.sleep)
+            with operation.drain:
+                while self._in_flight(name) > 0:  # noqa: ASYNC110
+                    await trio.sleep(DRAIN_POLL_S)
+            if operation.drain.cancelled_caught:  # called off: it admits again
+                self._set(name, admitting=True, activity=operation.error)
+                log.info("%s: %s", name, operation.error)
+                return
+            operation.calling = True
+            await self._calls(spec, spec.sleep.sleep, sleep_level=level)
         except BaseException as exc:
             why = f"sleep failed: {exc}" if isinstance(exc, SleepError) else "sleep cut short"
             self._set(name, admitting=True, activity=why)
@@ -208,9 +250,11 @@ class Sleepers:
         entry = self.traffic.engines.get(name)
         return 0 if entry is None else entry.in_flight
 
-    async def _calls(self, spec: EngineSpec, calls: tuple[EngineCall, ...]) -> None:
-        """Send the calls in order; raise SleepError at the first that fails."""
-        values = placeholder_values(spec)
+    async def _calls(self, spec: EngineSpec, calls: tuple[EngineCall, ...],
+                     **placeholders: object) -> None:
+        """Send the calls in order (``placeholders`` over the engine's own values); raise
+        SleepError at the first that fails."""
+        values = placeholder_values(spec) | placeholders
         headers = {"user-agent": "nvpair"}
         if spec.api_key:
             headers["authorization"] = f"Bearer {spec.api_key}"
