@@ -258,3 +258,14 @@ def test_a_tiered_plan_fits_within_the_host_ram_with_no_step_it_does_not_need(
                 assert total - frees(s) < want or (
                     s.action == "stop" and by_name[s.name].can_sleep
                     and total - (by_name[s.name].residual or 0) < want)
+
+
+def test_a_sleeping_engine_is_stopped_only_when_the_room_needs_it() -> None:
+    """b sleeps holding nothing measured, c sleeps holding 1 GB and a is awake: making room
+    for a 6 GB engine in 8 GB stops a; stopping b frees nothing and c's stop is not needed
+    once a goes, so both stay asleep."""
+    b = Candidate("b", footprint=0, asleep=True, levels=SGLANG, last_used=0.0)
+    c = Candidate("c", footprint=1 * GB, asleep=True, levels=VLLM, last_used=0.0)
+    a = Candidate("a", footprint=6 * GB, last_used=5.0)  # (stop only)
+    decided = plan("new", 6 * GB, 8 * GB, [a, b, c], host_headroom=20 * GB, now=10.0)
+    assert [(s.name, s.action) for s in decided.steps] == [("a", "stop")]

@@ -107,7 +107,9 @@ class Plan:
 
 
 def gigabytes(n: int) -> str:
-    """A size for a person: ``38 GB``, ``1.5 GB``, ``512 MB``."""
+    """A size for a person: ``10 TB``, ``38 GB``, ``1.5 GB``, ``512 MB``."""
+    if n >= 10**12:
+        return f"{n / 1e12:.0f} TB" if n >= 10**13 else f"{n / 1e12:.1f} TB"
     if n >= 10**10:
         return f"{n / 1e9:.0f} GB"
     if n >= 10**9:
@@ -173,6 +175,8 @@ def plan(name: str, need: int | None, budget: int, running: Sequence[Candidate],
 
     def take(c: Candidate, step: Step, frees: int, host: int = 0) -> None:
         nonlocal free, host_left
+        if frees <= 0 and (c.asleep or step.action == "sleep"):  # (it would free nothing)
+            return
         entry = _Taken(step, frees, host)
         taken.append(entry)
         chosen[c.name] = entry
@@ -251,17 +255,21 @@ def plan(name: str, need: int | None, budget: int, running: Sequence[Candidate],
                            + (f" ({'; '.join(why)})" if why else ""))
     kept_steps = list(taken)
     busy = {c.name for c in others if c.in_flight}
-    if any(t.step.name in busy for t in taken):
-        # A busy one was needed: the idle ones' steps that room no longer needs are
-        # dropped, those most worth keeping (the last taken) looked at first; a step whose
-        # victim has a later step still kept stays.
-        for entry in reversed(taken):
-            later = [t for t in kept_steps if t.step.name == entry.step.name
-                     and kept_steps.index(t) > kept_steps.index(entry)]
-            if entry.step.name in busy or later or free - entry.frees < want:
-                continue
-            kept_steps.remove(entry)
-            free -= entry.frees
+    asleep = {c.name for c in others if c.asleep}
+    needs_busy = any(t.step.name in busy for t in taken)
+    # Steps the room no longer needs are dropped, those most worth keeping (the last
+    # taken) looked at first: when a busy one was needed, the idle ones' steps; always,
+    # the stops of sleeping ones (asleep they cost nothing; stopped, a load). A step whose
+    # victim has a later step still kept stays.
+    for entry in reversed(taken):
+        name_ = entry.step.name
+        later = [t for t in kept_steps if t.step.name == name_
+                 and kept_steps.index(t) > kept_steps.index(entry)]
+        if ((name_ in busy or not needs_busy) and name_ not in asleep) or later \
+                or free - entry.frees < want:
+            continue
+        kept_steps.remove(entry)
+        free -= entry.frees
     final: dict[str, Step] = {}
     for entry in kept_steps:  # (a victim's last step stands, in the order first taken)
         final[entry.step.name] = entry.step
