@@ -159,9 +159,14 @@ async def test_too_little_host_ram_for_level_1_sleeps_at_level_2(nursery, tmp_pa
             assert a.activity is not None and a.activity.startswith(
                 "evicted a (sleep at level 2) to make room for b: idle "), a.activity
             assert "(level 1 would move 10 TB to host RAM, " in a.activity, a.activity
-            assert (await ask(client, "model-a")).status_code == 200  # woken, b asleep
+            # woken with vLLM's level-2 wake (weights, reload_weights, kv_cache): a plain
+            # /wake_up would leave the weights discarded (the simulator's 500)
+            woken = await ask(client, "model-a")
+            assert woken.status_code == 200, woken.text
             b = running.board.current.engine("b")
             assert b is not None and b.state == "sleeping"
+            assert b.activity is not None and b.activity.startswith(
+                "evicted b (sleep at level 2) to make room for a: "), b.activity
     assert running.runners["a"].starts == 1 and running.runners["b"].starts == 1
 
 

@@ -101,6 +101,30 @@ async def test_vllm_sleep_defaults_to_abort_and_wait_lets_a_stream_finish(start_
         assert counts(sim)["sleeps"] == 2
 
 
+async def test_vllm_level_2_discards_the_weights_until_reload_weights(start_sim, http):
+    """vLLM's level-2 trap: a plain ``/wake_up`` leaves the weights it discarded unloaded
+    (vLLM answers garbage, the simulator 500); the three-call wake (weights,
+    ``collective_rpc reload_weights``, kv_cache) serves. Level 1 keeps them."""
+    with trio.fail_after(20):
+        sim = await start_sim("vllm", enable_sleep_mode=True, dev_mode=True)
+        client = http(sim)
+        assert (await client.post("/sleep?level=1&mode=wait")).status_code == 200
+        assert (await client.post("/wake_up")).status_code == 200
+        assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        assert (await client.post("/sleep?level=2&mode=wait")).status_code == 200
+        assert (await client.post("/wake_up")).status_code == 200
+        garbage = await client.post("/v1/chat/completions", json=CHAT)
+        assert garbage.status_code == 500 and "reload_weights" in garbage.text
+        assert (await client.post("/collective_rpc", json={})).status_code == 400
+        assert (await client.post("/sleep?level=2&mode=wait")).status_code == 200
+        assert (await client.post("/wake_up?tags=weights")).status_code == 200
+        reload = await client.post("/collective_rpc", json={"method": "reload_weights"})
+        assert reload.status_code == 200
+        assert (await client.post("/wake_up?tags=kv_cache")).status_code == 200
+        assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        assert sim.stats().engine["wake_tags"] == ["", "", "weights", "kv_cache"]
+
+
 async def test_sglang_release_refuses_while_a_request_runs(start_sim, http):
     with trio.fail_after(20):
         sim = await start_sim("sglang", enable_memory_saver=True, token_rate=20)

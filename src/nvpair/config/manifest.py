@@ -212,6 +212,9 @@ class SleepManifest(Base, frozen=True):
     sleep: tuple[EngineCall, ...] = ()
     #: the calls that wake it, in order
     wake: tuple[EngineCall, ...] = ()
+    #: the calls that wake it from a level-2 sleep, where they differ (none: ``wake``):
+    #: vLLM discarded its weights and must reload them before its KV cache comes back
+    wake_deep: tuple[EngineCall, ...] = ()
     #: what a managed engine with ``sleep = true`` is started with besides: argv
     #: fragments (each only when its placeholders have values) and environment
     argv: tuple[tuple[str, ...], ...] = ()

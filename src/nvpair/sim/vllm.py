@@ -43,18 +43,28 @@ class VLLM(Engine):
         self.running: set[trio.CancelScope] = set()
         #: the level and mode of the last ``POST /sleep`` (None: none yet)
         self.last_sleep: dict[str, str] | None = None
+        #: a level-2 sleep discarded the weights: until ``POST /collective_rpc
+        #: {"method": "reload_weights"}`` they are not there (vLLM then answers garbage;
+        #: the simulator answers 500, so the trap is seen)
+        self.weights_discarded = False
+        #: the ``tags`` of each ``POST /wake_up``, in order ("" for none)
+        self.wake_tags: list[str] = []
         if not self.options.enable_sleep_mode:
             return None
         return SimSleep(idle_s=None, wake_s=self.options.wake_s, on_change=self.state.touch)
 
     def status(self) -> dict[str, Any]:
-        return {} if self.last_sleep is None else {"last_sleep": self.last_sleep}
+        if self.last_sleep is None:
+            return {}
+        return {"last_sleep": self.last_sleep, "weights_discarded": self.weights_discarded,
+                "wake_tags": self.wake_tags}
 
     def add_routes(self, router: Router) -> None:
         if self.sleep is not None and self.options.dev_mode:
             router.add("POST", "/sleep", self.sleep_route)
             router.add("POST", "/wake_up", self.wake_up)
             router.add("GET", "/is_sleeping", self.is_sleeping)
+            router.add("POST", "/collective_rpc", self.collective_rpc)
         router.add("GET", "/health", self.health)
         router.add("GET,POST", "/ping", self.health)
         router.add("GET", "/version", self.version)
@@ -80,6 +90,11 @@ class VLLM(Engine):
     async def admit(self, request: Request, reply: Reply, model: object) -> str | None:
         if self.sleep is not None and (self.sleep.asleep or self.sleep.waking):
             await self.error(reply, 503, "the engine is sleeping; POST /wake_up first")
+            return None
+        if self.weights_discarded:
+            await self.error(reply, 500, "the weights a level-2 sleep discarded were not "
+                                         "reloaded (POST /collective_rpc reload_weights); "
+                                         "vLLM would answer garbage")
             return None
         return await admit_served_name(self, reply, model)
 
@@ -110,13 +125,32 @@ class VLLM(Engine):
                 scope.cancel()
         await self.state.wait_until(lambda: not self.running)
         await sleep.wake()  # (a wake in progress ends first)
-        sleep.fall_asleep()
+        if sleep.fall_asleep() and level == "2":
+            self.weights_discarded = True
         await reply.send(200, content_type=None)
 
     async def wake_up(self, request: Request, reply: Reply) -> None:
+        """``POST /wake_up[?tags=weights|kv_cache]``: the simulated memory comes back
+        whole at the first (its sleep is one block); the tags are recorded."""
         assert self.sleep is not None
+        self.wake_tags.append(request.query.get("tags", ""))
         await self.sleep.wake()
         await reply.send(200, content_type=None)
+
+    async def collective_rpc(self, request: Request, reply: Reply) -> None:
+        """``POST /collective_rpc {"method": ...}``: ``reload_weights`` loads the weights
+        a level-2 sleep discarded (vLLM's level-2 wake); other methods answer 200."""
+        try:
+            body = request.json()
+        except ValueError:
+            body = None
+        method = body.get("method") if isinstance(body, dict) else None
+        if method is None:
+            await self.error(reply, 400, 'the body must be JSON {"method": ...}')
+            return
+        if method == "reload_weights":
+            self.weights_discarded = False
+        await reply.send_json(200, {"results": [None]})
 
     async def is_sleeping(self, request: Request, reply: Reply) -> None:
         assert self.sleep is not None

@@ -67,6 +67,9 @@ class Sleepers:
         #: how long each engine's last wake took (seconds), what eviction plans come-backs
         #: with (``nvpair.router.evict``)
         self.woke_in: dict[str, float] = {}
+        #: the level nvpair put each sleeping engine to sleep at (a level-2 sleep wakes
+        #: with the manifest's ``wake_deep`` calls; not known: its ``sleep_level``)
+        self.slept_at: dict[str, int] = {}
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -211,13 +214,15 @@ class Sleepers:
     async def _wake(self, spec: EngineSpec) -> None:
         assert spec.sleep is not None
         started = trio.current_time()
+        deep = self.slept_at.get(spec.name, spec.sleep_level) == 2 and spec.sleep.wake_deep
         try:
-            await self._calls(spec, spec.sleep.wake)
+            await self._calls(spec, spec.sleep.wake_deep if deep else spec.sleep.wake)
         except SleepError as exc:
             self._set(spec.name, state="sleeping", activity=f"wake failed: {exc}")
             raise
         took = trio.current_time() - started
         self.woke_in[spec.name] = took
+        self.slept_at.pop(spec.name, None)
         self._set(spec.name, state="ready", error=None, activity=f"woken in {took:.1f} s")
         log.info("%s: woken in %.1f s", spec.name, took)
 
@@ -238,6 +243,7 @@ class Sleepers:
                 return
             operation.calling = True
             await self._calls(spec, spec.sleep.sleep, sleep_level=level)
+            self.slept_at[name] = level
         except BaseException as exc:
             why = f"sleep failed: {exc}" if isinstance(exc, SleepError) else "sleep cut short"
             self._set(name, admitting=True, activity=why)
