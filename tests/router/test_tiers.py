@@ -24,11 +24,11 @@ TB = 10**12
 
 
 def tiered(tmp: Path, engines: dict[str, tuple[str, list[str], str]], *,
-           budget: int) -> Settings:
+           budget: int, queue_wait_s: float = 60) -> Settings:
     """On-demand engines ``name: (kind, command, extra lines)``, each serving the model
     named like it, sharing ``budget`` bytes; the memory watch reads once (at start)."""
     text = (f"listen = '127.0.0.1:0'\nlog_dir = '{tmp / 'logs'}'\nsweep_deadline_s = 2\n"
-            f"[activation]\nmemory_budget_bytes = {budget}\nqueue_wait_s = 60\n"
+            f"[activation]\nmemory_budget_bytes = {budget}\nqueue_wait_s = {queue_wait_s}\n"
             "[memory]\ninterval_s = 3600\nwindow_h = 24\n")
     for name, (kind, command, extra) in engines.items():
         text += (f"[[engines]]\nname = '{name}'\nkind = '{fast_manifest(tmp, kind)}'\n"
@@ -185,3 +185,118 @@ async def test_a_pinned_engine_is_never_evicted(nursery, tmp_path) -> None:
             a = running.board.current.engine("a")
             assert a is not None and a.state == "ready" and a.admitting
             assert (await ask(client, "model-a")).status_code == 200
+
+
+
+async def test_a_sleep_nobody_needs_any_more_is_called_off_and_a_sleeping_engine_wakes_once(
+        nursery, tmp_path, caplog) -> None:
+    """a streams for 2 s when a request for b (room for one) waits only 1 s: b's request
+    gets 503, a's sleep for it is called off before any sleep call (a admits again, its
+    stream ends whole). Then a sleeps for b, and four requests for a at once wake it once."""
+    vllm = sim_command("vllm", "--enable-sleep-mode", "--load-s", "0.3", "--wake-s", "0.2",
+                       "--token-rate", "20")
+    settings = tiered(tmp_path, {
+        "a": ("vllm", vllm, f"sleep = true\nmemory_bytes = {100 * MB}"),
+        "b": ("vllm", vllm, f"sleep = true\nmemory_bytes = {100 * MB}"),
+    }, budget=150 * MB, queue_wait_s=1)
+    with trio.fail_after(40), caplog.at_level(logging.INFO, logger="nvpair"):
+        async with on_demand_service(nursery, settings) as (running, client, _):
+            board = running.board
+            assert (await ask(client, "model-a")).status_code == 200
+            chunks: list[bytes] = []
+            streaming = trio.Event()
+            answers: dict[str, int] = {}
+
+            async def stream_a() -> None:  # 40 tokens at 20 a second: 2 s
+                async with client.stream("POST", "/v1/chat/completions",
+                                         content=payload("model-a", 40, stream=True)) as r:
+                    async for chunk in r.aiter_bytes():
+                        chunks.append(chunk)
+                        streaming.set()
+
+            async def for_b() -> None:
+                answers["b"] = (await ask(client, "model-b")).status_code
+
+            async with trio.open_nursery() as n:
+                n.start_soon(stream_a)
+                await streaming.wait()
+                n.start_soon(for_b)
+                await wait_state(board, "a", "ready", where=lambda e: not e.admitting)
+                called_off = await wait_state(board, "a", "ready", where=lambda e: e.admitting)
+                assert called_off.activity == ("sleep called off (no request waits for b any "
+                                               "more)"), called_off.activity
+            assert answers == {"b": 503}
+            body = b"".join(chunks)
+            assert body.rstrip().endswith(b"data: [DONE]") and body.count(b'"content"') >= 40
+            assert board.current.engine("a").state == "ready"  # type: ignore[union-attr]
+
+            assert (await ask(client, "model-b")).status_code == 200  # a sleeps for b
+            assert board.current.engine("a").state == "sleeping"  # type: ignore[union-attr]
+            caplog.clear()
+            statuses: list[int] = []
+
+            async def for_a() -> None:
+                statuses.append((await ask(client, "model-a")).status_code)
+
+            async with trio.open_nursery() as n:
+                for _ in range(4):
+                    n.start_soon(for_a)
+            assert statuses == [200] * 4, statuses
+    lines = [r.getMessage() for r in caplog.records]
+    assert len([line for line in lines if line.startswith("woke a for a request")]) == 1, lines
+    assert len([line for line in lines if line.startswith("a: woken in ")]) == 1, lines
+    assert running.runners["a"].starts == 1
+
+
+def test_a_sleeping_engine_counts_what_the_memory_watch_read_of_it_asleep() -> None:
+    """a sleeps: until the memory watch has read it asleep it counts as nothing; once
+    read asleep (600 MB) it counts that, even when a reading taken before it fell asleep
+    is still on the board; its awake footprint (4 GB, measured while it was up) is what a
+    wake is planned with. Each candidate says what it can do: a vLLM with sleep (levels 1
+    and 2, its measured wake), b (no sleep) only a stop, c pinned."""
+    from types import SimpleNamespace
+
+    import msgspec
+    from tests.fakes import engine_spec
+
+    from nvpair.config.settings import ActivationConfig
+    from nvpair.router.activation import Activator
+    from nvpair.state.snapshot import Board
+    from nvpair.state.traffic import Traffic
+    from nvpair.state.transitions import initial_state
+    from nvpair.supervision.sleeper import Sleepers
+
+    def spec(name: str, **kw: object):  # type: ignore[no-untyped-def]
+        return engine_spec("vllm", name=name, managed=True, model=name, command=["srv"],
+                           activation="on_demand", **kw)
+
+    specs = [spec("a", sleep=True, sleep_level=1), spec("b"), spec("c", pin=True)]
+    board = Board(tuple(initial_state(s, now=0.0) for s in specs))
+    traffic = Traffic()
+    sleepers = Sleepers(specs, board, traffic)
+    activator = Activator(board, specs, {}, traffic,
+                          ActivationConfig(memory_budget_bytes=10 * 10**9), sleepers=sleepers)
+    GB = 10**9
+
+    def state(name: str, state: str, anon: int | None, at: float, since: float) -> None:
+        board.update(name, lambda e: msgspec.structs.replace(
+            e, state=state, since=since, memory=None if anon is None else SimpleNamespace(
+                rss_anon_bytes=anon, swap_bytes=0, at=at)))
+
+    state("a", "ready", 4 * GB, at=1.0, since=0.5)
+    state("b", "ready", 2 * GB, at=1.0, since=0.5)
+    state("c", "ready", 1 * GB, at=1.0, since=0.5)
+    sleepers.woke_in["a"] = 0.25
+    activator.remember()
+    state("a", "sleeping", 4 * GB, at=1.0, since=2.0)  # (the reading is from before)
+    by_name = {c.name: c for c in activator._running("new")}
+    assert by_name["a"].asleep and by_name["a"].footprint == 0  # not read asleep yet
+    state("a", "sleeping", 600 * 10**6, at=3.0, since=2.0)
+    by_name = {c.name: c for c in activator._running("new")}
+    a, b, c = by_name["a"], by_name["b"], by_name["c"]
+    assert (a.asleep, a.footprint, a.residual, a.levels, a.wake_s) == (
+        True, 600 * 10**6, 600 * 10**6, (1, 2), 0.25)
+    assert (b.levels, b.asleep, b.pin) == ((), False, False) and c.pin
+    assert activator.footprint("a") == 4 * GB  # what its wake is planned with
+    assert [c.name for c in activator._running("a")] == ["b", "c"]
+
