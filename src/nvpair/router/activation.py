@@ -12,11 +12,13 @@ request for a model an on-demand engine serves (docs/on-demand.md):
   ``queue_wait_s`` (``Unavailable`` 503 with Retry-After and why), or until the start fails
   (``Unavailable`` 503, the engine's last log line). A client that leaves is cancelled and
   leaves the queue at once (``Ticket.leave``).
-* Before a start the memory budget is checked (``nvpair.router.evict.plan``); victims drain (no
-  new requests, those in flight finish however long they take) and stop, then the engine
-  starts. Nothing can make room: every waiter gets 503 with the reason. Once no request
-  waits for the engine any more, drains still waiting for requests in flight are called
-  off: nothing stops for a start nobody wants.
+* Before a start (or the wake of a sleeping engine: its requests queue the same way) the
+  memory budget is checked (``nvpair.router.evict.plan``); victims drain (no new requests,
+  those in flight finish however long they take), then each sleeps (through
+  ``nvpair.supervision.sleeper.Sleepers``, never in an aborting mode) or stops as its tier
+  says, then the engine starts or wakes. Nothing can make room: every waiter gets 503 with
+  the reason. Once no request waits for the engine any more, drains still waiting for
+  requests in flight are called off: nothing sleeps or stops for a start nobody wants.
 * ``Activator.run`` unloads an engine that no routed request used for ``idle_unload_s``
   (a drain, then ``cold``). Only routed requests count as use (``used``), never probes.
 
