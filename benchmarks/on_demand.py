@@ -228,12 +228,12 @@ def direct_wakes(procs: Procs, rounds: int) -> list[float]:
 
 
 def run_swap(quick: bool) -> dict[str, Any]:
-    requests = 9 if quick else 30
+    requests = 7 if quick else 30
     with tempfile.TemporaryDirectory(prefix="nvpair-bench-swap-") as tmp, \
             Procs(Path(tmp)) as procs:
         tiers = swap_mode(procs, True, requests)
         stops = swap_mode(procs, False, requests)
-        alone = direct_wakes(procs, 5 if quick else 15)
+        alone = direct_wakes(procs, 4 if quick else 15)
     share = tiers["swap_first_byte_p50_s"] - statistics.median(alone)
     return {"load_s": SWAP_LOAD_S, "wake_s": SWAP_WAKE_S, "engine_mb": SWAP_MB,
             "budget_mb": SWAP_MB * 3 // 2, "sleep_tiers": tiers, "stop_start": stops,
