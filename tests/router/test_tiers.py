@@ -301,3 +301,51 @@ def test_a_sleeping_engine_counts_what_the_memory_watch_read_of_it_asleep() -> N
     assert activator.footprint("a") == 4 * GB  # what its wake is planned with
     assert [c.name for c in activator._running("a")] == ["b", "c"]
 
+
+
+async def test_a_request_for_an_engine_going_to_sleep_waits_and_wakes_it(
+        nursery, tmp_path) -> None:
+    """a streams for 2 s; a request for b makes a go to sleep (drained first); a request for
+    a meanwhile waits in a's queue: once a sleeps and b has answered, b goes to sleep and a
+    wakes for it. Every request is answered whole; no engine is started twice."""
+    vllm = sim_command("vllm", "--enable-sleep-mode", "--load-s", "0.3", "--wake-s", "0.2",
+                       "--token-rate", "20")
+    settings = tiered(tmp_path, {
+        "a": ("vllm", vllm, f"sleep = true\nmemory_bytes = {100 * MB}"),
+        "b": ("vllm", vllm, f"sleep = true\nmemory_bytes = {100 * MB}"),
+    }, budget=150 * MB)
+    with trio.fail_after(40):
+        async with on_demand_service(nursery, settings, read=True) as (
+                running, client, reader):
+            board = running.board
+            assert (await ask(client, "model-a")).status_code == 200
+            chunks: list[bytes] = []
+            streaming = trio.Event()
+            answers: dict[str, int] = {}
+
+            async def stream_a() -> None:  # 40 tokens at 20 a second: 2 s
+                async with client.stream("POST", "/v1/chat/completions",
+                                         content=payload("model-a", 40, stream=True)) as r:
+                    answers["stream"] = r.status_code
+                    async for chunk in r.aiter_bytes():
+                        chunks.append(chunk)
+                        streaming.set()
+
+            async def asks(model: str) -> None:
+                answers[model] = (await ask(client, model)).status_code
+
+            async with trio.open_nursery() as n:
+                n.start_soon(stream_a)
+                await streaming.wait()
+                n.start_soon(asks, "model-b")
+                await wait_state(board, "a", "ready", where=lambda e: not e.admitting)
+                n.start_soon(asks, "model-a")  # while a goes to sleep
+                await wait_state(board, "a", "ready", where=lambda e: e.queued == 1)
+            assert answers == {"stream": 200, "model-b": 200, "model-a": 200}, answers
+            body = b"".join(chunks)
+            assert body.rstrip().endswith(b"data: [DONE]") and body.count(b'"content"') >= 40
+            a, b = board.current.engine("a"), board.current.engine("b")
+            assert a is not None and b is not None
+            assert (a.state, b.state) == ("ready", "sleeping")
+        assert reader.worst < 0.5, reader.worst
+    assert running.runners["a"].starts == 1 and running.runners["b"].starts == 1

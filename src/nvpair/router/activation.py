@@ -456,14 +456,18 @@ class Activator:
                 continue  # cold: started again for the requests that wait
             if settled == "stopped":
                 return f"engine {name} was stopped (nvpair stop); start it with nvpair start"
+            if settled == "asleep":  # (put to sleep while its requests came: woken above)
+                started = False
+                continue
             if settled == "down":
                 return self._failed(name, self.board.current.engine(name) or e)
             # "cold": a drain ended; start it (again) for the requests waiting
 
     async def _settled(self, name: str, *, just_started: bool) -> str:
-        """Until the engine is ready and admitting, down, stopped or cold: which (cold after
-        a drain seen meanwhile: ``drained``). Just started, it is still cold until its runner
-        takes the start: that cold is not it."""
+        """Until the engine is ready and admitting, asleep (it went to sleep meanwhile, an
+        eviction's), down, stopped or cold: which (cold after a drain seen meanwhile:
+        ``drained``). Just started, it is still cold until its runner takes the start: that
+        cold is not it."""
         version = -1
         left_cold = not just_started
         drained = False
@@ -478,6 +482,8 @@ class Activator:
                 if e is not None and e.state == "cold" and drained:
                     return "drained"
                 return "down" if e is None else e.state
+            if e.state in ASLEEP_STATES and e.admitting:
+                return "asleep"
             if e.state in LISTED_STATES and e.admitting:
                 return "ready"
 
