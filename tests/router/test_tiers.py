@@ -349,3 +349,26 @@ async def test_a_request_for_an_engine_going_to_sleep_waits_and_wakes_it(
             assert (a.state, b.state) == ("ready", "sleeping")
         assert reader.worst < 0.5, reader.worst
     assert running.runners["a"].starts == 1 and running.runners["b"].starts == 1
+
+
+async def test_a_sleep_that_fails_falls_back_to_a_stop(nursery, tmp_path, caplog) -> None:
+    """a says it can sleep but its vLLM was started without --enable-sleep-mode (/sleep
+    answers 404): the eviction's sleep fails, a is stopped instead (drained), b serves."""
+    settings = tiered(tmp_path, {
+        "a": ("vllm", sim_command("vllm", "--load-s", "0.3"),
+              f"sleep = true\nmemory_bytes = {100 * MB}"),
+        "b": ("vllm", sim_command("vllm", "--load-s", "0.3"), f"memory_bytes = {100 * MB}"),
+    }, budget=150 * MB)
+    with trio.fail_after(40), caplog.at_level(logging.INFO, logger="nvpair"):
+        async with on_demand_service(nursery, settings) as (running, client, _):
+            assert (await ask(client, "model-a")).status_code == 200
+            served = await ask(client, "model-b")
+            assert served.status_code == 200, served.text
+            a = running.board.current.engine("a")
+            assert a is not None and a.state == "cold"
+            assert a.activity is not None and a.activity.startswith(
+                "evicted a (stop) to make room for b: sleep failed: POST "
+                "/sleep?level=1&mode=wait answered 404"), a.activity
+            assert a.activity.endswith(", so stopped instead"), a.activity
+            assert (await ask(client, "model-a")).status_code == 200  # started again
+    assert running.runners["a"].starts == 2
