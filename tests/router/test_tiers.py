@@ -164,6 +164,7 @@ async def test_too_little_host_ram_for_level_1_sleeps_at_level_2(nursery, tmp_pa
             # /wake_up would leave the weights discarded (the simulator's 500)
             woken = await ask(client, "model-a")
             assert woken.status_code == 200, woken.text
+            assert "\ufffd" not in woken.text  # (no garbage from discarded weights)
             b = running.board.current.engine("b")
             assert b is not None and b.state == "sleeping"
             assert b.activity is not None and b.activity.startswith(

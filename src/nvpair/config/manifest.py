@@ -212,9 +212,10 @@ class SleepManifest(Base, frozen=True):
     sleep: tuple[EngineCall, ...] = ()
     #: the calls that wake it, in order
     wake: tuple[EngineCall, ...] = ()
-    #: the calls that wake it from a level-2 sleep, where they differ (none: ``wake``):
-    #: vLLM discarded its weights and must reload them before its KV cache comes back
-    wake_deep: tuple[EngineCall, ...] = ()
+    #: the calls that wake it from a sleep of this level (``sleep_level``), in place of
+    #: ``wake``: vLLM's level 2 discards the weights, which must be loaded again before
+    #: it serves
+    wake_by_level: dict[Literal["1", "2"], tuple[EngineCall, ...]] = {}
     #: what a managed engine with ``sleep = true`` is started with besides: argv
     #: fragments (each only when its placeholders have values) and environment
     argv: tuple[tuple[str, ...], ...] = ()

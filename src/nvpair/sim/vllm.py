@@ -65,6 +65,7 @@ class VLLM(Engine):
             router.add("POST", "/wake_up", self.wake_up)
             router.add("GET", "/is_sleeping", self.is_sleeping)
             router.add("POST", "/collective_rpc", self.collective_rpc)
+            router.add("POST", "/reset_prefix_cache", self.reset_prefix_cache)
         router.add("GET", "/health", self.health)
         router.add("GET,POST", "/ping", self.health)
         router.add("GET", "/version", self.version)
@@ -151,6 +152,9 @@ class VLLM(Engine):
         if method == "reload_weights":
             self.weights_discarded = False
         await reply.send_json(200, {"results": [None]})
+
+    async def reset_prefix_cache(self, request: Request, reply: Reply) -> None:
+        await reply.send(200, content_type=None)
 
     async def is_sleeping(self, request: Request, reply: Reply) -> None:
         assert self.sleep is not None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 import httpx2
 import trio
@@ -68,8 +68,8 @@ class Sleepers:
         #: how long each engine's last wake took (seconds), what eviction plans come-backs
         #: with (``nvpair.router.evict``)
         self.woke_in: dict[str, float] = {}
-        #: the level nvpair put each sleeping engine to sleep at (a level-2 sleep wakes
-        #: with the manifest's ``wake_deep`` calls; not known: its ``sleep_level``)
+        #: the level nvpair put each sleeping engine to sleep at, which its wake's calls
+        #: follow (the manifest's ``wake_by_level``; not known: its ``sleep_level``)
         self.slept_at: dict[str, int] = {}
         self._nursery: trio.Nursery | None = None
 
@@ -215,9 +215,11 @@ class Sleepers:
     async def _wake(self, spec: EngineSpec) -> None:
         assert spec.sleep is not None
         started = trio.current_time()
-        deep = self.slept_at.get(spec.name, spec.sleep_level) == 2 and spec.sleep.wake_deep
+        # (vLLM's level 2 wakes in more calls: its weights are loaded again)
+        level: Literal["1", "2"] = (
+            "2" if self.slept_at.get(spec.name, spec.sleep_level) == 2 else "1")
         try:
-            await self._calls(spec, spec.sleep.wake_deep if deep else spec.sleep.wake)
+            await self._calls(spec, spec.sleep.wake_by_level.get(level, spec.sleep.wake))
         except SleepError as exc:
             self._set(spec.name, state="sleeping", activity=f"wake failed: {exc}")
             raise
