@@ -23,9 +23,23 @@ router as it was) and ``od`` (``activation = "on_demand"``, loading for ``--load
   own nvpair: first come first served (``swap_batch = 0``, the default) and swap batching
   (``swap_batch = 8``, ``max_swap_wait_s = 30``): swaps per minute, total time, p50/p99 of
   the queue wait per key (``x-nvpair-queue-ms``), the longest wait, failures (must be 0).
+* **swap** (issue 33 §4): three on-demand vLLM simulators (``a``, ``b``, ``c``, 100 MB
+  each, declared) and a memory budget for one (150 MB); streaming requests alternate
+  a, b, c, a, b, c, ... so every request is a swap. Run twice, one nvpair after the other:
+  ``sleep = true`` (the eviction tiers: a victim sleeps at level 1, a request for it wakes
+  it) and without (stop/start). The simulators load in ``SWAP_LOAD_S`` (3 s) and wake in
+  ``SWAP_WAKE_S`` (0.3 s), the ratio vLLM's own sleep blog reports for small models (a
+  reload in seconds, a wake in 0.1 to 0.4 s). Per mode: total time, the p50 and p99 time
+  to first byte of the swaps after the first round (each engine's first start is a cold
+  start in both modes), the swaps by tier (read from each victim's ``activity``), and the
+  requests that failed (target: 0). Against the tiers: the engine's wake alone (one
+  simulator put to sleep and woken by calling it directly, to the first byte of a request);
+  nvpair's share of a swap is the difference of the p50s (target: within 50 ms), and
+  holds the victim's drained sleep as well as the wake.
 
 Writes ``benchmarks/results/on-demand.json`` (``on-demand-quick.json`` with ``--quick``).
-``--only alternation`` runs that scenario alone (``on-demand-alternation[-quick].json``).
+``--only alternation`` or ``--only swap`` runs that scenario alone
+(``on-demand-<scenario>[-quick].json``).
 """
 
 from __future__ import annotations
@@ -44,6 +58,10 @@ from typing import Any
 from benchmarks.procs import PY, ROOT, Procs, free_port, get_json, machine, request, start_nvpair
 
 LOAD_S = 2.0
+#: the swap scenario's engines: a load as a small model's reload, a wake as vLLM's level 1
+SWAP_LOAD_S = 3.0
+SWAP_WAKE_S = 0.3
+SWAP_MB = 100
 
 
 def sim_argv(port: int, model: str, load_s: float) -> list[str]:
@@ -123,6 +141,114 @@ def wait_state(url: str, name: str, state: str, within: float = 60.0) -> None:
         time.sleep(0.02)
     raise RuntimeError(f"engine {name} never became {state}: {doc.get('state')}, "
                        f"{doc.get('error')}")
+
+
+def swap_argv(port: int, model: str) -> list[str]:
+    return [PY, "-m", "nvpair.sim", "vllm", "--port", str(port), "--model", model,
+            "--load-s", str(SWAP_LOAD_S), "--wake-s", str(SWAP_WAKE_S), "--warmup-s", "0",
+            "--token-rate", "5000", "--enable-sleep-mode", "--no-control",
+            "--log-level", "WARNING"]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def swap_mode(procs: Procs, sleep: bool, requests: int) -> dict[str, Any]:
+    """One nvpair, three on-demand engines with room for one, ``requests`` alternating
+    streaming requests: what each cost, and how each victim was evicted."""
+    names = ("a", "b", "c")
+    engines = ""
+    for name in names:
+        port = free_port()
+        engines += (f"[[engines]]\nname = '{name}'\nkind = 'vllm'\nport = {port}\n"
+                    f"model = 'm-{name}'\nmanaged = true\nactivation = 'on_demand'\n"
+                    f"memory_bytes = {SWAP_MB * 10**6}\nsleep = {str(sleep).lower()}\n"
+                    f"command = {json.dumps(swap_argv(port, f'm-{name}'))}\n")
+    top = (f"[activation]\nmemory_budget_bytes = {SWAP_MB * 3 // 2 * 10**6}\n"
+           "[memory]\ninterval_s = 3600\nwindow_h = 24\n")  # (the declared sizes hold)
+    proc, url, _took = start_nvpair(procs, f"nvpair-{'tiers' if sleep else 'stops'}",
+                                    engines, top=top)
+    try:
+        first_round: list[float] = []
+        swaps: list[float] = []
+        tiers: dict[str, int] = {}
+        failed = 0
+        started = time.monotonic()
+        for i in range(requests):
+            name = names[i % len(names)]
+            try:
+                took = first_byte(url, f"m-{name}")
+            except (RuntimeError, OSError) as exc:
+                failed += 1
+                print(f"swap {i} ({name}) failed: {exc}")
+                continue
+            (first_round if i < len(names) else swaps).append(took)
+            if i:  # the engine asked before this one was the victim: how it went
+                victim = names[(i - 1) % len(names)]
+                activity = get_json(f"{url}/v1/engines/{victim}").get("activity") or ""
+                tier = activity.split("(", 1)[1].split(")", 1)[0] if (
+                    activity.startswith(f"evicted {victim} (")) else "none"
+                tiers[tier] = tiers.get(tier, 0) + 1
+        total = time.monotonic() - started
+    finally:
+        proc.stop()
+    return {"requests": requests, "failed": failed, "total_s": round(total, 2),
+            "first_round_first_byte_s": [round(x, 3) for x in first_round],
+            "swaps": len(swaps), "swap_first_byte_s": [round(x, 3) for x in swaps],
+            "swap_first_byte_p50_s": round(statistics.median(swaps), 3),
+            "swap_first_byte_p99_s": round(percentile(swaps, 0.99), 3),
+            "swaps_by_tier": tiers}
+
+
+def direct_wakes(procs: Procs, rounds: int) -> list[float]:
+    """The engine's wake alone: one simulator put to sleep (level 1) and woken by calling it
+    directly, timed from ``POST /wake_up`` to the first byte of a streaming request's body
+    (what a swap through nvpair is measured against)."""
+    port = free_port()
+    proc = procs.start(f"wake-alone-{port}", swap_argv(port, "m-alone"),
+                       extra_env={"VLLM_SERVER_DEV_MODE": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if request("GET", f"{url}/health", timeout=1.0)[0] == 200:
+                    break
+            except OSError:
+                pass
+            if not proc.alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the simulator did not start:\n{proc.tail()}")
+            time.sleep(0.01)
+        first_byte(url, "m-alone")
+        out = []
+        for _ in range(rounds):
+            if request("POST", f"{url}/sleep?level=1&mode=wait")[0] != 200:
+                raise RuntimeError("the simulator did not sleep")
+            started = time.monotonic()
+            if request("POST", f"{url}/wake_up", timeout=10)[0] != 200:
+                raise RuntimeError("the simulator did not wake")
+            out.append(time.monotonic() - started + first_byte(url, "m-alone"))
+        return out
+    finally:
+        proc.stop()
+
+
+def run_swap(quick: bool) -> dict[str, Any]:
+    requests = 7 if quick else 30
+    with tempfile.TemporaryDirectory(prefix="nvpair-bench-swap-") as tmp, \
+            Procs(Path(tmp)) as procs:
+        tiers = swap_mode(procs, True, requests)
+        stops = swap_mode(procs, False, requests)
+        alone = direct_wakes(procs, 4 if quick else 15)
+    share = tiers["swap_first_byte_p50_s"] - statistics.median(alone)
+    return {"load_s": SWAP_LOAD_S, "wake_s": SWAP_WAKE_S, "engine_mb": SWAP_MB,
+            "budget_mb": SWAP_MB * 3 // 2, "sleep_tiers": tiers, "stop_start": stops,
+            "p50_speedup": round(stops["swap_first_byte_p50_s"]
+                                 / tiers["swap_first_byte_p50_s"], 1),
+            "engine_wake_alone_first_byte_s": [round(x, 3) for x in alone],
+            "nvpair_share_of_a_swap_ms": round(share * 1000, 1)}
 
 
 def run(quick: bool) -> dict[str, Any]:
@@ -308,26 +434,35 @@ def alternation(quick: bool) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", choices=["alternation"])
+    parser.add_argument("--only", choices=("alternation", "swap"), default=None,
+                        help="run one scenario alone (results in on-demand-<name>*.json)")
     args = parser.parse_args()
-    if args.only == "alternation":
-        alt = {"machine": machine(), "quick": args.quick, **alternation(args.quick)}
-        name = "on-demand-alternation-quick.json" if args.quick else "on-demand-alternation.json"
-        (ROOT / "benchmarks" / "results" / name).write_text(json.dumps(alt, indent=1) + "\n")
-        print(json.dumps(alt, indent=1))
-        failed = alt["fifo"]["failures"] + alt["swap_batching"]["failures"]
-        return 1 if failed else 0
-    result = run(args.quick)
-    result["alternation"] = alt = alternation(args.quick)
-    result["targets"]["alternation: no failures"] = (
-        alt["fifo"]["failures"] == alt["swap_batching"]["failures"] == 0)
-    result["targets"]["alternation: swap batching cuts swaps 2x or more"] = (
-        alt["swaps_cut"] >= 2)
-    out = ROOT / "benchmarks" / "results" / ("on-demand-quick.json" if args.quick
-                                               else "on-demand.json")
+    if args.only is not None:
+        result: dict[str, Any] = {"machine": machine(), "quick": args.quick, "targets": {}}
+    else:
+        result = run(args.quick)
+    if args.only in (None, "alternation"):
+        result["alternation"] = alt = alternation(args.quick)
+        result["targets"]["alternation: no failures"] = (
+            alt["fifo"]["failures"] == alt["swap_batching"]["failures"] == 0)
+        result["targets"]["alternation: swap batching cuts swaps 2x or more"] = (
+            alt["swaps_cut"] >= 2)
+    if args.only in (None, "swap"):
+        result["swap"] = swap = run_swap(args.quick)
+        result["targets"].update({
+            "swap: no request failed": swap["sleep_tiers"]["failed"] == 0
+            and swap["stop_start"]["failed"] == 0,
+            "swap: every victim slept with tiers": set(swap["sleep_tiers"]["swaps_by_tier"])
+            == {"sleep at level 1"},
+            "swap: p50 first byte with tiers below stop/start": swap["p50_speedup"] > 1,
+            "swap: nvpair's share of a swap within 50 ms":
+                swap["nvpair_share_of_a_swap_ms"] <= 50,
+        })
+    stem = "on-demand" + (f"-{args.only}" if args.only else "") + ("-quick" if args.quick else "")
+    out = ROOT / "benchmarks" / "results" / f"{stem}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: result[k] for k in ("warm", "cold", "alternation", "targets")},
-                     indent=1))
+    print(json.dumps({k: result[k] for k in ("warm", "cold", "alternation", "swap", "targets")
+                      if k in result}, indent=1))
     for target, met in result["targets"].items():
         print(f"{target}: {'met' if met else 'NOT met'}")
     return 0

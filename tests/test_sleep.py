@@ -355,3 +355,37 @@ async def test_vllm_at_level_2_is_woken_with_its_weights_loaded_again(
             assert content and "\ufffd" not in content
         assert sim.stats().engine["reloads"] == 1
         assert sim.stats().path("/reset_prefix_cache").count == 1
+async def test_the_sleep_and_wake_calls_build_no_tls_context_of_their_own(
+        nursery: trio.Nursery, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Each sleep or wake call's client built an SSL context of its own (the trust store
+    read on the event loop: 71 ms a client measured on the loaded 2-core machine, so about
+    140 ms of every swap by the eviction tiers); they share nvpair's one
+    (``nvpair.base.tls.client_tls``), as every other client does."""
+    import ssl
+
+    from nvpair.base.tls import client_tls
+
+    client_tls()  # (nvpair's one, built before the count starts)
+    sim = await nursery.start(serve_sim, SimOptions(
+        kind="vllm", model="gemma", enable_sleep_mode=True, dev_mode=True))
+    await sim.wait_phase("ready")
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, load_settings(str(config(tmp_path, sim,
+                                                                            "vllm"))))
+        await wait_state(running.board, "e", "ready", where=lambda e: bool(e.models))
+        built: list[str] = []
+        real = ssl.create_default_context
+
+        def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+            built.append("context")
+            return real(*args, **kwargs)
+
+        async with httpx2.AsyncClient(base_url=running.url, timeout=20) as client:
+            monkeypatch.setattr(ssl, "create_default_context", counted)
+            assert (await client.post("/v1/engines/e/sleep")).status_code == 202
+            await wait_state(running.board, "e", "sleeping")
+            assert (await client.post("/v1/engines/e/wake")).status_code == 202
+            await wait_state(running.board, "e", "ready")
+            monkeypatch.undo()
+        assert sleep_counts(sim) == {"sleeps": 1, "wakes": 1}
+        assert built == []

@@ -132,11 +132,11 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
     peers = None if settings.cluster is None else Broker(settings.cluster, board, settings.node)
     cluster_token = None if settings.cluster is None else settings.cluster.token
     groups.attach(board, peers, procs)
+    sleepers = Sleepers(settings.engines, board, traffic)  # wake and sleep (docs/sleep.md)
     activator = None  # engines on demand (docs/on-demand.md)
     if any(spec.activation == "on_demand" for spec in settings.engines):
         activator = Activator(board, settings.engines, runners, traffic, settings.activation,
-                              settings.memory)
-    sleepers = Sleepers(settings.engines, board, traffic)  # wake and sleep (docs/sleep.md)
+                              settings.memory, sleepers)
     router = Router(board, settings.engines, settings.router, traffic, node=settings.node,
                     peers=None if peers is None else peers.table, cluster_token=cluster_token,
                     activator=activator, sleepers=sleepers, queue=settings.activation)

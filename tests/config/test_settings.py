@@ -300,6 +300,9 @@ def test_sleep_needs_a_kind_that_sleeps_and_idle_sleep_needs_sleep(write) -> Non
                             "sleeps; remove sleep = true"), message
     message = error_for(write, "[[engines]]\nname = 'a'\nkind = 'llamacpp'\nidle_sleep_s = 5\n")
     assert message.endswith("engines[0].idle_sleep_s: needs sleep = true"), message
+    message = error_for(write, "[[engines]]\nname = 'a'\nkind = 'llamacpp'\npin = true\n")
+    assert message.endswith("engines[0].pin: only an engine with activation = 'on_demand' "
+                            "is ever evicted; remove pin = true"), message
 
 
 def test_an_engine_that_sleeps_is_probed_on_its_sleeping_probe_and_started_with_its_flags(

@@ -319,8 +319,10 @@ async def test_a_budget_for_one_drains_the_first_engine_then_starts_the_second(
     assert second[0].status_code == 200, second[0].text
     a = running.board.current.engine("a")
     assert a is not None and a.state == "cold"
-    assert a.activity is not None and a.activity.startswith("evicted a (idle ")
-    assert a.activity.endswith(", 6.0 GB) to make room for b")
+    assert a.activity is not None and a.activity.startswith(
+        "evicted a (stop) to make room for b: 1 request in flight, drained first, loads "
+        "again in "), a.activity  # (its measured load)
+    assert a.activity.endswith("; frees 6.0 GB (it cannot be put to sleep)"), a.activity
 
 
 def evicting(tmp: Path, queue_wait_s: float) -> Settings:
@@ -380,8 +382,10 @@ async def test_an_eviction_waits_for_a_stream_longer_than_the_stop_grace(
     assert after > 0.3  # b started after the stream (b loads for 0.3 s)
     a = running.board.current.engine("a")
     assert a is not None and a.state == "cold"
-    assert a.activity == ("evicted a (idle 0.0 s, 1 request in flight that finished first, "
-                          "6.0 GB) to make room for b")
+    assert a.activity is not None and a.activity.startswith(
+        "evicted a (stop) to make room for b: 1 request in flight, drained first, loads "
+        "again in "), a.activity
+    assert a.activity.endswith("; frees 6.0 GB (it cannot be put to sleep)"), a.activity
     lines = [r.getMessage() for r in caplog.records]
     assert ("a: drained (to make room for b): 1 request in flight finished, then stopped"
             in lines), lines
@@ -762,7 +766,8 @@ async def test_a_request_for_the_engine_being_evicted_waits_and_is_served(
     assert b"".join(streamed).rstrip().endswith(b"data: [DONE]")
     a, b = running.board.current.engine("a"), running.board.current.engine("b")
     assert a is not None and b is not None and a.state == "ready" and b.state == "cold"
-    assert b.activity is not None and b.activity.endswith("to make room for a")
+    assert b.activity is not None and b.activity.startswith(
+        "evicted b (stop) to make room for a: "), b.activity
     assert running.runners["a"].starts == 2 and running.runners["b"].starts == 1
 
 

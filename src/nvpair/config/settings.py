@@ -75,6 +75,8 @@ class EngineConfig(Base, frozen=True):
     idle_unload_s: Annotated[float, msgspec.Meta(ge=0, le=30 * 86400)] = 0.0
     #: on demand: a higher priority survives eviction longer.
     priority: Annotated[int, msgspec.Meta(ge=-1000, le=1000)] = 0
+    #: on demand: never evicted (neither slept nor stopped to make room for another).
+    pin: bool = False
     #: on demand: the footprint evictions are planned with ("measured": the memory watch's).
     memory_bytes: Literal["measured"] | Annotated[int, msgspec.Meta(ge=0)] = "measured"
     #: on demand: requests its queue sends at once (default: what the engine says, else all).
@@ -254,6 +256,8 @@ class EngineSpec(msgspec.Struct, frozen=True):
     on_exit: str = "stop"
     idle_unload_s: float = 0.0
     priority: int = 0
+    #: on demand: never a victim of an eviction
+    pin: bool = False
     #: the configured footprint (None: "measured", from the memory watch only)
     memory_bytes: int | None = None
     #: on demand: requests the queue sends at once (None: what the engine says, else all)
@@ -583,6 +587,9 @@ def _resolve_engine(eng: EngineConfig, where: str, base: Path) -> EngineSpec:
                           "it sleeps; remove sleep = true")
     if eng.idle_sleep_s is not None and not eng.sleep:
         raise ConfigError(f"{where}.idle_sleep_s: needs sleep = true")
+    if eng.pin and eng.activation != "on_demand":
+        raise ConfigError(f"{where}.pin: only an engine with activation = 'on_demand' is "
+                          "ever evicted; remove pin = true")
     api_key = key_path = None
     if eng.api_key_file:
         api_key = read_secret(eng.api_key_file, where, "api_key_file", base)
@@ -611,6 +618,7 @@ def _resolve_engine(eng: EngineConfig, where: str, base: Path) -> EngineSpec:
         activation=eng.activation,
         idle_unload_s=eng.idle_unload_s,
         priority=eng.priority,
+        pin=eng.pin,
         memory_bytes=None if eng.memory_bytes == "measured" else eng.memory_bytes,
         max_in_flight=eng.max_in_flight,
         kv_cache_probe_s=eng.kv_cache_probe_s,

@@ -2,9 +2,10 @@
 
 The modules:
 
-* ``evict``: which running on-demand engines make room for another (`plan`), pure: idle ones
-  first (a busy one only when they do not free enough), then by priority, least recently
-  used.
+* ``evict``: which on-demand engines make room for another, and how (`plan`), pure: a tier
+  per victim (sleep at level 1 within the host RAM, sleep at level 2, stop); idle ones
+  first (a busy one only when they do not free enough), then by priority, then idle time
+  over come-back time; pinned ones never.
 * ``select``: which engines may take a request for a model, from the snapshot, never probed.
 * ``relay``: the ASGI handler that passes a request to an engine and its answer back.
 * ``request``: one routed request: its id (`Routed`, `valid_id`), times, answer, access line.
@@ -13,8 +14,8 @@ The modules:
   requests per model, and never a request that evicts a model with requests in flight.
 * ``counters``: `GET /v1/router`, the router's own counters.
 * ``peering``: what the router knows of peers: `PeerRouter`, the routes to a model.
-* ``activation``: engines on demand: `Activator`, the single-flight start, the bounded queue
-  per engine, evictions and idle unloads.
+* ``activation``: engines on demand: `Activator`, the single-flight start (or wake), the
+  bounded queue per engine, evictions by tier and idle unloads.
 * ``fairqueue``: `FairQueue`, the order of an engine's waiting requests: priority with
   ageing, round-robin across keys (pure).
 * ``swaps``: swap batching, when a loaded engine may be evicted for another (`verdict`, pure).

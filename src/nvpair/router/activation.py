@@ -12,11 +12,13 @@ request for a model an on-demand engine serves (docs/on-demand.md):
   ``queue_wait_s`` (``Unavailable`` 503 with Retry-After and why), or until the start fails
   (``Unavailable`` 503, the engine's last log line). A client that leaves is cancelled and
   leaves the queue at once (``Ticket.leave``).
-* Before a start the memory budget is checked (``nvpair.router.evict.plan``); victims drain (no
-  new requests, those in flight finish however long they take) and stop, then the engine
-  starts. Nothing can make room: every waiter gets 503 with the reason. Once no request
-  waits for the engine any more, drains still waiting for requests in flight are called
-  off: nothing stops for a start nobody wants.
+* Before a start (or the wake of a sleeping engine: its requests queue the same way) the
+  memory budget is checked (``nvpair.router.evict.plan``); victims drain (no new requests,
+  those in flight finish however long they take), then each sleeps (through
+  ``nvpair.supervision.sleeper.Sleepers``, never in an aborting mode) or stops as its tier
+  says, then the engine starts or wakes. Nothing can make room: every waiter gets 503 with
+  the reason. Once no request waits for the engine any more, drains still waiting for
+  requests in flight are called off: nothing sleeps or stops for a start nobody wants.
 * ``Activator.run`` unloads an engine that no routed request used for ``idle_unload_s``
   (a drain, then ``cold``). Only routed requests count as use (``used``), never probes.
 
@@ -40,15 +42,16 @@ from nvpair.base.boundary import Part
 from nvpair.base.logformat import about
 from nvpair.config.settings import ActivationConfig, EngineSpec, MemoryConfig
 from nvpair.errors import NvpairError
-from nvpair.router.evict import Candidate, gigabytes, plan
+from nvpair.router.evict import Candidate, Step, plan
 from nvpair.router.fairqueue import FairQueue
 from nvpair.router.swaps import Resident, SwapPolicy, Verdict, verdict
 from nvpair.state.memory import NodeMemory
-from nvpair.state.snapshot import LISTED_STATES, Board, EngineState
+from nvpair.state.snapshot import ASLEEP_STATES, LISTED_STATES, Board, EngineState
 from nvpair.state.traffic import Traffic
-from nvpair.supervision.lifecycle import Busy, EngineRunner
+from nvpair.supervision.lifecycle import Busy, EngineRunner, Result
 from nvpair.supervision.memproc import Meminfo, MemorySourceError, read_meminfo
 from nvpair.supervision.memtrend import reserve_bytes
+from nvpair.supervision.sleeper import Sleepers
 
 log = logging.getLogger("nvpair.activation")
 
@@ -172,16 +175,16 @@ def reading(e: EngineState | None) -> int | None:
 
 def footprint(e: EngineState | None, spec: EngineSpec,
               remembered: int | None = None) -> int | None:
-    """The engine's footprint in bytes: the larger of what it is seen to hold and its
-    configured ``memory_bytes`` (a number given is a floor, never replaced by a smaller
+    """The engine's footprint awake, in bytes: the larger of what it is seen to hold and
+    its configured ``memory_bytes`` (a number given is a floor, never replaced by a smaller
     reading: the watch reads host memory, and a GPU engine's weights are not in it). Seen:
     up (ready, stale, unhealthy) with a reading, the reading; otherwise (cold: no process;
-    starting: a loading process's reading is only part of it) what it measured when it was
-    last up (``remembered``), or the reading now where that is larger. None: unknown
-    (``"measured"`` and nothing seen yet)."""
+    starting: a loading process's reading is only part of it; asleep: what it holds
+    asleep) what it measured when it was last up (``remembered``), or the reading now
+    where that is larger. None: unknown (``"measured"`` and nothing seen yet)."""
     now = reading(e)
     declared = spec.memory_bytes
-    if now is not None and e is not None and e.state in UP_STATES:
+    if now is not None and e is not None and e.state in UP_STATES - ASLEEP_STATES:
         seen: int | None = now
     else:
         seen = max((n for n in (remembered, now) if n is not None), default=None)
@@ -195,7 +198,13 @@ def footprint(e: EngineState | None, spec: EngineSpec,
 def auto_budget(using: int, reserve: int | str, info: Meminfo | None,
                 node: NodeMemory | None) -> int:
     """The ``"auto"`` memory budget: what on-demand engines use now (``using``) plus what
-    is available, minus the reserve, at least 0.
+    is available, minus the reserve, at least 0."""
+    return max(host_headroom(reserve, info, node) + using, 0)
+
+
+def host_headroom(reserve: int | str, info: Meminfo | None, node: NodeMemory | None) -> int:
+    """The host RAM available beyond the reserve (may be below 0): what the ``"auto"``
+    budget adds to what engines use, and what level-1 sleeps may move to host RAM.
 
     Available: ``info`` (``/proc/meminfo`` read now), else the memory watch's last node
     reading, else nothing. The reserve: the ``[memory]`` table's ``reserve_bytes``, and for
@@ -212,7 +221,7 @@ def auto_budget(using: int, reserve: int | str, info: Meminfo | None,
     headroom = available - kept
     if node is not None and node.cgroup_max is not None and node.cgroup_current is not None:
         headroom = min(headroom, node.cgroup_max - node.cgroup_current)
-    return max(headroom + using, 0)
+    return headroom
 
 
 class Activator:
@@ -220,8 +229,12 @@ class Activator:
 
     def __init__(self, board: Board, specs: Iterable[EngineSpec],
                  runners: Mapping[str, EngineRunner], traffic: Traffic,
-                 config: ActivationConfig, memory: MemoryConfig | None = None) -> None:
+                 config: ActivationConfig, memory: MemoryConfig | None = None,
+                 sleepers: Sleepers | None = None) -> None:
         self.board = board
+        #: engines' sleep and wake: eviction's cheaper tiers, and the wake of a sleeping
+        #: engine on demand (docs/sleep.md; None: every eviction is a stop)
+        self.sleepers = sleepers
         #: the reserve of the "auto" budget is the memory watch's (``reserve_bytes``)
         self.memory = memory or MemoryConfig()
         self.specs = {s.name: s for s in specs if s.activation == "on_demand"}
@@ -234,6 +247,10 @@ class Activator:
         #: each engine's footprint as last measured while it was up (``remember``): what it
         #: is planned with once cold or while it starts again
         self.measured: dict[str, int] = {}
+        #: what each engine held when last measured asleep: what it is planned with asleep
+        self.residual: dict[str, int] = {}
+        #: how long each engine's last start by nvpair took to be ready (seconds)
+        self.load_s: dict[str, float] = {}
         #: engines whose room is made (planned, taken at once), until they are up or failed:
         #: they count against the budget while still cold, so two starts never share room
         self._reserved: set[str] = set()
@@ -267,9 +284,16 @@ class Activator:
                 continue
             queue = self.queues.get(name)
             if (e.state in ("cold", "starting") or (queue is not None and queue.activating)
-                    or (not e.admitting and e.state in LISTED_STATES)):
+                    or (not e.admitting and e.state in LISTED_STATES)
+                    or self.asleep(name)):
                 return name
         return None
+
+    def asleep(self, name: str) -> bool:
+        """On-demand engine ``name`` sleeps (or wakes): a request for it waits in its
+        queue while room is made, and it is woken once (docs/on-demand.md, "Tiers")."""
+        e = self.board.current.engine(name)
+        return name in self.specs and e is not None and e.state in ASLEEP_STATES
 
     def holds(self, name: str) -> bool:
         """A new request for engine ``name`` (ready now) waits in its queue: requests still
@@ -329,7 +353,8 @@ class Activator:
         if queue is None or queue.activating or not queue.waiting:
             return
         e = self.board.current.engine(name)
-        if e is None or e.state not in LISTED_STATES or not e.admitting:
+        if (e is None or e.state not in LISTED_STATES or not e.admitting
+                or e.state in ASLEEP_STATES):
             self._activate(name)
             return
         slots = self.capacity(name)
@@ -442,15 +467,31 @@ class Activator:
         self._serve(name)
 
     async def _bring_up(self, name: str) -> str | None:
-        """Make room, start the engine, wait until it is ready: None, or why it failed.
-        An engine that drains meanwhile (evicted, unloaded) is waited for, then started."""
+        """Make room, start (or wake) the engine, wait until it is ready: None, or why it
+        failed. An engine that drains meanwhile (evicted, unloaded) is waited for, then
+        started."""
         runner = self.runners[name]
         started = False
+        started_at = 0.0
         while True:
             e = self.board.current.engine(name)
             if e is None:
                 return f"engine {name} is gone"
-            if e.state == "cold":
+            if e.state in ASLEEP_STATES and self.sleepers is not None:
+                failure = await self._make_room(name)
+                if failure is not None:
+                    return failure
+                why = await self.sleepers.awake(name)  # (joins a wake in progress)
+                if why is not None:
+                    return f"engine {name} was asleep and did not wake: {why}"
+                waiting = self.queue(name).waiting
+                first = waiting.oldest()
+                took = self.sleepers.woke_in.get(name)
+                log.info("woke %s for a request (queued %d)%s", name, len(waiting),
+                         "" if took is None else f" in {took:.2f} s", extra={
+                             "engine": name,
+                             "request_id": None if first is None else first.request_id})
+            elif e.state == "cold":
                 if started:  # it came back cold without being ready
                     return self._failed(name, e)
                 failure = await self._make_room(name)
@@ -462,7 +503,7 @@ class Activator:
                 result = runner.request("start")
                 if isinstance(result, Busy):
                     return result.reason
-                started = True
+                started, started_at = True, trio.current_time()
                 activity = (f"started {name} for a request"
                             f"{'' if key is None else f' of key {key!r}'} "
                             f"(queued {len(waiting)})")
@@ -472,6 +513,8 @@ class Activator:
                     None if first is None else first.request_id)})
             settled = await self._settled(name, just_started=started)
             if settled == "ready":
+                if started:  # (what the next plan weighs its come-back with)
+                    self.load_s[name] = trio.current_time() - started_at
                 return None
             if settled == "drained":  # (the operator's drain while it started: no failure)
                 if not self.queue(name).waiting:
@@ -480,14 +523,18 @@ class Activator:
                 continue  # cold: started again for the requests that wait
             if settled == "stopped":
                 return f"engine {name} was stopped (nvpair stop); start it with nvpair start"
+            if settled == "asleep":  # (put to sleep while its requests came: woken above)
+                started = False
+                continue
             if settled == "down":
                 return self._failed(name, self.board.current.engine(name) or e)
             # "cold": a drain ended; start it (again) for the requests waiting
 
     async def _settled(self, name: str, *, just_started: bool) -> str:
-        """Until the engine is ready and admitting, down, stopped or cold: which (cold after
-        a drain seen meanwhile: ``drained``). Just started, it is still cold until its runner
-        takes the start: that cold is not it."""
+        """Until the engine is ready and admitting, asleep (it went to sleep meanwhile, an
+        eviction's), down, stopped or cold: which (cold after a drain seen meanwhile:
+        ``drained``). Just started, it is still cold until its runner takes the start: that
+        cold is not it."""
         version = -1
         left_cold = not just_started
         drained = False
@@ -502,6 +549,8 @@ class Activator:
                 if e is not None and e.state == "cold" and drained:
                     return "drained"
                 return "down" if e is None else e.state
+            if e.state in ASLEEP_STATES and e.admitting:
+                return "asleep"
             if e.state in LISTED_STATES and e.admitting:
                 return "ready"
 
@@ -513,13 +562,21 @@ class Activator:
         return f"engine {name} failed to start: {e.error or e.state}"
 
     def remember(self) -> None:
-        """Keep each up engine's measured footprint (every idle pass and before a plan)."""
+        """Keep each up engine's measured footprint, and what each sleeping one holds
+        (every idle pass and before a plan): only readings taken in the state it is in."""
         snap = self.board.current
         for name in self.specs:
             e = snap.engine(name)
             now = reading(e)
-            if now is not None and e is not None and e.state in UP_STATES:
+            if now is None or e is None:
+                continue
+            at = getattr(e.memory, "at", None)
+            if at is not None and at < e.since:  # (read before it fell asleep or woke)
+                continue
+            if e.state in UP_STATES - ASLEEP_STATES:
                 self.measured[name] = now
+            elif e.state == "sleeping":
+                self.residual[name] = now
 
     def footprint(self, name: str) -> int | None:
         """Engine ``name``'s footprint for a plan (``footprint``, with what it measured)."""
@@ -530,6 +587,7 @@ class Activator:
         """The other on-demand engines that hold memory now, as the planner sees them."""
         self.remember()
         snap = self.board.current
+        sleepers = self.sleepers
         running = []
         for other, spec in self.specs.items():
             e = snap.engine(other)
@@ -540,13 +598,23 @@ class Activator:
             # (a request sent, not yet in flight, counts: it is on its way to the engine)
             awaited = queue is not None and (queue.activating or bool(queue.waiting)
                                              or queue.sent > 0)
-            running.append(Candidate(other, spec.priority, self.footprint(other),
-                                     self.last_used.get(other, 0.0), self._in_flight(other),
-                                     evictable=e.admitting and not awaited))
+            busy_sleeper = sleepers is not None and other in sleepers.running  # (waking)
+            asleep = e.state == "sleeping" and not busy_sleeper
+            # asleep: what it held when the memory watch read it asleep (nothing until seen)
+            held = self.residual.get(other, 0) if asleep else self.footprint(other)
+            running.append(Candidate(
+                other, spec.priority, held, self.last_used.get(other, 0.0),
+                self._in_flight(other),
+                evictable=e.admitting and not awaited and not busy_sleeper,
+                levels=() if sleepers is None else sleepers.levels(other), asleep=asleep,
+                residual=self.residual.get(other),
+                wake_s=None if sleepers is None else sleepers.woke_in.get(other),
+                load_s=self.load_s.get(other), pin=spec.pin))
         return running
 
     async def _make_room(self, name: str) -> str | None:
-        """Drain and stop victims until ``name`` fits the budget; None, or why it cannot.
+        """Put victims to sleep or stop them, drained, until ``name`` fits the budget;
+        None, or why it cannot.
 
         When only engines that cannot be evicted now stand in the way (starting, awaited
         by requests of their own, draining), it waits for them while requests wait for
@@ -555,7 +623,8 @@ class Activator:
             running = self._running(name)
             need = self.footprint(name)
             budget = self.budget(running)
-            decided = plan(name, need, budget, running)
+            decided = plan(name, need, budget, running, host_headroom=self.host_headroom(),
+                           now=trio.current_time())
             if decided.reason is None:
                 held = self._swap_held(name, running, decided.victims)
                 if held is None:
@@ -571,8 +640,7 @@ class Activator:
                 return f"no room for {name}: {decided.reason}"
             with trio.move_on_after(ROOM_RECHECK_S):  # (a queue's change is a board change)
                 await self.board.wait_changed(self.board.current.version)
-        failure = await self._evict(name, [next(c for c in running if c.name == victim)
-                                           for victim in decided.victims])
+        failure = await self._evict(name, decided.steps)
         for victim in decided.victims:  # (the event says why the swap happened)
             why = self._swap_why.pop(victim, None)
             if failure is None and self.swaps.holds and why is not None:
@@ -626,63 +694,81 @@ class Activator:
         finally:
             queue.blocked_by = None
 
-    async def _evict(self, name: str, victims: list[Candidate]) -> str | None:
-        """Drain the victims together, with no deadline (nothing generating is cut), and
-        wait until each is at rest; None, or why not. While a victim's requests are in
-        flight, the requests for ``name`` wait in its queue, each up to its queue_wait_s;
-        once none waits, the drains still waiting are called off (nothing stops for a start
-        nobody wants any more)."""
+    async def _evict(self, name: str, steps: tuple[Step, ...]) -> str | None:
+        """Drain the victims together, with no deadline (nothing generating is cut), then
+        put each to sleep or stop it as its step says, and wait until each is at rest;
+        None, or why not. While a victim's requests are in flight, the requests for
+        ``name`` wait in its queue, each up to its queue_wait_s; once none waits, the drains
+        still waiting are called off (nothing sleeps or stops for a start nobody wants any
+        more). A sleep that fails falls back to a stop."""
         reason = f"to make room for {name}"
-        now = trio.current_time()
         activities: dict[str, str] = {}
-        for c in victims:
-            idle = 0.0 if c.in_flight else now - c.last_used  # (0 while one is in flight)
-            size = "size not known" if c.footprint is None else gigabytes(c.footprint)
-            result = self.runners[c.name].drain(then="stop", reason=reason, bounded=False)
+        tiers: dict[str, Step] = {}
+        for step in steps:
+            result = self._take(step, reason)
             if isinstance(result, Busy):
-                self._call_off(activities, name, f"no room for {name} after all")
+                self._call_off(tiers, name, f"no room for {name} after all")
                 return f"no room for {name}: {result.reason}"
-            if c.in_flight:
-                log.info("evicting %s (%s in flight, %s) %s: it stops once they have finished",
-                         c.name, _requests(c.in_flight), size, reason)
-                busy = f", {_requests(c.in_flight)} in flight that finished first"
-            else:
-                busy = ""
-            activities[c.name] = f"evicted {c.name} (idle {_duration(idle)}{busy}, {size}) {reason}"
+            tiers[step.name] = step
+            activities[step.name] = f"evicted {step.name} ({step.tier}) {reason}: {step.why}"
+            log.info("evicting %s (%s) %s: %s", step.name, step.tier, reason, step.why,
+                     extra={"engine": step.name})
         queue = self.queue(name)
-        queue.blocked_by = partial(self._blocked_by, list(activities))
+        queue.blocked_by = partial(self._blocked_by, tiers)
         try:
             while True:
                 snap = self.board.current
-                left = [v for v in activities if not _at_rest(snap.engine(v))]
+                left = [v for v, step in tiers.items() if not _at_rest(snap.engine(v), step)]
                 if not left:
                     break
                 if not queue.waiting:
-                    self._call_off(activities, name, f"no request waits for {name} any more")
+                    self._call_off(tiers, name, f"no request waits for {name} any more")
                     return f"no request waits for {name} any more"
+                for v in left:  # a sleep that failed (the engine admits again): a stop
+                    step = tiers[v]
+                    e = snap.engine(v)
+                    if (step.action == "sleep" and self.sleepers is not None
+                            and v not in self.sleepers.running and e is not None
+                            and e.admitting and e.state not in ASLEEP_STATES):
+                        why = f"{e.activity or 'its sleep failed'}, so stopped instead"
+                        tiers[v] = Step(v, "stop", None, why)
+                        activities[v] = f"evicted {v} (stop) {reason}: {why}"
+                        log.warning("%s: %s", v, why)
+                        if isinstance(self._take(tiers[v], reason), Busy):
+                            self._call_off(tiers, name, f"no room for {name} after all")
+                            return f"no room for {name}: {v} could not be stopped"
                 with trio.move_on_after(ROOM_RECHECK_S):  # (a queue's change is a board change)
                     await self.board.wait_changed(snap.version)
         finally:
             queue.blocked_by = None
         for victim, activity in activities.items():
-            log.info("%s", activity)
+            log.info("%s", activity, extra={"engine": victim})
             self.board.update(victim, partial(_replace, activity=activity))
         return None
 
-    def _blocked_by(self, victims: list[str]) -> str:
+    def _take(self, step: Step, reason: str) -> Result:
+        """Begin one victim's step: a drained sleep at its level, or a drain to a stop."""
+        if step.action == "sleep" and self.sleepers is not None:
+            return self.sleepers.sleep(step.name, step.level, reason=reason)
+        return self.runners[step.name].drain(then="stop", reason=reason, bounded=False)
+
+    def _blocked_by(self, victims: Mapping[str, Step]) -> str:
         """What a start waits for while its victims drain, in words."""
         snap = self.board.current
-        left = [v for v in victims if not _at_rest(snap.engine(v))]
+        left = [v for v, step in victims.items() if not _at_rest(snap.engine(v), step)]
         busy = [f"{v}'s {_requests(n)}" for v in left if (n := self._in_flight(v))]
         if busy:
             return f"waiting for {' and '.join(busy)} in flight to finish to make room"
-        return f"waiting for {', '.join(left) or 'the victims'} to stop to make room"
+        return f"waiting for {', '.join(left) or 'the victims'} to stop or sleep to make room"
 
-    def _call_off(self, victims: Iterable[str], name: str, reason: str) -> None:
-        """Call off the drains these victims began to make room for ``name`` and that still
-        wait for requests in flight."""
-        for victim in victims:
-            self.runners[victim].call_off(f"to make room for {name}", reason)
+    def _call_off(self, victims: Mapping[str, Step], name: str, reason: str) -> None:
+        """Call off the drains (to a stop or a sleep) these victims began to make room for
+        ``name`` and that still wait for requests in flight."""
+        for victim, step in victims.items():
+            if step.action == "sleep" and self.sleepers is not None:
+                self.sleepers.call_off(victim, reason)
+            else:
+                self.runners[victim].call_off(f"to make room for {name}", reason)
 
     def budget(self, running: list[Candidate]) -> int:
         """The memory on-demand engines may use together: the configured number, or
@@ -691,12 +777,17 @@ class Activator:
         configured = self.config.memory_budget_bytes
         if isinstance(configured, int):
             return configured
-        try:
-            info: Meminfo | None = read_meminfo()  # (a procfs read: microseconds)
-        except MemorySourceError:  # (none, or one we cannot parse: the watch's reading)
-            info = None
         using = sum(c.footprint or 0 for c in running)
-        return auto_budget(using, self.memory.reserve_bytes, info, self.board.current.memory)
+        return auto_budget(using, self.memory.reserve_bytes, _meminfo(),
+                           self.board.current.memory)
+
+    def host_headroom(self) -> int | None:
+        """The host RAM available beyond the ``[memory]`` reserve now, for level-1 sleeps
+        (None: neither ``/proc/meminfo`` nor the memory watch says)."""
+        info, node = _meminfo(), self.board.current.memory
+        if info is None and (node is None or node.mem_available is None):
+            return None
+        return host_headroom(self.memory.reserve_bytes, info, node)
 
     def _in_flight(self, name: str) -> int:
         entry = self.traffic.engines.get(name)
@@ -759,9 +850,20 @@ def _swap_activity(name: str, why: str, e: EngineState) -> EngineState:
     return _replace(e, activity=f"{e.activity or f'evicted for {name}'}; swap: {why}")
 
 
-def _at_rest(e: EngineState | None) -> bool:
-    """No process holds the engine's memory any more."""
+def _at_rest(e: EngineState | None, step: Step | None = None) -> bool:
+    """No process holds the engine's memory any more, or (``step`` a sleep) it sleeps."""
+    if step is not None and step.action == "sleep" and e is not None and e.state == "sleeping":
+        return True
     return e is None or e.state in ("cold", "stopped", "down")
+
+
+def _meminfo() -> Meminfo | None:
+    """``/proc/meminfo`` now (a procfs read: microseconds); None: none, or one we cannot
+    parse (the memory watch's reading stands in)."""
+    try:
+        return read_meminfo()
+    except MemorySourceError:
+        return None
 
 
 def _requests(n: int) -> str:

@@ -318,7 +318,8 @@ class Router:
         now = trio.current_time()
         choice = choose(self.board.current, head.model, self.traffic, self.known, now, self.rng)
         if (self.activator is not None and choice.engines
-                and self.activator.holds(choice.engines[0])):  # behind those waiting for it
+                and (self.activator.holds(choice.engines[0])  # behind those waiting for it
+                     or self.activator.asleep(choice.engines[0]))):  # room first, then wake
             await self._queued(scope, receive, send, body, choice.engines[0], head.model)
             return
         targets = [self._engine(name) for name in choice.engines[:2]]

@@ -21,13 +21,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 from urllib.parse import quote
 
 import httpx2
 import msgspec
 import trio
 
+from nvpair.base.tls import client_tls
 from nvpair.config.command import fill
 from nvpair.config.manifest import EngineCall
 from nvpair.config.settings import EngineSpec, placeholder_values
@@ -58,10 +59,15 @@ class SleepError(NvpairError):
 class Operation:
     """A wake or a sleep in progress: what it is, and when it ends (``error``: why not)."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, level: int | None = None) -> None:
         self.kind = kind
+        #: a sleep's level (vLLM's ``{sleep_level}``; None: the engine's ``sleep_level``)
+        self.level = level
         self.done = trio.Event()
         self.error: str | None = None
+        #: a sleep still draining (no call sent yet) ends here when called off
+        self.drain = trio.CancelScope()
+        self.calling = False
 
 
 class ModelWake(NamedTuple):
@@ -88,6 +94,12 @@ class Sleepers:
         self.running: dict[str, Operation] = {}
         #: the loads of multi-model engines' models in progress, by (engine, model)
         self.loads: dict[tuple[str, str], Operation] = {}
+        #: how long each engine's last wake took (seconds), what eviction plans come-backs
+        #: with (``nvpair.router.evict``)
+        self.woke_in: dict[str, float] = {}
+        #: the level nvpair put each sleeping engine to sleep at, which its wake's calls
+        #: follow (the manifest's ``wake_by_level``; not known: its ``sleep_level``)
+        self.slept_at: dict[str, int] = {}
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -136,10 +148,24 @@ class Sleepers:
         self._start(name, Operation("wake"))
         return Accepted("waking")
 
-    def sleep(self, name: str) -> Result:
-        """Put engine ``name`` to sleep, drained first: ``Accepted("going to sleep")``
-        (also when in progress), ``Accepted("sleeping")`` when it sleeps already, or
-        ``Busy`` with why not (llama-server sleeps only by itself)."""
+    def levels(self, name: str) -> tuple[int, ...]:
+        """The levels nvpair can put engine ``name`` to sleep at: a kind whose sleep call
+        takes ``{sleep_level}`` (vLLM) at its ``sleep_level`` and deeper, ``(1, 2)`` or
+        ``(2,)``; another that has sleep calls (SGLang's release keeps no copy of the
+        weights) ``(2,)``; none when it sleeps only by itself (llama-server)."""
+        spec = self.specs.get(name)
+        if spec is None or spec.sleep is None or not spec.sleep.sleep:
+            return ()
+        if any("{sleep_level}" in call.path for call in spec.sleep.sleep):
+            return tuple(range(spec.sleep_level, 3))
+        return (2,)
+
+    def sleep(self, name: str, level: int | None = None, *, reason: str | None = None
+              ) -> Result:
+        """Put engine ``name`` to sleep (at ``level``: vLLM's; None: its ``sleep_level``),
+        drained first: ``Accepted("going to sleep")`` (also when in progress),
+        ``Accepted("sleeping")`` when it sleeps already, or ``Busy`` with why not
+        (llama-server sleeps only by itself). ``reason``: why, for its activity."""
         spec, e = self.specs.get(name), self.board.current.engine(name)
         if spec is None or spec.sleep is None or e is None:
             return Busy(f"engine {name} cannot sleep: set sleep = true for it "
@@ -160,9 +186,10 @@ class Sleepers:
             why = "draining" if not e.admitting else e.state
             return Busy(f"engine {name} is {why}: only a ready engine goes to sleep")
         # at once, as a drain does: the router sends nothing new from now
-        self._set(name, admitting=False, activity=f"draining to sleep: "
+        because = "" if reason is None else f" ({reason})"
+        self._set(name, admitting=False, activity=f"draining to sleep{because}: "
                   f"{self._in_flight(name)} in flight, then sleep")
-        self._start(name, Operation("sleep"))
+        self._start(name, Operation("sleep", level))
         return Accepted("going to sleep")
 
     def wake_model(self, model: str) -> ModelWake | None:
@@ -244,6 +271,17 @@ class Sleepers:
             del self.loads[name, model]
             operation.done.set()
 
+    def call_off(self, name: str, reason: str) -> bool:
+        """End the sleep of engine ``name`` while it still waits for its requests in
+        flight (no sleep call sent yet): it admits again. False when there is none such.
+        Never waits."""
+        running = self.running.get(name)
+        if running is None or running.kind != "sleep" or running.calling:
+            return False
+        running.drain.cancel(reason=reason)
+        running.error = f"sleep called off ({reason})"
+        return True
+
     async def awake(self, name: str) -> str | None:
         """Wake engine ``name`` (or join the wake in progress) and wait until it is
         awake: None, or why it is not (in words). For a routed request to a sleeping
@@ -270,7 +308,7 @@ class Sleepers:
             if operation.kind == "wake":
                 await self._wake(spec)
             else:
-                await self._sleep(spec)
+                await self._sleep(spec, operation)
         except SleepError as exc:
             operation.error = str(exc)
             log.warning("%s: %s", name, exc)
@@ -285,28 +323,38 @@ class Sleepers:
     async def _wake(self, spec: EngineSpec) -> None:
         assert spec.sleep is not None
         started = trio.current_time()
+        # (vLLM's level 2 wakes in more calls: its weights are loaded again)
+        level: Literal["1", "2"] = (
+            "2" if self.slept_at.get(spec.name, spec.sleep_level) == 2 else "1")
         try:
-            # (vLLM's level 2 wakes in more calls: its weights are loaded again)
-            calls = spec.sleep.wake_by_level.get(
-                "2" if spec.sleep_level == 2 else "1", spec.sleep.wake)
-            await self._calls(spec, calls)
+            await self._calls(spec, spec.sleep.wake_by_level.get(level, spec.sleep.wake))
         except SleepError as exc:
             self._set(spec.name, state="sleeping", activity=f"wake failed: {exc}")
             raise
         took = trio.current_time() - started
+        self.woke_in[spec.name] = took
+        self.slept_at.pop(spec.name, None)
         self._set(spec.name, state="ready", error=None, activity=f"woken in {took:.1f} s")
         log.info("%s: woken in %.1f s", spec.name, took)
 
-    async def _sleep(self, spec: EngineSpec) -> None:
+    async def _sleep(self, spec: EngineSpec, operation: Operation) -> None:
         assert spec.sleep is not None
         name = spec.name
         in_flight = self._in_flight(name)
+        level = spec.sleep_level if operation.level is None else operation.level
         try:
             # nothing generating is cut: no deadline. The router's count tells no change,
             # so it is polled, as the lifecycle's drain polls it.
-            while self._in_flight(name) > 0:  # noqa: ASYNC110
-                await trio.sleep(DRAIN_POLL_S)
-            await self._calls(spec, spec.sleep.sleep)
+            with operation.drain:
+                while self._in_flight(name) > 0:  # noqa: ASYNC110
+                    await trio.sleep(DRAIN_POLL_S)
+            if operation.drain.cancelled_caught:  # called off: it admits again
+                self._set(name, admitting=True, activity=operation.error)
+                log.info("%s: %s", name, operation.error)
+                return
+            operation.calling = True
+            await self._calls(spec, spec.sleep.sleep, sleep_level=level)
+            self.slept_at[name] = level
         except BaseException as exc:
             why = f"sleep failed: {exc}" if isinstance(exc, SleepError) else "sleep cut short"
             self._set(name, admitting=True, activity=why)
@@ -319,9 +367,11 @@ class Sleepers:
         entry = self.traffic.engines.get(name)
         return 0 if entry is None else entry.in_flight
 
-    async def _calls(self, spec: EngineSpec, calls: tuple[EngineCall, ...]) -> None:
-        """Send the calls in order; raise SleepError at the first that fails."""
-        values = placeholder_values(spec)
+    async def _calls(self, spec: EngineSpec, calls: tuple[EngineCall, ...],
+                     **placeholders: object) -> None:
+        """Send the calls in order (``placeholders`` over the engine's own values); raise
+        SleepError at the first that fails."""
+        values = placeholder_values(spec) | placeholders
         for call in calls:
             await self._request(spec, call.method, fill(call.path, values), call.body,
                                 call.timeout_s)
@@ -336,7 +386,9 @@ class Sleepers:
         if body is not None:
             headers["content-type"] = "application/json"
         what = f"{method} {path}"
-        async with httpx2.AsyncClient(base_url=spec.url, headers=headers,
+        # (nvpair's one TLS context: a client's own read the trust store on the loop, 71 ms
+        # a call on the loaded 2-core machine)
+        async with httpx2.AsyncClient(base_url=spec.url, headers=headers, verify=client_tls(),
                                       transport=self.transport) as client:
             try:
                 with trio.fail_after(timeout_s):
