@@ -15,6 +15,8 @@ The modules:
 * ``peering``: what the router knows of peers: `PeerRouter`, the routes to a model.
 * ``activation``: engines on demand: `Activator`, the single-flight start, the bounded queue
   per engine, evictions and idle unloads.
+* ``tracing``: a routed request's trace (`Tracer`, `RequestTrace`): its server span and the
+  spans of its queue, activation, evictions, wake and upstream call or peer hop.
 
 The router's memory of real requests, ``nvpair.state.traffic``, lives below both the router,
 which writes it, and the prober, which reads it. Peers come in through the ``PeerRouter``

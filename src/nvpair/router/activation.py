@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import msgspec
 import trio
@@ -69,6 +69,34 @@ class QueueFull(NvpairError):
 class Unavailable(NvpairError):
     """The request cannot be served now (503 with Retry-After); the message says why."""
 
+    #: the activation the request waited for, if one began (for its trace)
+    activation: ActivationRecord | None = None
+
+
+class Eviction(NamedTuple):
+    """One engine stopped to make room: from its drain's start until it was at rest."""
+
+    victim: str
+    began: float
+    ended: float
+    in_flight: int
+    footprint: int | None
+
+
+@dataclass(eq=False)
+class ActivationRecord:
+    """One activation of an engine, as the requests that waited for it see it (their
+    traces: ``nvpair.router.tracing``). Times are trio times."""
+
+    engine: str
+    began: float
+    ended: float | None = None
+    #: why it failed (None: it did not, or it goes on)
+    failure: str | None = None
+    #: the engine's own time from its start to ready (None: it did not get there)
+    startup_s: float | None = None
+    evictions: list[Eviction] = field(default_factory=list)
+
 
 @dataclass(eq=False)
 class Ticket:
@@ -87,6 +115,8 @@ class Ticket:
     #: the id of the request that waits (its log lines name it: the start it caused too)
     request_id: str | None = field(default_factory=lambda: getattr(about.get(), "request_id",
                                                                    None))
+    #: the activation it waited for (None: the engine was up when it came)
+    activation: ActivationRecord | None = None
 
     def started(self) -> None:
         """The router counts its request in flight now (``Traffic.started``)."""
@@ -119,6 +149,8 @@ class EngineQueue:
     activating: bool = False
     #: while its start waits for victims of an eviction: why, in words, at the time asked
     blocked_by: Callable[[], str] | None = None
+    #: the activation going on, or the last one
+    record: ActivationRecord | None = None
 
     def release(self, room: int | None) -> None:
         """Let the first ``room`` waiters go (None: all), in arrival order."""
@@ -310,7 +342,8 @@ class Activator:
         if len(queue.waiting) >= self.config.queue_max:
             raise QueueFull(f"{len(queue.waiting)} requests are waiting for engine {name} to "
                        f"start (queue_max {self.config.queue_max})")
-        ticket = Ticket(queue, key=key)
+        ticket = Ticket(queue, key=key,
+                        activation=queue.record if queue.activating else None)
         queue.waiting.append(ticket)
         queue.publish()
         self._serve(name)
@@ -323,9 +356,9 @@ class Activator:
         if not ticket.ready.is_set():
             why = self._why_waited(name, ticket)
             ticket.leave()
-            raise Unavailable(why)
+            raise _unavailable(why, ticket)
         if ticket.failure is not None:
-            raise Unavailable(ticket.failure)
+            raise _unavailable(ticket.failure, ticket)
         return ticket
 
     def _why_waited(self, name: str, ticket: Ticket) -> str:
@@ -352,6 +385,9 @@ class Activator:
             queue.fail_all("the router is not running")
             return
         queue.activating = True
+        record = queue.record = ActivationRecord(name, trio.current_time())
+        for ticket in queue.waiting:
+            ticket.activation = record
         self._nursery.start_soon(self._activation, name)
 
     async def _activation(self, name: str) -> None:
@@ -367,6 +403,8 @@ class Activator:
         finally:
             queue.activating = False
             self._reserved.discard(name)
+            if queue.record is not None:
+                queue.record.ended, queue.record.failure = trio.current_time(), failure
         if failure is not None:
             log.warning("%s: %s", name, failure)
             queue.fail_all(failure)
@@ -424,6 +462,7 @@ class Activator:
         version = -1
         left_cold = not just_started
         drained = False
+        starting_at: float | None = None  # (the engine's own time: from here to ready)
         while True:
             snap = await self.board.wait_changed(version)
             version = snap.version
@@ -431,11 +470,16 @@ class Activator:
             if e is not None and e.state != "cold":
                 left_cold = True
                 drained = drained or not e.admitting
+                if e.state == "starting" and starting_at is None:
+                    starting_at = e.since
             if e is None or e.state in ("down", "stopped") or (e.state == "cold" and left_cold):
                 if e is not None and e.state == "cold" and drained:
                     return "drained"
                 return "down" if e is None else e.state
             if e.state in LISTED_STATES and e.admitting:
+                record = self.queue(name).record
+                if record is not None and starting_at is not None:
+                    record.startup_s = e.since - starting_at
                 return "ready"
 
     def _failed(self, name: str, e: EngineState) -> str:
@@ -510,6 +554,7 @@ class Activator:
         reason = f"to make room for {name}"
         now = trio.current_time()
         activities: dict[str, str] = {}
+        record = self.queue(name).record
         for c in victims:
             idle = 0.0 if c.in_flight else now - c.last_used  # (0 while one is in flight)
             size = "size not known" if c.footprint is None else gigabytes(c.footprint)
@@ -539,6 +584,10 @@ class Activator:
                     await self.board.wait_changed(snap.version)
         finally:
             queue.blocked_by = None
+        ended = trio.current_time()
+        for c in victims:
+            if record is not None:
+                record.evictions.append(Eviction(c.name, now, ended, c.in_flight, c.footprint))
         for victim, activity in activities.items():
             log.info("%s", activity)
             self.board.update(victim, partial(_replace, activity=activity))
@@ -622,6 +671,12 @@ class Activator:
             if not isinstance(self.runners[name].drain(then="stop", reason=reason), Busy):
                 drained.append(name)
         return drained
+
+
+def _unavailable(why: str, ticket: Ticket) -> Unavailable:
+    exc = Unavailable(why)
+    exc.activation = ticket.activation
+    return exc
 
 
 def _replace(e: EngineState, **changes: object) -> EngineState:
