@@ -69,6 +69,8 @@ class Running(msgspec.Struct, frozen=False):
     groups: Groups | None = None
     #: the memory watch (docs/memory.md)
     memory: MemoryWatch | None = None
+    #: the trace export, where tracing is on (docs/observability.md)
+    spans: SpanExporter | None = None
 
 
 def limits(settings: Settings) -> Limits:
@@ -230,7 +232,7 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
                                             stop=shutdown.set, peers=peers, procs=procs,
                                             connections=connections, events=events,
                                             groups=groups,
-                                            memory=memory))
+                                            memory=memory, spans=exporter))
             # hypercorn has stopped accepting and drained in-flight requests; engines stop
             # with their grace periods (each SIGTERM, wait, SIGKILL, in parallel).
             engines.cancel_scope.cancel(reason="nvpair is shutting down")
