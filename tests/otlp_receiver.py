@@ -44,9 +44,14 @@ class Receiver:
 
     async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
                     ) -> None:
-        """Serve until cancelled. Started value: the port."""
+        """Serve until cancelled (on ``port`` if set, else a free one). Started value: the
+        port."""
         async with trio.open_nursery() as nursery:
-            self.port = await nursery.start(serve_streams, partial(_handle, self))
+            if self.port:
+                listeners = await trio.open_tcp_listeners(self.port, host="127.0.0.1")
+                nursery.start_soon(trio.serve_listeners, partial(_handle, self), listeners)
+            else:
+                self.port = await nursery.start(serve_streams, partial(_handle, self))
             task_status.started(self.port)
 
     def take(self, body: bytes, headers: dict[str, str]) -> None:
@@ -59,6 +64,9 @@ class Receiver:
             for scope_spans in resource_spans.scope_spans:
                 self.spans.extend(scope_spans.spans)
         self.posts += 1
+        self.changed()
+
+    def changed(self) -> None:
         self._changed.set()
         self._changed = trio.Event()
 
@@ -67,6 +75,11 @@ class Receiver:
         while not done(self.spans):
             await self._changed.wait()
         return self.spans
+
+    async def wait_posts(self, n: int) -> None:
+        """Wait until ``n`` POSTs came (answered or, hung, not)."""
+        while self.posts < n:
+            await self._changed.wait()
 
     def trace(self, trace_id: bytes) -> list[Span]:
         return [s for s in self.spans if s.trace_id == trace_id]
@@ -81,6 +94,7 @@ async def _handle(receiver: Receiver, stream: trio.SocketStream) -> None:
                 return
             if receiver.hang:  # accepted, read, never answered
                 receiver.posts += 1
+                receiver.changed()
                 while await stream.receive_some(65536):
                     pass
                 return

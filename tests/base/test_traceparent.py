@@ -29,7 +29,8 @@ hexes = st.text(alphabet="0123456789abcdefABCDEF-", min_size=0, max_size=70)
 @given(st.one_of(st.binary(max_size=80), hexes.map(str.encode), st.builds(
     lambda v, t, p, f, rest: b"-".join([v, t, p, f]) + rest,
     st.sampled_from([b"00", b"01", b"fe", b"ff", b"0g", b"0"]),
-    st.sampled_from([b"4bf92f3577b34da6a3ce929d0e0e4736", b"0" * 32, b"4BF92F3577B34DA6A3CE929D0E0E4736",
+    st.sampled_from([b"4bf92f3577b34da6a3ce929d0e0e4736", b"0" * 32,
+                     b"4BF92F3577B34DA6A3CE929D0E0E4736",
                      b"4bf92f3577b34da6a3ce929d0e0e473"]),
     st.sampled_from([b"00f067aa0ba902b7", b"0" * 16, b"00f067aa0ba902b"]),
     st.sampled_from([b"01", b"00", b"ff", b"1", b"0x"]),

@@ -121,7 +121,7 @@ async def test_a_request_routed_to_a_peer_is_one_trace_across_both_nodes(
     receiver = Receiver()
     await nursery.start(receiver.serve)
     with trio.fail_after(40):
-        a, b, engine_a, engine_b = await two_nodes(nursery, tmp_path,
+        a, _, _, engine_b = await two_nodes(nursery, tmp_path,
                                                    top=tracing_toml(receiver))
         engine_b.script = lambda path, body: json_script({"answer": "from b"})
         async with httpx2.AsyncClient(base_url=a.url, headers={
@@ -200,8 +200,9 @@ async def test_a_hung_collector_changes_nothing_and_its_spans_are_dropped_and_co
                     r = await client.post(CHAT, content=body())
                 assert r.status_code == 200
             # the POST holding them fails after timeout_s: its spans are dropped, counted
-            while running.spans.dropped < 40:
-                await trio.sleep(0.1)
+            exporter = running.spans
+            assert await trio.to_thread.run_sync(
+                exporter.wait, lambda e: e.dropped >= 40, 10.0)
             text = (await client.get("/metrics")).text
     assert receiver.posts >= 1 and running.spans.exported == 0
     assert re.search(r"^nvpair_trace_spans_dropped_total (\d+)$", text, re.M)

@@ -22,7 +22,7 @@ import ssl
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from urllib.parse import urlsplit
 
 import trio
@@ -68,6 +68,8 @@ class SpanExporter:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        #: notified after each POST, whatever its end (``wait``)
+        self._posted = threading.Condition()
         self._conn: http.client.HTTPConnection | None = None
         #: spans that found the buffer full (written by the loop's thread only)
         self._overflowed = 0
@@ -81,6 +83,12 @@ class SpanExporter:
     def dropped(self) -> int:
         """Spans never delivered: the buffer was full, or their POST failed."""
         return self._overflowed + self._failed
+
+    def wait(self, done: Callable[[SpanExporter], bool], timeout_s: float) -> bool:
+        """Block the calling thread (never the loop's: ``trio.to_thread``) until ``done``
+        holds after a POST, or ``timeout_s`` passed: whether it holds (tests, benchmarks)."""
+        with self._posted:
+            return self._posted.wait_for(lambda: done(self), timeout_s)
 
     def add(self, spans: list[Span]) -> None:
         """Hand a request's finished spans over (the loop's side; never waits)."""
@@ -137,6 +145,13 @@ class SpanExporter:
         return encoded
 
     def _send(self, spans: list[bytes]) -> None:
+        try:
+            self._deliver(spans)
+        finally:
+            with self._posted:
+                self._posted.notify_all()
+
+    def _deliver(self, spans: list[bytes]) -> None:
         body = encode_request(self._resource, self._scope, spans)
         try:
             status = self._post(body)
