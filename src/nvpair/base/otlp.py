@@ -6,9 +6,9 @@ instrumentation scope, the spans. Only what nvpair's spans use is written: ids, 
 name, kind, times, attributes (string, bool, int, float) and status. The tests decode the
 bytes with the ``opentelemetry-proto`` messages.
 
-Why by hand: the OpenTelemetry SDK with its OTLP exporter cost 127 µs of the event loop's
-time per routed request of five spans, against 9 µs for the spans kept here, and the
-encoding 21 µs against 29 µs per span (docs/observability.md has the measurement).
+Why by hand: per routed request of five spans, the OpenTelemetry SDK cost 130 to 230 µs
+of the event loop's time and its OTLP encoding ~100 µs more, against 14 µs and 17 µs here
+(``python -m benchmarks.tracing_cost``; docs/observability.md).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def _varint(n: int) -> bytes:
     if n < 0:  # int64: two's complement in ten bytes
         n += 1 << 64
     if n < 0x80:
-        return bytes((n,))
+        return _SMALL[n]
     out = bytearray()
     while n >= 0x80:
         out.append((n & 0x7F) | 0x80)
@@ -60,50 +60,79 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
-def _field(number: int, payload: bytes) -> bytes:
-    """A length-delimited field (wire type 2)."""
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+_SMALL = [bytes((n,)) for n in range(0x80)]
 
 
-def _text(number: int, value: str) -> bytes:
-    return _field(number, value.encode("utf-8", "replace"))
+def _field(tag: bytes, payload: bytes) -> bytes:
+    """A length-delimited field (wire type 2) whose tag byte is ``tag``."""
+    n = len(payload)
+    return tag + (_SMALL[n] if n < 0x80 else _varint(n)) + payload
+
+
+def _text(tag: bytes, value: str) -> bytes:
+    return _field(tag, value.encode("utf-8", "replace"))
+
+
+# the tags (field number << 3 | wire type) of the fields written
+_T1, _T2, _T4, _T5, _T9, _T15 = b"\x0a", b"\x12", b"\x22", b"\x2a", b"\x4a", b"\x7a"
 
 
 def _any_value(value: AttrValue) -> bytes:
     """An ``AnyValue``: string 1, bool 2, int 3, double 4 (bool before int: a bool is one)."""
     if isinstance(value, str):
-        return _text(1, value)
+        return _text(_T1, value)
     if isinstance(value, bool):
-        return b"\x10" + (b"\x01" if value else b"\x00")
+        return b"\x10\x01" if value else b"\x10\x00"
     if isinstance(value, int):
         return b"\x18" + _varint(value)
     return b"\x21" + _double(value)
 
 
-def _attributes(number: int, attrs: Attrs) -> bytes:
-    """Repeated ``KeyValue`` in field ``number``."""
-    return b"".join(_field(number, _text(1, key) + _field(2, _any_value(value)))
-                    for key, value in attrs)
+#: encoded ``KeyValue`` fields by (tag, key, value): most attributes repeat from span to
+#: span (engine, route, model, status), and a hit costs a dict lookup, not ~1.5 µs; values
+#: that seldom repeat (ids, sizes, times) are never kept, so they do not churn it
+_KV: dict[tuple[bytes, str, type, AttrValue], bytes] = {}
+_KV_MAX = 4096
+#: the keys whose values are ids, unique to a request (nvpair's request id)
+UNIQUE_KEYS = frozenset({"nvpair.request_id"})
+
+
+def _key_value(tag: bytes, key: str, value: AttrValue) -> bytes:
+    """One ``KeyValue`` in a repeated field of tag ``tag``."""
+    cacheable = (isinstance(value, bool)
+                 or (isinstance(value, int) and -1024 <= value < 1024)
+                 or (isinstance(value, str) and len(value) <= 64 and key not in UNIQUE_KEYS))
+    if cacheable:  # (the type is in the key: True and 1 are equal, not the same value)
+        hit = _KV.get((tag, key, type(value), value))
+        if hit is not None:
+            return hit
+    encoded = _field(tag, _text(_T1, key) + _field(_T2, _any_value(value)))
+    if cacheable:
+        if len(_KV) >= _KV_MAX:
+            _KV.clear()
+        _KV[(tag, key, type(value), value)] = encoded
+    return encoded
 
 
 def encode_span(span: Span) -> bytes:
     """One ``Span`` message's bytes (without its own tag and length)."""
-    out = [_field(1, span.trace_id), _field(2, span.span_id)]
+    out = [_field(_T1, span.trace_id), _field(_T2, span.span_id)]
     if span.parent_id:
-        out.append(_field(4, span.parent_id))
-    out += [_text(5, span.name), b"\x30" + _varint(span.kind),
-            b"\x39" + _fixed64(span.start_ns), b"\x41" + _fixed64(span.end_ns),
-            _attributes(9, span.attrs)]
+        out.append(_field(_T4, span.parent_id))
+    out += [_text(_T5, span.name), b"\x30" + _varint(span.kind),
+            b"\x39" + _fixed64(span.start_ns), b"\x41" + _fixed64(span.end_ns)]
+    out += [_key_value(_T9, key, value) for key, value in span.attrs]
     if span.status or span.message:
-        status = (_text(2, span.message) if span.message else b"") + (
+        status = (_text(_T2, span.message) if span.message else b"") + (
             b"\x18" + _varint(span.status) if span.status else b"")
-        out.append(_field(15, status))
+        out.append(_field(_T15, status))
     out.append(b"\x85\x01" + _fixed32(span.flags))  # (field 16, fixed32)
     return b"".join(out)
 
 
 def encode_request(resource: Attrs, scope: str, spans: list[bytes]) -> bytes:
     """An ``ExportTraceServiceRequest`` of spans already encoded (``encode_span``)."""
-    scope_spans = _field(1, _text(1, scope)) + b"".join(_field(2, s) for s in spans)
-    resource_spans = _field(1, _attributes(1, resource)) + _field(2, scope_spans)
-    return _field(1, resource_spans)
+    scope_spans = _field(_T1, _text(_T1, scope)) + b"".join(_field(_T2, s) for s in spans)
+    attributes = b"".join(_key_value(_T1, key, value) for key, value in resource)
+    resource_spans = _field(_T1, attributes) + _field(_T2, scope_spans)
+    return _field(_T1, resource_spans)

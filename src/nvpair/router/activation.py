@@ -131,7 +131,7 @@ class Ticket:
         if stage == "waiting":
             if self in self.queue.waiting:
                 self.queue.waiting.remove(self)
-            self.queue.publish()
+            self.queue.publish(self.request_id)
         elif stage == "sent":
             self.queue.sent -= 1
             self.queue.freed()
@@ -140,7 +140,9 @@ class Ticket:
 @dataclass(eq=False)
 class EngineQueue:
     name: str
-    publish: Callable[[], None]
+    #: puts its count on the board, with the request that entered or left (None: the
+    #: request the board names stays)
+    publish: Callable[[str | None], None]
     #: a slot came free (a request sent never got to the engine): let the next go
     freed: Callable[[], None]
     waiting: deque[Ticket] = field(default_factory=deque)
@@ -161,7 +163,7 @@ class EngineQueue:
             self.sent += 1
             ticket.ready.set()
             let += 1
-        self.publish()
+        self.publish(None)
 
     def fail_all(self, reason: str) -> None:
         while self.waiting:
@@ -169,7 +171,7 @@ class EngineQueue:
             ticket.stage = "gone"
             ticket.failure = reason
             ticket.ready.set()
-        self.publish()
+        self.publish(None)
 
 
 def reading(e: EngineState | None) -> int | None:
@@ -321,12 +323,13 @@ class Activator:
     def queue(self, name: str) -> EngineQueue:
         queue = self.queues.get(name)
         if queue is None:
-            def publish() -> None:
+            def publish(request_id: str | None = None) -> None:
                 q = self.queues[name]
                 count = len(q.waiting)
                 since = q.waiting[0].at if q.waiting else None
                 self.board.update(name, lambda e: e if (e.queued, e.queued_since) == (
-                    count, since) else _replace(e, queued=count, queued_since=since))
+                    count, since) else _replace(e, queued=count, queued_since=since,
+                                                request_id=request_id or e.request_id))
             queue = self.queues[name] = EngineQueue(name, publish, partial(self._serve, name))
         return queue
 
@@ -345,7 +348,7 @@ class Activator:
         ticket = Ticket(queue, key=key,
                         activation=queue.record if queue.activating else None)
         queue.waiting.append(ticket)
-        queue.publish()
+        queue.publish(ticket.request_id)
         self._serve(name)
         try:
             with trio.move_on_after(self.config.queue_wait_s):
@@ -406,7 +409,10 @@ class Activator:
             if queue.record is not None:
                 queue.record.ended, queue.record.failure = trio.current_time(), failure
         if failure is not None:
-            log.warning("%s: %s", name, failure)
+            first = queue.waiting[0].request_id if queue.waiting else None
+            log.warning("%s: %s", name, failure, extra={"engine": name, "request_id": first})
+            if first is not None:  # (its event names the request whose start failed)
+                self.board.update(name, partial(_replace, request_id=first))
             queue.fail_all(failure)
             return
         self.last_used[name] = trio.current_time()
@@ -437,10 +443,11 @@ class Activator:
                 activity = (f"started {name} for a request"
                             f"{'' if key is None else f' of key {key!r}'} "
                             f"(queued {len(waiting)})")
-                self.board.update(name, partial(_replace, activity=activity))
                 waiting = self.queue(name).waiting  # (the line names the first request)
-                log.info("%s", activity, extra={"engine": name, "request_id": (
-                    waiting[0].request_id if waiting else None)})
+                first = waiting[0].request_id if waiting else None
+                self.board.update(name, partial(_replace, activity=activity,
+                                                request_id=first))
+                log.info("%s", activity, extra={"engine": name, "request_id": first})
             settled = await self._settled(name, just_started=started)
             if settled == "ready":
                 return None
@@ -588,9 +595,10 @@ class Activator:
         for c in victims:
             if record is not None:
                 record.evictions.append(Eviction(c.name, now, ended, c.in_flight, c.footprint))
+        first = queue.waiting[0].request_id if queue.waiting else None  # (whose start)
         for victim, activity in activities.items():
-            log.info("%s", activity)
-            self.board.update(victim, partial(_replace, activity=activity))
+            log.info("%s", activity, extra={"engine": victim, "request_id": first})
+            self.board.update(victim, partial(_replace, activity=activity, request_id=first))
         return None
 
     def _blocked_by(self, victims: list[str]) -> str:
