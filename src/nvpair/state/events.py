@@ -132,7 +132,8 @@ def engine_content(e: EngineState, now: float) -> dict[str, Any]:
             "error": "; ".join(x for x in (e.error, e.notice) if x) or None,
             "restarts": e.restarts, "pid": e.pid, "exit_code": e.exit_code,
             "admitting": e.admitting, "queued": e.queued, "activity": e.activity,
-            "request_id": e.request_id, "memory": event_doc(e.memory), "log": {"dropping": e.log_dropping}}
+            "request_id": e.request_id, "memory": event_doc(e.memory),
+            "log": {"dropping": e.log_dropping}}
 
 
 def content_key(e: EngineState, now: float) -> tuple[object, ...]:
