@@ -83,7 +83,7 @@ async def lean(requests: int) -> tuple[float, float]:
             for name, attrs in CHILDREN:
                 span = trace.start(name, attrs=list(attrs.items()))
                 trace.end(span)
-            trace.finish(server_attrs(values[i]), 200)
+            trace.finish(server_attrs(values[i].items()), 200)
         loop_us.append((time.perf_counter() - began) / requests * 1e6)
     spans = sink.spans[-requests * 5:]
     encode_us: list[float] = []

@@ -97,16 +97,20 @@ class Routed:
         trace, self.trace = self.trace, None
         if trace is None:
             return
-        fields = self.access(trio.current_time())
-        trace.finish(server_attrs({
-            "http.request.method": self.method, "http.route": self.path,
-            "http.response.status_code": self.status, "nvpair.request_id": self.id,
-            "gen_ai.request.model": self.model,
-            "gen_ai.operation.name": OPERATIONS.get(self.path),
-            "nvpair.key": self.key, "nvpair.engine": self.engine,
-            "nvpair.node": trace.tracer.node, "nvpair.streaming": self.streamed,
-            "nvpair.response.bytes": self.bytes, "nvpair.queue_ms": fields["queue_ms"],
-            "nvpair.first_chunk_ms": fields["first_byte_ms"]}), self.status)
+        attrs = server_attrs((
+            ("http.request.method", self.method), ("http.route", self.path),
+            ("http.response.status_code", self.status), ("nvpair.request_id", self.id),
+            ("gen_ai.request.model", self.model),
+            ("gen_ai.operation.name", OPERATIONS.get(self.path)),
+            ("nvpair.key", self.key), ("nvpair.engine", self.engine),
+            ("nvpair.node", trace.tracer.node), ("nvpair.streaming", self.streamed),
+            ("nvpair.response.bytes", self.bytes)))
+        if self.queue_s is not None:
+            attrs.append(("nvpair.queue_ms", round(self.queue_s * 1000)))
+        if self.first_byte_at is not None:
+            attrs.append(("nvpair.first_chunk_ms",
+                          round((self.first_byte_at - self.arrived) * 1000)))
+        trace.finish(attrs, self.status)
 
     def enter(self) -> contextvars.Token[Routed | None]:
         """Make this the request ``current()`` returns in this task (and those it starts)."""
@@ -149,7 +153,7 @@ class Routed:
         self._logged = True
         access_log.info("access", extra={"access": self.access(trio.current_time())})
 
-    def access(self, now: float) -> dict[str, int | str | None]:
+    def access(self, now: float) -> dict[str, object]:
         """The access log's fields (times in milliseconds, None: it did not happen)."""
         def ms(seconds: float | None) -> int | None:
             return None if seconds is None else round(seconds * 1000)

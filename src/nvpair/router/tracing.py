@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Iterable
 from typing import Protocol
 
 import trio
@@ -30,6 +31,8 @@ import trio
 from nvpair.base.otlp import CLIENT, ERROR, INTERNAL, SERVER, Attrs, AttrValue, Span
 from nvpair.base.traceparent import header, parse
 
+#: how often the offset of trio's clock to the wall clock is read again
+OFFSET_EVERY_S = 10.0
 #: ``gen_ai.operation.name`` of the routed paths that have one
 OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion",
               "/v1/embeddings": "embeddings", "/v1/responses": "chat"}
@@ -50,6 +53,16 @@ class Tracer:
         self.sample_ratio = sample_ratio
         self.node = node
         self.rng = random.Random()
+        self._offset_ns = 0
+        self._offset_at = -OFFSET_EVERY_S
+
+    def offset_ns(self, now: float) -> int:
+        """Trio time to Unix nanoseconds: read from the wall clock every OFFSET_EVERY_S
+        (each read costs ~1 µs; a wall clock's step shows in the spans within that)."""
+        if now - self._offset_at >= OFFSET_EVERY_S:
+            self._offset_ns = time.time_ns() - int(now * 1e9)
+            self._offset_at = now
+        return self._offset_ns
 
     def begin(self, traceparent: bytes | None, method: str, path: str
               ) -> RequestTrace | None:
@@ -77,8 +90,7 @@ class RequestTrace:
         self.tracer = tracer
         self.trace_id = trace_id
         now = trio.current_time()
-        #: trio time to Unix nanoseconds: the wall clock's reading at this request's start
-        self._offset_ns = time.time_ns() - int(now * 1e9)
+        self._offset_ns = tracer.offset_ns(now)  # (one for the whole request)
         self.server = Span(trace_id, tracer.new_id(), parent, name, SERVER,
                            self.ns(now), 0)
         self.spans: list[Span] = []
@@ -126,6 +138,6 @@ class RequestTrace:
         self.tracer.sink.add(self.spans)
 
 
-def server_attrs(values: dict[str, AttrValue | None]) -> Attrs:
+def server_attrs(values: Iterable[tuple[str, AttrValue | None]]) -> Attrs:
     """The attributes that have a value (a request that ended early lacks some)."""
-    return [(k, v) for k, v in values.items() if v is not None]
+    return [(k, v) for k, v in values if v is not None]
