@@ -436,7 +436,8 @@ class Router:
         waiting = None if trace is None else trace.start("queue", attrs=[
             ("nvpair.engine", name),
             ("nvpair.engine.priority", self.activator.specs[name].priority),
-            ("nvpair.queue.position", len(self.activator.queue(name).waiting))])
+            ("nvpair.queue.position", len(self.activator.queue(name).waiting)),
+            *([] if key is None else [("nvpair.key.priority", key.spec.priority)])])
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
             try:
