@@ -14,12 +14,16 @@ from tests.managed import sim_command, wait_state
 from tests.otlp_receiver import Receiver, attrs, tree
 from tests.router.script_engine import JSON, ScriptEngine, json_script, sse_script
 from tests.router.test_activation import GB, on_demand, payload
+from tests.router.test_multimodel import FAST, models_dir
+from tests.router.test_multimodel import chat as multi_chat
 from tests.router.test_peer_routing import chat, two_nodes
 from tests.router.test_relay import CHAT, body, start
+from tests.test_sleep import FAST as SLEEP_FAST
 
 from nvpair import service
 from nvpair.base.traceparent import parse
-from nvpair.config.settings import Settings, TracingSettings
+from nvpair.config.settings import Settings, TracingSettings, load_settings
+from nvpair.sim import SimOptions, serve_sim
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
@@ -207,3 +211,66 @@ async def test_a_hung_collector_changes_nothing_and_its_spans_are_dropped_and_co
     assert receiver.posts >= 1 and running.spans.exported == 0
     assert re.search(r"^nvpair_trace_spans_dropped_total (\d+)$", text, re.M)
     assert "nvpair_trace_spans_exported_total 0\n" in text
+
+
+async def test_a_model_a_multi_model_engine_loads_shows_the_load_and_the_unload(
+        nursery, tmp_path) -> None:
+    """llama-server in router mode, one model at a time, loading nothing by itself: the
+    request for beta shows nvpair's unload of idle alpha (an eviction) and beta's load."""
+    receiver = Receiver()
+    await nursery.start(receiver.serve)
+    with trio.fail_after(30):
+        sim = await nursery.start(serve_sim, SimOptions(
+            kind="llamacpp", models_dir=models_dir(tmp_path, "alpha", "beta"), models_max=1,
+            models_autoload=False, model_load_s=0.5))
+        await sim.wait_phase("ready")
+        path = tmp_path / "nvpair.toml"
+        path.write_text(f"listen = '127.0.0.1:0'\n{tracing_toml(receiver)}[[engines]]\n"
+                        f"name = 'r'\nkind = 'llamacpp'\nport = {sim.port}\n{FAST}")
+        running = await nursery.start(service.run, load_settings(str(path)))
+        await wait_state(running.board, "r", "ready", where=lambda e: len(e.models) == 2)
+        async with httpx2.AsyncClient(base_url=running.url, headers=JSON, timeout=20) as client:
+            first = await client.post(CHAT, content=multi_chat("alpha"))
+            second = await client.post(CHAT, content=multi_chat("beta"))
+        spans = await receiver.wait_for(lambda s: len(servers(s)) == 2)
+    assert first.status_code == 200 and second.status_code == 200, second.text
+    by_id = {attrs(s)["nvpair.request_id"]: s for s in servers(spans)}
+    server = by_id[second.headers["x-request-id"]]
+    kids = children(spans, server)
+    assert sorted(kids) == ["activation", "eviction", "upstream"], tree(spans)
+    assert attrs(kids["eviction"][0]) == {"nvpair.engine": "r", "nvpair.model": "alpha"}
+    [load] = kids["activation"]
+    assert attrs(load) == {"nvpair.engine": "r", "nvpair.activation": "load",
+                           "nvpair.model": "beta"}
+    assert load.end_time_unix_nano - load.start_time_unix_nano >= 0.5e9
+    assert kids["upstream"][0].start_time_unix_nano >= load.end_time_unix_nano
+
+
+async def test_a_request_that_wakes_a_sleeping_engine_shows_the_wake(
+        nursery, tmp_path) -> None:
+    """A sleeping vLLM answers 503 asleep: nvpair wakes it first, in a span of its own."""
+    receiver = Receiver()
+    await nursery.start(receiver.serve)
+    sim = await nursery.start(serve_sim, SimOptions(
+        kind="vllm", model="gemma", enable_sleep_mode=True, dev_mode=True, wake_s=0.3))
+    await sim.wait_phase("ready")
+    with trio.fail_after(30):
+        path = tmp_path / "nvpair.toml"
+        path.write_text(f"listen = '127.0.0.1:0'\n{tracing_toml(receiver)}[[engines]]\n"
+                        f"name = 'e'\nkind = 'vllm'\nport = {sim.port}\nmodel = 'gemma'\n"
+                        f"sleep = true\n{SLEEP_FAST}")
+        running = await nursery.start(service.run, load_settings(str(path)))
+        await wait_state(running.board, "e", "ready", where=lambda e: bool(e.models))
+        async with httpx2.AsyncClient(base_url=running.url, headers=JSON, timeout=20) as client:
+            assert (await client.post("/v1/engines/e/sleep")).status_code == 202
+            await wait_state(running.board, "e", "sleeping")
+            r = await client.post(CHAT, content=body("gemma"))
+        spans = await receiver.wait_for(lambda s: len(servers(s)) == 1)
+    assert r.status_code == 200, r.text
+    [server] = servers(spans)
+    kids = children(spans, server)
+    assert sorted(kids) == ["upstream", "wake"], tree(spans)
+    [wake] = kids["wake"]
+    assert attrs(wake) == {"nvpair.engine": "e"} and wake.status.code == 0
+    assert wake.end_time_unix_nano - wake.start_time_unix_nano >= 0.3e9
+    assert kids["upstream"][0].start_time_unix_nano >= wake.end_time_unix_nano

@@ -27,6 +27,7 @@ import trio
 
 from nvpair.errors import ProbeError
 from nvpair.probing.probes import parse_listing
+from nvpair.router.request import current
 from nvpair.state.snapshot import Board, EngineState
 from nvpair.state.transitions import with_model_state
 
@@ -119,6 +120,9 @@ class ModelSlots:
         if name is None or e is None or e.identity is None or not e.identity.router:
             yield
             return
+        routed = current()
+        trace = None if routed is None else routed.trace  # (its spans: queue, eviction, load)
+        came = waited = trio.current_time()
         while True:
             e = self.board.current.engine(name)
             assert e is not None and e.identity is not None
@@ -128,18 +132,32 @@ class ModelSlots:
             changed = self._changed
             with trio.move_on_after(RECHECK_S):
                 await changed.wait()
+            waited = trio.current_time()
+        if trace is not None and waited > came:  # (it waited for a slot)
+            trace.span("queue", came, waited, attrs=[("nvpair.engine", name),
+                                                     ("nvpair.model", model)])
         acc = self._engines[name]
         acc.in_flight[model] = acc.in_flight.get(model, 0) + 1
         try:
             if victim is not None:
+                began = trio.current_time()
                 status, _ = await control(name, "/models/unload", victim)
                 log.info("engine %s: unloaded %s for %s (idle; HTTP %s)", name, victim,
                          model, status or "no answer")
+                if trace is not None:
+                    trace.span("eviction", began, trio.current_time(), attrs=[
+                        ("nvpair.engine", name), ("nvpair.model", victim)],
+                        error=None if status == 200 else f"HTTP {status or 'no answer'}")
                 if status == 200:
                     self.board.update(name, partial(with_model_state, model=victim,
                                                     state="cold"))
             if not e.identity.autoload:
+                began = trio.current_time()
                 await _load(name, model, control, self.load_budgets.get(name, 600.0))
+                if trace is not None:
+                    trace.span("activation", began, trio.current_time(), attrs=[
+                        ("nvpair.engine", name), ("nvpair.activation", "load"),
+                        ("nvpair.model", model)])
             yield
         finally:
             left = acc.in_flight[model] - 1
