@@ -11,7 +11,7 @@ from tests.otlp_receiver import Receiver, attrs
 from tests.ports import free_port
 
 from nvpair.base.otlp import SERVER, Span
-from nvpair.runtime.spanexport import SpanExporter
+from nvpair.runtime.spanexport import CLOSE_S, SpanExporter
 
 
 async def counted(exporter: SpanExporter, done: Callable[[SpanExporter], bool]) -> bool:
@@ -76,3 +76,30 @@ async def test_a_gone_collector_is_counted_and_one_that_comes_back_gets_what_fol
         exporter.add(spans(2, "again"))
         got = await receiver.wait_for(lambda s: len(s) == 2)
     assert [s.name for s in got] == ["again1", "again2"] and exporter.dropped == 4
+
+
+async def test_what_is_left_at_shutdown_is_sent_and_a_hung_collector_does_not_hold_it(
+        nursery) -> None:
+    receiver = Receiver()
+    await nursery.start(receiver.serve)
+    exporter = SpanExporter(receiver.url, [], flush_s=60.0)  # (only shutdown sends)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            await n.start(exporter.run)
+            exporter.add(spans(7))
+            n.cancel_scope.cancel()
+        assert [s.name for s in receiver.spans] == [f"s{i}" for i in range(1, 8)]
+    assert exporter.exported == 7
+    hung = Receiver(hang=True)
+    await nursery.start(hung.serve)
+    exporter = SpanExporter(hung.url, [], flush_s=60.0, timeout_s=30.0)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            await n.start(exporter.run)
+            exporter.add(spans(7))
+            began = trio.current_time()
+            n.cancel_scope.cancel()
+        took = trio.current_time() - began
+    # shutdown waited CLOSE_S for the hung POST, not its 30 s timeout
+    assert CLOSE_S <= took < CLOSE_S + 1.0, took
+    assert hung.posts == 1 and exporter.exported == 0

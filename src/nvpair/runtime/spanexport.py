@@ -103,8 +103,9 @@ class SpanExporter:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                   ) -> None:
         """Run the worker until cancelled. Started value: None, once spans may be added.
-        Cancellation: the worker sends what is left; it is waited for CLOSE_S at most (a
-        hung collector's last POST ends on its own, in timeout_s). Raises: nothing but
+        Cancellation: the worker sends what is left for CLOSE_S at most, and stops at the
+        first failed POST (the rest is dropped); it is waited for CLOSE_S at most (a hung
+        collector's last POST ends on its own, in timeout_s). Raises: nothing but
         Cancelled."""
         thread = self._thread = threading.Thread(target=self._work, name="nvpair-otlp",
                                                  daemon=True)
@@ -126,11 +127,17 @@ class SpanExporter:
                 self._wake.wait(self._flush_s)
                 self._wake.clear()
                 stopping = self._stop.is_set()
+                until = time.monotonic() + CLOSE_S  # (at shutdown: what is left, briefly)
                 while self._buffer:
-                    self._send(self._take())
+                    if not self._send(self._take()) and stopping:
+                        break
                     if self._stop.is_set() and not stopping:
                         break  # (shutdown came meanwhile: one more pass, then out)
+                    if stopping and time.monotonic() > until:
+                        break
                 if stopping:
+                    self._failed += len(self._buffer)  # (never to be sent: dropped)
+                    self._buffer.clear()
                     return
         finally:
             if self._conn is not None:
@@ -144,28 +151,30 @@ class SpanExporter:
                 time.sleep(0)  # (the loop's thread gets the GIL now, not in 5 ms)
         return encoded
 
-    def _send(self, spans: list[bytes]) -> None:
+    def _send(self, spans: list[bytes]) -> bool:
+        """POST ``spans``: whether the collector took them."""
         try:
-            self._deliver(spans)
+            return self._deliver(spans)
         finally:
             with self._posted:
                 self._posted.notify_all()
 
-    def _deliver(self, spans: list[bytes]) -> None:
+    def _deliver(self, spans: list[bytes]) -> bool:
         body = encode_request(self._resource, self._scope, spans)
         try:
             status = self._post(body)
         except (OSError, http.client.HTTPException) as exc:
             self._failing(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__,
                           len(spans))
-            return
-        if 200 <= status < 300:
-            self.exported += len(spans)
-            if self.trouble is not None:
-                log.info("tracing: the collector at %s answers again", self.url)
-                self.trouble = None
-        else:
+            return False
+        if not 200 <= status < 300:
             self._failing(f"it answered HTTP {status}", len(spans))
+            return False
+        self.exported += len(spans)
+        if self.trouble is not None:
+            log.info("tracing: the collector at %s answers again", self.url)
+            self.trouble = None
+        return True
 
     def _post(self, body: bytes) -> int:
         if self._conn is None:
