@@ -63,6 +63,8 @@ def bench(session: nox.Session) -> None:
     session.run("python", "-m", "benchmarks.cluster", *quick)
     litellm = ["--litellm", "--litellm-venv", str(litellm_venv(session))]
     session.run("python", "-m", "benchmarks.router", *quick, *litellm)
+    # Tracing off, on (sample 1.0) and to a hung collector, in the same rounds.
+    session.run("python", "-m", "benchmarks.router", "--tracing", *quick)
     # Engines on demand: a warm request's added latency, a cold request's start overhead.
     session.run("python", "-m", "benchmarks.on_demand", *quick)
     # Multi-node groups: the failure timings (rank death, freeze, fencing, a rank's restart).

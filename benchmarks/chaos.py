@@ -27,6 +27,7 @@ import resource
 import secrets
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,6 +39,7 @@ from typing import Any
 from benchmarks import chaos_clients as clients
 from benchmarks.__main__ import git_commit
 from benchmarks.chaos_hostile import PEER_MODEL
+from benchmarks.collector import Collector
 from benchmarks.procs import (
     PY,
     ROOT,
@@ -119,6 +121,14 @@ GROUP_END_S = 10.0
 READ_FAST_MS = 50.0
 #: the stop grace of the engine that ignores SIGTERM
 SIGNAL_GRACE_S = 3
+#: routed requests in each half of the hung-collector case (the collector answering, then
+#: hung), and how long each export may wait (the hung half lasts several of them)
+TRACED_REQUESTS = 300
+TRACE_TIMEOUT_S = 1
+#: the hung half's routed p50 may exceed the answering half's by this at most; its p99
+#: by this factor (of at least QUIET_FLOOR_MS)
+TRACED_P50_MS = 1.0
+TRACED_P99_X = 2.0
 #: the request head and body deadlines the suite configures (when this nvpair has them), so
 #: that the slow-client case is bounded; the defaults are 10 s and 60 s
 DEADLINE_S = 4.0
@@ -993,6 +1003,85 @@ class Suite:
                 "reason": ", ".join(f"{s}: {c}" for s, c in sorted(statuses.items()))
                 + f"; the last after {last:.1f} s"}
 
+    # -- a trace collector that hangs ------------------------------------------------------------
+
+    def prepare_traced(self) -> None:
+        self.collector = Collector()
+        body = (f"[tracing]\notlp_endpoint = '{self.collector.url}'\n"
+                f"timeout_s = {TRACE_TIMEOUT_S}\n"
+                + self._managed("traced", "traced", self._sim_openai(
+                    "--token-rate", "100000", "--max-tokens", "4", "--prefill-s", "0")))
+        target = self._start_own("traced", "nvpair-traced", body)
+        self._wait_models(target.nvpair.url, {"traced"}, 20)
+        self._settle_own(target)
+
+    def finish_traced(self) -> None:
+        self._stop_own("traced")
+        self.collector.close()
+
+    def case_traced(self) -> dict[str, Any]:
+        """TRACED_REQUESTS routed requests while the collector answers, then as many while
+        it hangs (accepts, reads, never answers; each export waits TRACE_TIMEOUT_S): the
+        routed p50 and p99 and the reads' p99 as while it answered, and the spans dropped
+        and counted."""
+        target = self.targets["traced"]
+        n = target.nvpair
+        body = clients.chat_body("traced")
+        headers = {"Content-Type": "application/json"}
+
+        def routed() -> tuple[list[float], int]:
+            times, bad = [], 0
+            for _ in range(TRACED_REQUESTS):
+                began = time.perf_counter()
+                status, _ = clients.get(n.host, n.port, "/v1/chat/completions",
+                                        method="POST", body=body, headers=headers)
+                times.append((time.perf_counter() - began) * 1000)
+                bad += status != 200
+            return sorted(times), bad
+
+        def spans() -> dict[str, float]:
+            text = request("GET", f"{n.url}/metrics")[1].decode()
+            return {k: float(v) for k, _, v in (line.partition(" ") for line in
+                    text.splitlines()) if k.startswith("nvpair_trace_spans_")}
+
+        ta = time.time()
+        answering, bad_a = routed()
+        received = self.collector.received
+        self.collector.hang = True
+        t0 = time.time()
+        hung, bad_h = routed()
+        time.sleep(TRACE_TIMEOUT_S + 1.5)  # (the last export's timeout, and /metrics' 1 s)
+        t1 = time.time()
+        counts = spans()
+        # reads while routed requests come: the answering half is the reference
+        before = target.poller.window(ta, t0)
+        reads = target.poller.window(t0, t1)
+        p50 = [statistics.median(answering), statistics.median(hung)]
+        p99 = [answering[int(len(answering) * 0.99) - 1], hung[int(len(hung) * 0.99) - 1]]
+        why = []
+        if bad_a or bad_h:
+            why.append(f"{bad_a} and {bad_h} requests not 200")
+        if not received:
+            why.append("the collector got no span while it answered")
+        if p50[1] > p50[0] + TRACED_P50_MS:
+            why.append(f"routed p50 {p50[1]:.2f} ms hung against {p50[0]:.2f} ms answering")
+        if p99[1] > TRACED_P99_X * max(p99[0], QUIET_FLOOR_MS):
+            why.append(f"routed p99 {p99[1]:.1f} ms hung against {p99[0]:.1f} ms answering")
+        allowed = 2 * max(before["p99_ms"] or 0.0, QUIET_FLOOR_MS)
+        if reads["p99_ms"] is not None and reads["p99_ms"] > allowed:
+            why.append(f"read p99 {reads['p99_ms']:.0f} ms hung against "
+                       f"{before['p99_ms']} ms answering")
+        if counts.get("nvpair_trace_spans_dropped_total", 0) <= 0:
+            why.append("no span counted as dropped while the collector hung")
+        return {"ok": not why, "why": "; ".join(why), "tried": 2 * TRACED_REQUESTS,
+                "p50_ms": [round(x, 2) for x in p50], "p99_ms": [round(x, 2) for x in p99],
+                "spans": counts, "reads_from": t0, "reads_to": t1,
+                "reason": f"routed p50 {p50[0]:.2f} -> {p50[1]:.2f} ms, p99 {p99[0]:.1f} -> "
+                          f"{p99[1]:.1f} ms, read p99 {before['p99_ms']} -> {reads['p99_ms']} "
+                          "ms (answering -> hung); dropped "
+                          f"{counts.get('nvpair_trace_spans_dropped_total', 0):.0f}, "
+                          f"exported {counts.get('nvpair_trace_spans_exported_total', 0):.0f}"}
+
     # -- an eviction under a long stream ---------------------------------------------------------
 
     def prepare_evict(self) -> None:
@@ -1356,6 +1445,9 @@ class Suite:
             Case("on-demand:evict", "a request for B while A streams (room for one)",
                  self.case_evict, target="evict", prepare=self.prepare_evict,
                  finish=lambda: self._stop_own("evict")),
+            Case("tracing:hung-collector", "the OTLP collector accepts and never answers",
+                 self.case_traced, target="traced", prepare=self.prepare_traced,
+                 finish=self.finish_traced),
             Case("peer:flapping", "a peer's adverts flap every 100 ms", self.case_flap),
             Case("client:sse-silent", "a /v1/events client that never reads",
                  self.case_sse_silent),

@@ -463,3 +463,4 @@ class Polite:
     def close(self) -> None:
         for key in list(self.conns):
             self.drop(key)
+

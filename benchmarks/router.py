@@ -1,6 +1,7 @@
 """The OpenAI front door: direct to the engine against through nvpair (and LiteLLM).
 
-``python -m benchmarks.router [--quick] [--litellm [--litellm-venv DIR]] [--upstream sim]``
+``python -m benchmarks.router [--quick] [--litellm [--litellm-venv DIR]] [--upstream sim]
+[--tracing]``
 
 Three upstreams, each in its own process, are adopted by one ``nvpair serve`` process:
 
@@ -23,6 +24,11 @@ LiteLLM with ``--litellm``), so the machine's noise falls on all of them; the he
 ratio (or the difference) against direct. The load generator is a minimal Trio HTTP/1.1
 client (a POST, a Content-Length or a chunked answer), so it costs little CPU.
 
+``--tracing`` adds two more nvpair processes, each with ``[tracing]`` at ``sample_ratio``
+1.0: ``traced`` exports to a collector that answers, ``hung`` to one that reads and never
+answers (both ``benchmarks/collector.py``, processes of their own); the first nvpair has
+tracing off. Their added latency and throughput are against that one, in the same rounds.
+
 ``--quick`` takes about 40 s (about 65 s with ``--litellm``, whose start alone takes ~12 s).
 Writes ``benchmarks/results/router.json`` (``router-quick.json`` with ``--quick``). Targets
 (from the router reference, "Recommended goals") are printed as met or not met.
@@ -38,6 +44,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -502,7 +509,35 @@ def say(line: str) -> None:
     print(line, flush=True)
 
 
-def run(quick: bool, litellm: Path | None, upstream: str = "fake") -> dict[str, Any]:
+def start_traced(procs: Procs, name: str, engines: str, hang: bool) -> tuple[Proc, int]:
+    """An nvpair with tracing at 1.0 to a collector process of its own: (proc, port)."""
+    port = free_port()
+    procs.start(f"collector-{name}", [PY, "-m", "benchmarks.collector", "--port", str(port),
+                                      *(["--hang"] if hang else [])])
+    top = (f"[tracing]\notlp_endpoint = 'http://127.0.0.1:{port}/v1/traces'\n"
+           "sample_ratio = 1.0\ntimeout_s = 2\n")
+    nv, url, _ = start_nvpair(procs, name, engines, top=top)
+    return nv, int(url.rsplit(":", 1)[1])
+
+
+def tracing_verdicts(res: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tracing's cost against the same nvpair with tracing off, in the same rounds."""
+    off = res["nvpair"]
+    out: list[dict[str, Any]] = []
+    for name, target in (("traced", "<= 0.2"), ("hung", "<= 0.2")):
+        if name not in res:
+            continue
+        added = res[name]["nonstream_c1_p50_ms"] - off["nonstream_c1_p50_ms"]
+        out.append({"goal": f"tracing ({name}) added c=1 p50 (ms)", "value": round(added, 3),
+                    "target": target, "met": added <= 0.2})
+        ratio = res[name]["nonstream_c8_req_s"] / max(off["nonstream_c8_req_s"], 1e-9)
+        out.append({"goal": f"tracing ({name}) c=8 throughput vs off (x)",
+                    "value": round(ratio, 3), "target": ">= 0.95", "met": ratio >= 0.95})
+    return out
+
+
+def run(quick: bool, litellm: Path | None, upstream: str = "fake",
+        tracing: bool = False) -> dict[str, Any]:
     plan = QUICK if quick else FULL
     started = time.monotonic()
     args = FAKE_ARGS if upstream == "fake" else SIM_ARGS
@@ -529,6 +564,12 @@ def run(quick: bool, litellm: Path | None, upstream: str = "fake") -> dict[str, 
         direct = {MODELS[k]: p for k, p in ports.items()}
         targets = [Target("direct", direct, None),
                    Target("nvpair", dict.fromkeys(direct, nv_port), nv.pid)]
+        if tracing:
+            for name, hang in (("traced", False), ("hung", True)):
+                tp, tport = start_traced(procs, name, engines, hang)
+                for model in MODELS.values():
+                    wait_chat(tport, model, tp)
+                targets.append(Target(name, dict.fromkeys(direct, tport), tp.pid))
         if litellm is not None:
             try:
                 lp, lport = start_litellm(procs, ports, litellm)
@@ -540,7 +581,16 @@ def run(quick: bool, litellm: Path | None, upstream: str = "fake") -> dict[str, 
                 doc["litellm_error"] = str(exc)[:2000]
                 print(f"LiteLLM not measured: {str(exc)[:300]}", file=sys.stderr)
         doc["results"] = trio.run(measure, targets, plan, say)
-    doc["targets"] = verdicts(doc["results"])
+        for t in targets:  # what the traced nvpairs exported and dropped, from /metrics
+            if t.name in ("traced", "hung"):
+                port = next(iter(t.ports.values()))
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
+                                              timeout=5).read().decode()
+                doc["results"][t.name]["spans"] = {
+                    k: float(v) for k, _, v in (line.partition(" ") for line in
+                                                text.splitlines())
+                    if k.startswith("nvpair_trace_spans_")}
+    doc["targets"] = verdicts(doc["results"]) + tracing_verdicts(doc["results"])
     doc["wall_s"] = round(time.monotonic() - started, 1)
     doc["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     doc["logs"] = str(workdir)
@@ -555,14 +605,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="the venv LiteLLM is installed in (default: %(default)s)")
     p.add_argument("--upstream", choices=("fake", "sim"), default="fake",
                    help="fake: the fast fake upstream (default); sim: the vLLM simulator")
+    p.add_argument("--tracing", action="store_true",
+                   help="also measure nvpair with tracing on (a collector that answers, "
+                        "and one that hangs)")
     args = p.parse_args(argv)
-    doc = run(args.quick, args.litellm_venv if args.litellm else None, args.upstream)
+    doc = run(args.quick, args.litellm_venv if args.litellm else None, args.upstream,
+              args.tracing)
     print(table(doc["results"]))
     for v in doc["targets"]:
         print(f"{'met    ' if v['met'] else 'NOT MET'}  {v['goal']}: {v['value']} "
               f"(target {v['target']})")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = "router" if args.upstream == "fake" else "router-sim"
+    stem = ("router" if args.upstream == "fake" else "router-sim") + (
+        "-tracing" if args.tracing else "")
     out = RESULTS / (f"{stem}-quick.json" if args.quick else f"{stem}.json")
     out.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {out.relative_to(ROOT)} ({doc['wall_s']} s)")

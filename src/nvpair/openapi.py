@@ -130,6 +130,7 @@ class EngineStatus(msgspec.Struct):
     queued: int
     queued_oldest_s: float | None
     activity: str | None
+    kv_cache_usage: float | None
     group: GroupHead | None
     memory: dict[str, Any] | None
     version: int

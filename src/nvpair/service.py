@@ -11,6 +11,7 @@ import msgspec
 import trio
 from hypercorn.config import Config as HypercornConfig
 
+from nvpair import __version__
 from nvpair.base.boundary import Part
 from nvpair.base.logs import RateCap
 from nvpair.config.settings import Settings, url_host
@@ -34,8 +35,10 @@ from nvpair.router import ROUTED_PATHS, Router, Traffic
 from nvpair.router.activation import Activator
 from nvpair.router.counters import TrafficView
 from nvpair.router.queueview import QueueView
+from nvpair.router.tracing import Tracer
 from nvpair.runtime import looplag
 from nvpair.runtime.collector import Collector, left_alone
+from nvpair.runtime.spanexport import SpanExporter
 from nvpair.state.events import Journal
 from nvpair.state.history import History
 from nvpair.state.snapshot import Board
@@ -67,6 +70,8 @@ class Running(msgspec.Struct, frozen=False):
     groups: Groups | None = None
     #: the memory watch (docs/memory.md)
     memory: MemoryWatch | None = None
+    #: the trace export, where tracing is on (docs/observability.md)
+    spans: SpanExporter | None = None
 
 
 def limits(settings: Settings) -> Limits:
@@ -137,9 +142,17 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
     if any(spec.activation == "on_demand" for spec in settings.engines):
         activator = Activator(board, settings.engines, runners, traffic, settings.activation,
                               settings.memory, sleepers)
+    exporter = tracer = None  # traces of routed requests (docs/observability.md)
+    if settings.tracing is not None:
+        exporter = SpanExporter(settings.tracing.endpoint, [
+            ("service.name", settings.tracing.service_name), ("service.version", __version__),
+            ("service.instance.id", settings.node)], headers=settings.tracing.headers,
+            timeout_s=settings.tracing.timeout_s)
+        tracer = Tracer(exporter, settings.tracing.sample_ratio, node=settings.node)
     router = Router(board, settings.engines, settings.router, traffic, node=settings.node,
                     peers=None if peers is None else peers.table, cluster_token=cluster_token,
-                    activator=activator, sleepers=sleepers, queue=settings.activation)
+                    activator=activator, sleepers=sleepers, queue=settings.activation,
+                    tracer=tracer)
     keys = Keyring(settings.keys) if settings.keys else None  # (docs/keys.md)
     mounts = [Mount(handler=TrafficView(traffic, keys), paths=frozenset({"/v1/router"})),
               Mount(handler=QueueView(activator), paths=QueueView.paths)]
@@ -171,7 +184,8 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
               allowed_hosts=settings.allowed_hosts,
               metrics=Metrics(board, traffic, node=settings.node, sweep=sweep.durations,
                               peers=None if peers is None else peers.table,
-                              streams=lambda: len(events.streams), keys=keys))
+                              streams=lambda: len(events.streams), keys=keys,
+                              spans=exporter))
     shutdown = trio.Event()
 
     async def drain() -> None:  # event streams say bye and end, so the drain waits for none
@@ -187,6 +201,8 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
     # On shutdown the API drains first, then engines stop, then the clients close.
     async with trio.open_nursery() as outer:
         outer.start_soon(looplag.from_env)  # opt-in: NVPAIR_LOOP_LAG_FILE (benchmarks)
+        if exporter is not None:
+            await outer.start(exporter.run)
         await outer.start(router.run)
         if activator is not None:
             await outer.start(activator.run)
@@ -219,7 +235,7 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
                                             stop=shutdown.set, peers=peers, procs=procs,
                                             connections=connections, events=events,
                                             groups=groups,
-                                            memory=memory))
+                                            memory=memory, spans=exporter))
             # hypercorn has stopped accepting and drained in-flight requests; engines stop
             # with their grace periods (each SIGTERM, wait, SIGKILL, in parallel).
             engines.cancel_scope.cancel(reason="nvpair is shutting down")

@@ -344,3 +344,50 @@ def test_on_exit_of_an_engine_nvpair_does_not_manage_is_one_line(write) -> None:
     with pytest.raises(ConfigError, match=r"engines\[0\]\.on_exit: needs managed = true"):
         load_settings(str(write("nvpair.toml",
                                 "[[engines]]\nname = 'a'\nkind = 'vllm'\non_exit = 'keep'\n")))
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("[tracing]\notlp_endpoint = 'grpc://127.0.0.1:4317'\n",
+     r"nvpair.toml: tracing.otlp_endpoint: expected an http:// or https:// URL .* got "
+     r"'grpc://127.0.0.1:4317'$"),
+    ("[tracing]\notlp_endpoint = 'http://127.0.0.1:99999/v1/traces'\n",
+     r"tracing.otlp_endpoint: expected"),
+    ("[tracing]\notlp_endpoint = 'http://:4318/v1/traces'\n", r"tracing.otlp_endpoint"),
+    ("[tracing]\notlp_endpoint = 'https://user:secret@collector/v1/traces'\n",
+     r"tracing.otlp_endpoint: .* got a URL with a user or password \(not shown\)$"),
+    ("[tracing]\notlp_endpoint = 'http://c/v1/traces'\nsample_ratio = 1.5\n",
+     r"tracing.sample_ratio"),
+    ("[tracing]\notlp_endpoint = 'http://c/v1/traces'\nservice_name = ''\n",
+     r"tracing.service_name"),
+    ("[tracing]\notlp_endpoint = 'http://c/v1/traces'\nheaders_file = 'nope'\n",
+     r"tracing.headers_file: cannot read .*nope: No such file"),
+    ("[tracing]\nheaders_file = 'h'\n", r"tracing.headers_file: set otlp_endpoint too"),
+    ("[tracing]\nendpoint = 'http://c'\n", r"tracing"),
+])
+def test_a_bad_tracing_table_is_one_line_naming_the_key(write, text: str, expected: str
+                                                         ) -> None:
+    import re
+
+    message = error_for(write, text)
+    assert "\n" not in message
+    assert re.search(expected, message), message
+    assert "secret" not in message
+
+
+def test_the_tracing_headers_are_read_and_never_shown(write, tmp_path: Path) -> None:
+    (tmp_path / "otlp-headers").write_text(
+        "# the collector's token\nAuthorization: Bearer tok-123\n\nX-Scope-OrgID:  team-a\n")
+    settings = settings_for(write, "[tracing]\notlp_endpoint = 'http://127.0.0.1:4318/v1/"
+                            "traces'\nsample_ratio = 0.25\nheaders_file = 'otlp-headers'\n")
+    tracing = settings.tracing
+    assert tracing is not None
+    assert tracing.headers == (("Authorization", "Bearer tok-123"), ("X-Scope-OrgID", "team-a"))
+    assert tracing.sample_ratio == 0.25 and tracing.service_name == "nvpair"
+    assert "tok-123" not in repr(tracing) and "tok-123" not in repr(settings)
+    (tmp_path / "otlp-headers").write_text("Authorization Bearer tok-123\n")
+    message = error_for(write, "[tracing]\notlp_endpoint = 'http://c/'\n"
+                        "headers_file = 'otlp-headers'\n")
+    assert message.endswith("otlp-headers line 1: expected 'Name: value' (a header name, a "
+                            "colon, a value)")
+    assert "tok-123" not in message
+    assert settings_for(write, "").tracing is None  # (off unless asked for)

@@ -67,6 +67,8 @@ async def test_an_engine_that_opts_in_has_its_kv_cache_use_in_metrics(nursery, t
                 await wait_state(running.board, "e", "ready",
                                  where=lambda e: e.kv_cache_usage == 0.01)
                 text = (await client.get("/metrics")).text
+                one = (await client.get("/v1/engines/e")).json()
+                listed = (await client.get("/v1/engines")).json()
                 n.cancel_scope.cancel()
             await wait_state(running.board, "e", "ready", where=lambda e: e.kv_cache_usage == 0)
     assert 'nvpair_kv_cache_usage_ratio{engine="e",model="m"} 0.01\n' in text
@@ -74,3 +76,7 @@ async def test_an_engine_that_opts_in_has_its_kv_cache_use_in_metrics(nursery, t
         line for line in text.splitlines() if line.startswith("nvpair_kv_cache"))
     quiet = running.board.current.engine("quiet")
     assert quiet is not None and quiet.kv_cache_usage is None
+    # the engine's status shows it too (its own, and in the list); null where not read
+    assert one["kv_cache_usage"] == 0.01
+    assert {e["name"]: e["kv_cache_usage"] for e in listed["engines"]} == {
+        "e": 0.01, "quiet": None}

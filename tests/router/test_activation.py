@@ -1114,3 +1114,52 @@ async def test_a_request_that_waits_too_long_for_a_slot_is_503_saying_so(
     assert str(waited.value) == ("engine e had no free slot within queue_wait_s (60 s): its 1 "
                                  "slot was busy")
     assert activator.traffic.engines["e"].in_flight == 1 and not activator.queue("e").waiting
+
+
+# (as in tests/test_sse.py: httpx2's nested stream generators, left to the collector)
+@pytest.mark.filterwarnings("ignore:Async generator 'httpx2:ResourceWarning")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+async def test_the_events_of_a_routed_request_name_its_request_id(nursery, tmp_path) -> None:
+    """GET /v1/events: an engine's event for a queue change, a start, an eviction or a
+    failed start carries the id of the routed request it was for."""
+    from tests.http.test_sse import stream
+
+    settings = on_demand(
+        tmp_path, {"a": sim_command("vllm", "--load-s", "0.3"),
+                   "b": sim_command("vllm", "--load-s", "0.3"),
+                   "c": sim_command("vllm", "--load-s", "0.3", "--fail-on-load", "3")},
+        activation=f"memory_budget_bytes = {10 * GB}", extra=f"memory_bytes = {6 * GB}")
+    seen: list[dict[str, Any]] = []
+
+    def ids(name: str, where: Any) -> set[str | None]:
+        return {e["request_id"] for e in seen if e["name"] == name and where(e)}
+
+    def evicted(e: dict[str, Any]) -> bool:
+        return (e["activity"] or "").startswith("evicted a")
+
+    def failed(e: dict[str, Any]) -> bool:
+        return e["state"] == "cold" and bool(e["error"])
+
+    with trio.fail_after(60):
+        async with on_demand_service(nursery, settings) as (_, client, _), stream(
+                client, "/v1/events?types=engine") as events:
+            await events.start()
+            async with trio.open_nursery() as n:
+                async def ask() -> None:
+                    for model, rid in (("model-a", "for-a"), ("model-b", "for-b"),
+                                       ("model-c", "for-c")):
+                        await client.post("/v1/chat/completions", content=payload(model),
+                                          headers={"x-request-id": rid})
+
+                n.start_soon(ask)
+                # (the last state of a and of c: every change before them was sent first)
+                while not (ids("a", evicted) and ids("c", failed)):
+                    event = await events.next()
+                    if event.event == "engine":
+                        seen.append(json.loads(event.data or "{}"))
+    assert ids("a", lambda e: e["queued"] == 1) == {"for-a"}
+    assert ids("a", lambda e: (e["activity"] or "").startswith("started a")) == {"for-a"}
+    assert ids("a", evicted) == {"for-b"}
+    assert ids("b", lambda e: (e["activity"] or "").startswith("started b")) == {"for-b"}
+    assert ids("c", lambda e: e["queued"] == 1) == {"for-c"}
+    assert ids("c", failed) == {"for-c"}

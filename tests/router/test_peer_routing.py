@@ -35,14 +35,15 @@ def chat(model: str, stream: bool = False) -> bytes:
                                 "messages": [{"role": "user", "content": "hi"}]})
 
 
-def node_config(tmp: Path, name: str, port: int, engine: ScriptEngine, peer: tuple[str, int]
-                ) -> Path:
+def node_config(tmp: Path, name: str, port: int, engine: ScriptEngine, peer: tuple[str, int],
+                top: str = "") -> Path:
     (tmp / f"user-{name}").write_text(f"user-token-of-{name}")
     (tmp / f"cluster-{name}").write_text(cluster_token(name))
     (tmp / f"cluster-{peer[0]}").write_text(cluster_token(peer[0]))
     path = tmp / f"{name}.toml"
     path.write_text(
         f"listen = '127.0.0.1:{port}'\nnode = '{name}'\ntoken_file = '{tmp / f'user-{name}'}'\n"
+        f"{top}\n"
         f"[[engines]]\nname = 'e-{name}'\nkind = 'openai'\nport = {engine.port}\n"
         "[engines.probes.ready]\ninterval_s = 0.1\ntimeout_s = 0.1\n"
         "[engines.probes.health]\ninterval_s = 0.5\ntimeout_s = 0.5\n"
@@ -60,17 +61,18 @@ async def wait_routable(table: PeerTable, model: str, within: float = 20.0) -> N
             version = await table.wait_changed(version)
 
 
-async def two_nodes(nursery: trio.Nursery, tmp_path: Path
+async def two_nodes(nursery: trio.Nursery, tmp_path: Path, top: str = ""
                     ) -> tuple[service.Running, service.Running, ScriptEngine, ScriptEngine]:
-    """Nodes a and b, peers of each other, serving m-a and m-b; a can route m-b."""
+    """Nodes a and b, peers of each other, serving m-a and m-b; a can route m-b. ``top``:
+    more of both nodes' config (tables before their engines)."""
     engine_a, engine_b = ScriptEngine("m-a"), ScriptEngine("m-b")
     await nursery.start(engine_a.serve)
     await nursery.start(engine_b.serve)
     port_a, port_b = free_port(), free_port()
     a = await nursery.start(service.run, load_settings(
-        str(node_config(tmp_path, "a", port_a, engine_a, ("b", port_b)))))
+        str(node_config(tmp_path, "a", port_a, engine_a, ("b", port_b), top))))
     b = await nursery.start(service.run, load_settings(
-        str(node_config(tmp_path, "b", port_b, engine_b, ("a", port_a)))))
+        str(node_config(tmp_path, "b", port_b, engine_b, ("a", port_a), top))))
     await wait_state(a.board, "e-a", "ready", where=lambda e: bool(e.models))
     await wait_state(b.board, "e-b", "ready", where=lambda e: bool(e.models))
     assert a.peers is not None and b.peers is not None

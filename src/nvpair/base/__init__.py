@@ -16,4 +16,8 @@ The modules:
   for `/metrics`.
 * ``logformat``: nvpair's own log lines as text or JSON, with the request and engine a line
   is about (`about`).
+* ``otlp``: finished spans (`Span`) and the OTLP protobuf they are exported as, written by
+  hand (`encode_span`, `encode_request`).
+* ``traceparent``: W3C Trace Context's ``traceparent`` header, read strictly (`parse`) and
+  written (`header`).
 """

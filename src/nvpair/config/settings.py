@@ -10,6 +10,7 @@ import socket
 import tomllib
 from pathlib import Path
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -163,6 +164,38 @@ class RouterConfig(Base, frozen=True):
     cooldown_s: Seconds = 5.0
 
 
+class TracingConfig(Base, frozen=True):
+    """The ``[tracing]`` table: OpenTelemetry traces of routed requests, opt in
+    (docs/observability.md)."""
+
+    #: the collector's OTLP/HTTP traces URL (protobuf), e.g. http://127.0.0.1:4318/v1/traces;
+    #: unset: no tracing.
+    otlp_endpoint: str | None = None
+    #: the share of requests that start a trace (a client's traceparent decides for its own).
+    sample_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)] = 1.0
+    #: the resource's service.name.
+    service_name: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] = "nvpair"
+    #: a file of HTTP headers sent with every export, "Name: value" a line (a token).
+    headers_file: str | None = None
+    #: the longest wait for the collector's answer to one export.
+    timeout_s: Seconds = 10.0
+
+
+class TracingSettings(msgspec.Struct, frozen=True):
+    """``[tracing]`` resolved: the endpoint checked, the headers read."""
+
+    endpoint: str
+    sample_ratio: float
+    service_name: str
+    timeout_s: float
+    #: (name, value): never logged, never on a command line
+    headers: tuple[tuple[str, str], ...] = ()
+
+    def __repr__(self) -> str:  # (the headers hold a collector's token)
+        return (f"TracingSettings(endpoint={self.endpoint!r}, sample_ratio={self.sample_ratio}, "
+                f"service_name={self.service_name!r}, headers={len(self.headers)})")
+
+
 class Config(Base, frozen=True):
     listen: str = DEFAULT_LISTEN
     node: str | None = None
@@ -210,6 +243,8 @@ class Config(Base, frozen=True):
     memory: MemoryConfig = MemoryConfig()
     #: engines started on demand: the memory budget and the queues (docs/on-demand.md).
     activation: ActivationConfig = ActivationConfig()
+    #: traces of routed requests to an OpenTelemetry collector (docs/observability.md).
+    tracing: TracingConfig = TracingConfig()
 
 
 log = logging.getLogger("nvpair.config")
@@ -308,6 +343,8 @@ class Settings(msgspec.Struct, frozen=True):
     log_format: Literal["text", "json"] = "text"
     #: the access log: None (off), "log" (nvpair's log), or a file
     access_log: Path | Literal["log"] | None = None
+    #: traces (None: off)
+    tracing: TracingSettings | None = None
 
 
 def parse_listen(value: str, source: str) -> tuple[str, int]:
@@ -500,7 +537,58 @@ def resolve(config: Config, source: str, base: Path, *, listen: str | None = Non
         keys=keys,
         log_format=config.log_format,
         access_log=_access_log(config.access_log, source, base),
+        tracing=resolve_tracing(config.tracing, source, base),
     )
+
+
+#: an HTTP header's name (RFC 9110's token)
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
+def resolve_tracing(config: TracingConfig, source: str, base: Path) -> TracingSettings | None:
+    """The ``[tracing]`` table checked (None: no ``otlp_endpoint``, tracing is off)."""
+    where = f"{source}: tracing"
+    if config.otlp_endpoint is None:
+        if config.headers_file is not None:
+            raise ConfigError(f"{where}.headers_file: set otlp_endpoint too (headers for "
+                              "which collector?)")
+        return None
+    url = config.otlp_endpoint
+    try:
+        parts = urlsplit(url)
+        usable = (parts.scheme in ("http", "https") and bool(parts.hostname)
+                  and parts.port != 0 and parts.username is None and not parts.fragment
+                  and not any(c.isspace() for c in url))
+    except ValueError:  # (a port that is no number, or over 65535)
+        usable = False
+    if not usable:
+        shown = repr(url) if "@" not in url else "a URL with a user or password (not shown)"
+        raise ConfigError(f"{where}.otlp_endpoint: expected an http:// or https:// URL with a "
+                          "host, an optional port and path and no user or password (a "
+                          f"token goes in headers_file), e.g. http://127.0.0.1:4318/v1/traces; "
+                          f"got {shown}")
+    headers: list[tuple[str, str]] = []
+    if config.headers_file is not None:
+        full = _secret_path(config.headers_file, base)
+        try:
+            text = full.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            raise ConfigError(f"{where}.headers_file: cannot read {full}: {why}") from None
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue
+            name, colon, value = line.partition(":")
+            value = value.strip()
+            if (not colon or not _HEADER_NAME.fullmatch(name.strip()) or not value
+                    or any(ord(c) < 0x20 or ord(c) == 0x7F for c in value)):
+                # (the line itself is never shown: it holds a token)
+                raise ConfigError(f"{where}.headers_file: {full} line {number}: expected "
+                                  "'Name: value' (a header name, a colon, a value)")
+            headers.append((name.strip(), value))
+    return TracingSettings(endpoint=url, sample_ratio=config.sample_ratio,
+                           service_name=config.service_name, timeout_s=config.timeout_s,
+                           headers=tuple(headers))
 
 
 def _access_log(value: bool | str, source: str, base: Path) -> Path | Literal["log"] | None:

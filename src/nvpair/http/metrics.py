@@ -68,6 +68,15 @@ def number(value: float) -> str:
     return repr(value)
 
 
+class SpanCounts(Protocol):
+    """What /metrics shows of the trace export (``nvpair.runtime.spanexport``)."""
+
+    exported: int
+
+    @property
+    def dropped(self) -> int: ...
+
+
 class Metrics:
     """Renders ``/metrics`` and keeps the API's request counts (``api``), which
     ``nvpair.http.api.Api`` increments per (route, status code)."""
@@ -75,7 +84,8 @@ class Metrics:
     def __init__(self, board: Board, traffic: Traffic | None = None, *, node: str,
                  peers: PeerStates | None = None, sweep: Histogram | None = None,
                  streams: Callable[[], int] | None = None,
-                 wall: Callable[[], float] = time.time, keys: Keyring | None = None) -> None:
+                 wall: Callable[[], float] = time.time, keys: Keyring | None = None,
+                 spans: SpanCounts | None = None) -> None:
         self.board = board
         self.traffic = traffic
         self.node = node
@@ -86,6 +96,8 @@ class Metrics:
         self.wall = wall
         #: the API's keys (docs/keys.md): their requests, refusals and queue waits
         self.keys = keys
+        #: the trace export's counts, where tracing is on (docs/observability.md)
+        self.spans = spans
         #: (route, status code) -> requests answered (the API counts them)
         self.api: dict[tuple[str, int], int] = {}
         self._cache: tuple[tuple[int, int, int], bytes] | None = None
@@ -177,6 +189,14 @@ class Metrics:
         if self.streams is not None:
             family("nvpair_events_streams", "gauge", "Open /v1/events streams.")
             add(f"nvpair_events_streams {self.streams()}\n")
+        if self.spans is not None:
+            family("nvpair_trace_spans_exported_total", "counter",
+                   "Spans the OTLP collector took.")
+            add(f"nvpair_trace_spans_exported_total {self.spans.exported}\n")
+            family("nvpair_trace_spans_dropped_total", "counter",
+                   "Spans never delivered: the export buffer was full (a slow, hung or gone "
+                   "collector) or their export failed.")
+            add(f"nvpair_trace_spans_dropped_total {self.spans.dropped}\n")
         return "".join(out).encode()
 
     def _sweep(self, family: Callable[[str, str, str], None],

@@ -63,6 +63,8 @@ def engine_status(e: EngineState, snap: Snapshot, now: float, node: str) -> dict
         "queued": e.queued,
         "queued_oldest_s": age(now, e.queued_since),
         "activity": e.activity,
+        # its KV-cache use 0-1, where it opted in (kv_cache_probe_s; nvpair.probing.kvcache)
+        "kv_cache_usage": e.kv_cache_usage,
         # the head of a multi-node group (docs/groups.md): GET /v1/groups has the rest (a
         # rank's engine is on no board: only the head, rank 0, has one)
         "group": None if e.group is None else {

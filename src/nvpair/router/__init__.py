@@ -20,6 +20,8 @@ The modules:
   ageing, round-robin across keys (pure).
 * ``swaps``: swap batching, when a loaded engine may be evicted for another (`verdict`, pure).
 * ``queueview``: `QueueView`, `GET /v1/queue`: who waits for which engine, in order.
+* ``tracing``: a routed request's trace (`Tracer`, `RequestTrace`): its server span and the
+  spans of its queue, activation, evictions, wake and upstream call or peer hop.
 
 The router's memory of real requests, ``nvpair.state.traffic``, lives below both the router,
 which writes it, and the prober, which reads it. Peers come in through the ``PeerRouter``

@@ -33,7 +33,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import msgspec
 import trio
@@ -89,6 +89,34 @@ class QueueFull(NvpairError):
 class Unavailable(NvpairError):
     """The request cannot be served now (503 with Retry-After); the message says why."""
 
+    #: the activation the request waited for, if one began (for its trace)
+    activation: ActivationRecord | None = None
+
+
+class Eviction(NamedTuple):
+    """One engine stopped to make room: from its drain's start until it was at rest."""
+
+    victim: str
+    began: float
+    ended: float
+    in_flight: int
+    footprint: int | None
+
+
+@dataclass(eq=False)
+class ActivationRecord:
+    """One activation of an engine, as the requests that waited for it see it (their
+    traces: ``nvpair.router.tracing``). Times are trio times."""
+
+    engine: str
+    began: float
+    ended: float | None = None
+    #: why it failed (None: it did not, or it goes on)
+    failure: str | None = None
+    #: the engine's own time from its start to ready (None: it did not get there)
+    startup_s: float | None = None
+    evictions: list[Eviction] = field(default_factory=list)
+
 
 @dataclass(eq=False)
 class Ticket:
@@ -109,6 +137,8 @@ class Ticket:
     #: the id of the request that waits (its log lines name it: the start it caused too)
     request_id: str | None = field(default_factory=lambda: getattr(about.get(), "request_id",
                                                                    None))
+    #: the activation it waited for (None: the engine was up when it came)
+    activation: ActivationRecord | None = None
 
     def started(self) -> None:
         """The router counts its request in flight now (``Traffic.started``)."""
@@ -122,7 +152,7 @@ class Ticket:
         stage, self.stage = self.stage, "gone"
         if stage == "waiting":
             self.queue.waiting.remove(self)
-            self.queue.publish()
+            self.queue.publish(self.request_id)
         elif stage == "sent":
             self.queue.sent -= 1
             self.queue.freed()
@@ -131,7 +161,9 @@ class Ticket:
 @dataclass(eq=False)
 class EngineQueue:
     name: str
-    publish: Callable[[], None]
+    #: puts its count on the board, with the request that entered or left (None: the
+    #: request the board names stays)
+    publish: Callable[[str | None], None]
     #: a slot came free (a request sent never got to the engine): let the next go
     freed: Callable[[], None]
     #: in the order they go (``nvpair.router.fairqueue``: priority, ageing, turns by key)
@@ -141,6 +173,8 @@ class EngineQueue:
     activating: bool = False
     #: while its start waits for victims of an eviction: why, in words, at the time asked
     blocked_by: Callable[[], str] | None = None
+    #: the activation going on, or the last one
+    record: ActivationRecord | None = None
 
     def release(self, room: int | None) -> None:
         """Let the first ``room`` waiters go (None: all), in the queue's order."""
@@ -151,7 +185,7 @@ class EngineQueue:
             self.sent += 1
             ticket.ready.set()
             let += 1
-        self.publish()
+        self.publish(None)
 
     def fail_all(self, reason: str) -> None:
         now = trio.current_time()
@@ -160,7 +194,7 @@ class EngineQueue:
             ticket.stage = "gone"
             ticket.failure = reason
             ticket.ready.set()
-        self.publish()
+        self.publish(None)
 
 
 def reading(e: EngineState | None) -> int | None:
@@ -368,7 +402,7 @@ class Activator:
     def queue(self, name: str) -> EngineQueue:
         queue = self.queues.get(name)
         if queue is None:
-            def publish() -> None:
+            def publish(request_id: str | None = None) -> None:
                 q = self.queues[name]
                 count = len(q.waiting)
                 oldest = q.waiting.oldest()
@@ -377,7 +411,8 @@ class Activator:
                                     for k, line in q.waiting.lines.items()))
                 self.board.update(name, lambda e: e if (e.queued, e.queued_since, e.queued_keys)
                                   == (count, since, keys) else _replace(
-                                      e, queued=count, queued_since=since, queued_keys=keys))
+                                      e, queued=count, queued_since=since, queued_keys=keys,
+                                      request_id=request_id or e.request_id))
             queue = self.queues[name] = EngineQueue(
                 name, publish, partial(self._serve, name),
                 FairQueue(self.config.priority_age_s))
@@ -398,9 +433,10 @@ class Activator:
             whose = "" if key is None else f" of key {key!r}"
             raise QueueFull(f"{mine} requests{whose} are waiting for engine {name} to "
                             f"start (queue_max {self.config.queue_max})")
-        ticket = Ticket(queue, key=key, priority=priority)
+        ticket = Ticket(queue, key=key, priority=priority,
+                        activation=queue.record if queue.activating else None)
         queue.waiting.add(ticket)
-        queue.publish()
+        queue.publish(ticket.request_id)
         self._serve(name)
         try:
             with trio.move_on_after(self.config.queue_wait_s):
@@ -411,9 +447,9 @@ class Activator:
         if not ticket.ready.is_set():
             why = self._why_waited(name, ticket)
             ticket.leave()
-            raise Unavailable(why)
+            raise _unavailable(why, ticket)
         if ticket.failure is not None:
-            raise Unavailable(ticket.failure)
+            raise _unavailable(ticket.failure, ticket)
         return ticket
 
     def _why_waited(self, name: str, ticket: Ticket) -> str:
@@ -441,6 +477,9 @@ class Activator:
             queue.fail_all("the router is not running")
             return
         queue.activating = True
+        record = queue.record = ActivationRecord(name, trio.current_time())
+        for ticket in queue.waiting:
+            ticket.activation = record
         self._nursery.start_soon(self._activation, name)
 
     async def _activation(self, name: str) -> None:
@@ -457,8 +496,14 @@ class Activator:
             queue.activating = False
             self._reserved.discard(name)
             self._held_since.pop(name, None)  # (a held swap's episode ends with the start)
+            if queue.record is not None:
+                queue.record.ended, queue.record.failure = trio.current_time(), failure
         if failure is not None:
-            log.warning("%s: %s", name, failure)
+            oldest = queue.waiting.oldest()
+            first = None if oldest is None else oldest.request_id
+            log.warning("%s: %s", name, failure, extra={"engine": name, "request_id": first})
+            if first is not None:  # (its event names the request whose start failed)
+                self.board.update(name, partial(_replace, request_id=first))
             queue.fail_all(failure)
             return
         self.last_used[name] = trio.current_time()
@@ -507,10 +552,9 @@ class Activator:
                 activity = (f"started {name} for a request"
                             f"{'' if key is None else f' of key {key!r}'} "
                             f"(queued {len(waiting)})")
-                self.board.update(name, partial(_replace, activity=activity))
-                first = self.queue(name).waiting.oldest()  # (the line names the first request)
-                log.info("%s", activity, extra={"engine": name, "request_id": (
-                    None if first is None else first.request_id)})
+                rid = None if first is None else first.request_id  # (the first request's)
+                self.board.update(name, partial(_replace, activity=activity, request_id=rid))
+                log.info("%s", activity, extra={"engine": name, "request_id": rid})
             settled = await self._settled(name, just_started=started)
             if settled == "ready":
                 if started:  # (what the next plan weighs its come-back with)
@@ -538,6 +582,7 @@ class Activator:
         version = -1
         left_cold = not just_started
         drained = False
+        starting_at: float | None = None  # (the engine's own time: from here to ready)
         while True:
             snap = await self.board.wait_changed(version)
             version = snap.version
@@ -545,6 +590,8 @@ class Activator:
             if e is not None and e.state != "cold":
                 left_cold = True
                 drained = drained or not e.admitting
+                if e.state == "starting" and starting_at is None:
+                    starting_at = e.since
             if e is None or e.state in ("down", "stopped") or (e.state == "cold" and left_cold):
                 if e is not None and e.state == "cold" and drained:
                     return "drained"
@@ -552,6 +599,9 @@ class Activator:
             if e.state in ASLEEP_STATES and e.admitting:
                 return "asleep"
             if e.state in LISTED_STATES and e.admitting:
+                record = self.queue(name).record
+                if record is not None and starting_at is not None:
+                    record.startup_s = e.since - starting_at
                 return "ready"
 
     def _failed(self, name: str, e: EngineState) -> str:
@@ -704,7 +754,11 @@ class Activator:
         reason = f"to make room for {name}"
         activities: dict[str, str] = {}
         tiers: dict[str, Step] = {}
+        record = self.queue(name).record
+        now = trio.current_time()
+        began: dict[str, tuple[int, int | None]] = {}  # (in flight, footprint) at the start
         for step in steps:
+            began[step.name] = (self._in_flight(step.name), self.footprint(step.name))
             result = self._take(step, reason)
             if isinstance(result, Busy):
                 self._call_off(tiers, name, f"no room for {name} after all")
@@ -741,9 +795,15 @@ class Activator:
                     await self.board.wait_changed(snap.version)
         finally:
             queue.blocked_by = None
+        ended = trio.current_time()
+        for v in tiers:
+            if record is not None:
+                record.evictions.append(Eviction(v, now, ended, *began[v]))
+        oldest = queue.waiting.oldest()
+        first = None if oldest is None else oldest.request_id  # (whose start)
         for victim, activity in activities.items():
-            log.info("%s", activity, extra={"engine": victim})
-            self.board.update(victim, partial(_replace, activity=activity))
+            log.info("%s", activity, extra={"engine": victim, "request_id": first})
+            self.board.update(victim, partial(_replace, activity=activity, request_id=first))
         return None
 
     def _take(self, step: Step, reason: str) -> Result:
@@ -839,6 +899,12 @@ class Activator:
                 drained.append(name)
                 self.residency.pop(name, None)  # (its next load is a new batch)
         return drained
+
+
+def _unavailable(why: str, ticket: Ticket) -> Unavailable:
+    exc = Unavailable(why)
+    exc.activation = ticket.activation
+    return exc
 
 
 def _replace(e: EngineState, **changes: object) -> EngineState:

@@ -40,6 +40,7 @@ from nvpair.config.settings import ActivationConfig
 from nvpair.errors import ProbeError
 from nvpair.probing.probes import Listing, parse_listing
 from nvpair.router.activation import QueueFull, Unavailable
+from nvpair.router.request import current
 from nvpair.state.snapshot import Board, EngineState
 from nvpair.state.transitions import with_model_list, with_model_state
 
@@ -191,15 +192,16 @@ class ModelSlots:
         self.board.update(name, lambda e: e if (e.queued, e.queued_since) == (count, since)
                           else msgspec.structs.replace(e, queued=count, queued_since=since))
 
-    async def _wait_for_slot(self, name: str, model: str) -> tuple[EngineState, str | None]:
+    async def _wait_for_slot(self, name: str, model: str
+                             ) -> tuple[EngineState, str | None, bool]:
         """Wait until a request for ``model`` may go to engine ``name``: the engine as it
-        was then, and the model to unload first. Raises QueueFull (``queue_max`` wait
+        was then, the model to unload first, and whether it waited. Raises QueueFull (``queue_max`` wait
         already) or Unavailable (none freed within ``queue_wait_s``, with why)."""
         e = self.board.current.engine(name)
         assert e is not None and e.identity is not None
         go, victim = self._place(e, model)
         if go:
-            return e, victim
+            return e, victim, False
         acc = self._engines[name]
         limit, wait_s = self.queue.queue_max, self.queue.queue_wait_s
         if len(acc.waiting) >= limit:
@@ -218,7 +220,7 @@ class ModelSlots:
                     assert e is not None and e.identity is not None
                     go, victim = self._place(e, model)
                     if go:
-                        return e, victim
+                        return e, victim, True
             busy = ", ".join(sorted(m for m, n in acc.in_flight.items() if n))
             raise Unavailable(
                 f"engine {name} had no free model slot for {model} within queue_wait_s "
@@ -239,20 +241,36 @@ class ModelSlots:
         if name is None or e is None or e.identity is None or not e.identity.router:
             yield
             return
-        e, victim = await self._wait_for_slot(name, model)
+        routed = current()
+        trace = None if routed is None else routed.trace  # (its spans: queue, eviction, load)
+        came = trio.current_time()
+        e, victim, waited = await self._wait_for_slot(name, model)
         assert e.identity is not None
+        if trace is not None and waited:  # (it waited for a slot)
+            trace.span("queue", came, trio.current_time(), attrs=[("nvpair.engine", name),
+                                                     ("nvpair.model", model)])
         acc = self._engines[name]
         acc.in_flight[model] = acc.in_flight.get(model, 0) + 1
         try:
             if victim is not None:
+                began = trio.current_time()
                 status, _ = await control(name, "/models/unload", victim)
                 log.info("engine %s: unloaded %s for %s (idle; HTTP %s)", name, victim,
                          model, status or "no answer")
+                if trace is not None:
+                    trace.span("eviction", began, trio.current_time(), attrs=[
+                        ("nvpair.engine", name), ("nvpair.model", victim)],
+                        error=None if status == 200 else f"HTTP {status or 'no answer'}")
                 if status == 200:
                     self.board.update(name, partial(with_model_state, model=victim,
                                                     state="cold"))
             if not e.identity.autoload:
+                began = trio.current_time()
                 await _load(name, model, control, self.load_budgets.get(name, 600.0))
+                if trace is not None:
+                    trace.span("activation", began, trio.current_time(), attrs=[
+                        ("nvpair.engine", name), ("nvpair.activation", "load"),
+                        ("nvpair.model", model)])
             if victim is not None or not e.identity.autoload:
                 self.refresh(name)  # (its list after nvpair's own unload or load)
             yield

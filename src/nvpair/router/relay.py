@@ -46,11 +46,18 @@ from nvpair.http.asgi import (
     send_wrong_method,
 )
 from nvpair.http.keys import request_key
-from nvpair.router.activation import Activator, QueueFull, Ticket, Unavailable
+from nvpair.router.activation import (
+    ActivationRecord,
+    Activator,
+    QueueFull,
+    Ticket,
+    Unavailable,
+)
 from nvpair.router.models import ModelSlots
 from nvpair.router.peering import PeerRoute, PeerRouter
 from nvpair.router.request import ID_MAX, Routed, current
 from nvpair.router.select import Known, choose, order_peers
+from nvpair.router.tracing import RequestTrace, Tracer
 from nvpair.router.upstream import BODY_ERRORS, SEND_ERRORS, Refused, Upstream
 from nvpair.runtime import wakes
 from nvpair.state.snapshot import ASLEEP_STATES, Board
@@ -116,6 +123,7 @@ class Target(NamedTuple):
     upstream: Upstream
     label: tuple[bytes, bytes]  # added to the answer: x-nvpair-engine or x-nvpair-node
     extra: tuple[tuple[bytes, bytes], ...] = ()  # added to the request
+    node: str | None = None  # a peer's node name (None: a local engine)
 
 
 class BadRequest(NvpairError):
@@ -137,9 +145,11 @@ class Router:
     def __init__(self, board: Board, engines: Iterable[EngineSpec], config: RouterConfig,
                  traffic: Traffic, *, node: str = "nvpair", peers: PeerRouter | None = None,
                  cluster_token: str | None = None, activator: Activator | None = None,
-                 sleepers: Sleepers | None = None, queue: ActivationConfig | None = None
-                 ) -> None:
+                 sleepers: Sleepers | None = None, queue: ActivationConfig | None = None,
+                 tracer: Tracer | None = None) -> None:
         self.board = board
+        #: traces of routed requests (docs/observability.md); None: off
+        self.tracer = tracer
         #: engines' wake (docs/sleep.md): a sleeping vLLM is woken before a request
         self.sleepers = sleepers
         #: engines on demand (nvpair.router.activation); None: none configured
@@ -237,7 +247,8 @@ class Router:
         try:
             return self._target(key, lambda: Target(
                 peer_key(node), f"node {node}", Upstream(route.url, self.config, token=token),
-                (b"x-nvpair-node", node.encode()), ((FORWARDED_BY, self.node.encode()),)))
+                (b"x-nvpair-node", node.encode()), ((FORWARDED_BY, self.node.encode()),),
+                node))
         except ValueError as exc:
             log.debug("node %s: its advertised URL %r cannot be used: %s", node, route.url, exc)
             return None
@@ -258,6 +269,8 @@ class Router:
         """Route one request under its id (``nvpair.router.request``): the id goes to the
         engine, back to the client and into every log line about it; then its access line."""
         request = Routed(scope)
+        if self.tracer is not None:
+            request.begin_trace(self.tracer, scope)
         entered, told = request.enter(), about.set(About(request.id))
         try:
             if request.replaced:
@@ -266,6 +279,7 @@ class Router:
             await self._route(request.scope(scope), receive, request.sender(send))
         finally:
             request.log_access()  # (if the answer's end did not: a client gone, a cut)
+            request.end_trace()
             about.reset(told)
             Routed.leave(entered)
 
@@ -383,7 +397,11 @@ class Router:
         if (self.sleepers is None or e is None or e.state not in ASLEEP_STATES
                 or self.sleepers.wakes_by_itself(name)):
             return None
+        began = trio.current_time()
         why = await self.sleepers.awake(name)
+        if (trace := _trace()) is not None:
+            trace.span("wake", began, trio.current_time(), attrs=[("nvpair.engine", name)],
+                       error=why)
         return None if why is None else f"engine {name} was asleep and did not wake: {why}"
 
     async def _control(self, name: str, path: str, model: str | None) -> tuple[int, bytes]:
@@ -429,21 +447,37 @@ class Router:
         assert self.activator is not None
         ticket: Ticket | None = None
         key, routed = request_key(scope), current()
+        trace = None if routed is None else routed.trace
+        waiting = None if trace is None else trace.start("queue", attrs=[
+            ("nvpair.engine", name),
+            ("nvpair.engine.priority", self.activator.specs[name].priority),
+            ("nvpair.queue.position", len(self.activator.queue(name).waiting)),
+            *([] if key is None else [("nvpair.key.priority", key.spec.priority)])])
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
             try:
                 came, full = trio.current_time(), False
+                failure: str | None = "the client went away"
+                activation: ActivationRecord | None = None
                 try:
                     try:
                         ticket = await self.activator.admit(
                             name, None if key is None else key.name,
                             0 if key is None else key.spec.priority)
-                    except QueueFull:
+                        failure, activation = None, ticket.activation
+                    except QueueFull as exc:
                         full = True  # (refused at once: it never waited)
+                        failure = str(exc)
+                        raise
+                    except Unavailable as exc:
+                        failure, activation = str(exc), exc.activation
                         raise
                     finally:  # waited, whatever the end: its turn, a 503, the client gone
                         if not full:
                             self._waited(routed, trio.current_time() - came)
+                        if trace is not None and waiting is not None:
+                            trace.end(waiting, error=failure)
+                            _trace_activation(trace, activation)
                 except QueueFull as exc:
                     await send_error(send, 429, str(exc), "queue_full", [(b"retry-after", b"5")])
                 except Unavailable as exc:
@@ -480,6 +514,15 @@ class Router:
             for target in targets:  # the first, and one retry if it never got the request
                 if (routed := current()) is not None:
                     routed.engine = target.key
+                trace = None if routed is None else routed.trace
+                sent = [*headers, *target.extra]
+                if trace is not None:  # the attempt's span is the parent the next hop sees
+                    span, parent = trace.client(
+                        "upstream" if target.node is None else "peer",
+                        [("nvpair.engine", target.key)] if target.node is None
+                        else [("nvpair.peer", target.node)])
+                    sent = [(k, v) for k, v in sent if k != b"traceparent"]
+                    sent.append((b"traceparent", parent))
                 if (lines := about.get()) is not None:
                     lines.engine = target.key
                 self.traffic.started(target.key)
@@ -489,8 +532,7 @@ class Router:
                     self.activator.used(target.key)  # (routed requests only, never probes)
                 result = Result()
                 try:
-                    await self._relay(target, scope, [*headers, *target.extra], body, send,
-                                      result)
+                    await self._relay(target, scope, sent, body, send, result)
                 except Refused as exc:
                     result.outcome = "failed"
                     result.error = f"{target.what}: cannot connect: {exc}"
@@ -501,6 +543,9 @@ class Router:
                         result.outcome = "client_gone"
                     raise
                 finally:
+                    if trace is not None:
+                        trace.end(span, error=result.error, attrs=[] if result.status is None
+                                  else [("http.response.status_code", result.status)])
                     self.traffic.finished(target.key, result.outcome, result.error)
                     self.traffic.answered(target.key, result.status, result.started,
                                           result.first_byte_at)
@@ -553,6 +598,8 @@ class Router:
                     sse = sse or (key == b"content-type"
                                   and value.startswith(b"text/event-stream"))
             result.status = response.status
+            if sse and (routed := current()) is not None:
+                routed.streamed = True
             await send({"type": "http.response.start", "status": response.status,
                         "headers": out})
             chunks = _Chunks(response, first_by, self.config)
@@ -624,6 +671,29 @@ class _Chunks:
     async def aclose(self) -> None:
         if not self._ended:  # read to the end: every generator below has finished already
             await close_early(self._raw)
+
+
+def _trace() -> RequestTrace | None:
+    """The trace of the request the calling task routes (None: none, or not traced)."""
+    routed = current()
+    return None if routed is None else routed.trace
+
+
+def _trace_activation(trace: RequestTrace, record: ActivationRecord | None) -> None:
+    """The spans of the activation a request waited for, and of the evictions it made
+    (one that goes on after the request left ends in its span now)."""
+    if record is None:
+        return
+    attrs: list[tuple[str, str | int | float | bool]] = [
+        ("nvpair.engine", record.engine), ("nvpair.activation", "start")]
+    if record.startup_s is not None:
+        attrs.append(("nvpair.engine.startup_s", round(record.startup_s, 3)))
+    ended = trio.current_time() if record.ended is None else record.ended
+    span = trace.span("activation", record.began, ended, attrs=attrs, error=record.failure)
+    for ev in record.evictions:
+        trace.span("eviction", ev.began, ev.ended, parent=span, attrs=[
+            ("nvpair.engine", ev.victim), ("nvpair.eviction.in_flight", ev.in_flight),
+            *([] if ev.footprint is None else [("nvpair.eviction.bytes", ev.footprint)])])
 
 
 def answer_outcome(status: int) -> str:

@@ -24,7 +24,8 @@ import secrets
 import trio
 
 from nvpair.base.logformat import ACCESS
-from nvpair.http.asgi import Message, Scope, Send
+from nvpair.http.asgi import Message, Scope, Send, header
+from nvpair.router.tracing import OPERATIONS, RequestTrace, Tracer, server_attrs
 
 #: the longest client id kept (a longer one is replaced): a UUID is 36, a W3C trace id 32
 ID_MAX = 128
@@ -81,7 +82,35 @@ class Routed:
         self.status: int | None = None
         self.first_byte_at: float | None = None
         self.bytes = 0
+        #: the answer was an event stream (text/event-stream)
+        self.streamed = False
+        #: its trace (None: tracing is off, or this request is not sampled)
+        self.trace: RequestTrace | None = None
         self._logged = False
+
+    def begin_trace(self, tracer: Tracer, scope: Scope) -> None:
+        """Start this request's trace, continuing the client's ``traceparent`` if valid."""
+        self.trace = tracer.begin(header(scope, b"traceparent"), self.method, self.path)
+
+    def end_trace(self) -> None:
+        """End the server span with what the request came to, and export its spans."""
+        trace, self.trace = self.trace, None
+        if trace is None:
+            return
+        attrs = server_attrs((
+            ("http.request.method", self.method), ("http.route", self.path),
+            ("http.response.status_code", self.status), ("nvpair.request_id", self.id),
+            ("gen_ai.request.model", self.model),
+            ("gen_ai.operation.name", OPERATIONS.get(self.path)),
+            ("nvpair.key", self.key), ("nvpair.engine", self.engine),
+            ("nvpair.node", trace.tracer.node), ("nvpair.streaming", self.streamed),
+            ("nvpair.response.bytes", self.bytes)))
+        if self.queue_s is not None:
+            attrs.append(("nvpair.queue_ms", round(self.queue_s * 1000)))
+        if self.first_byte_at is not None:
+            attrs.append(("nvpair.first_chunk_ms",
+                          round((self.first_byte_at - self.arrived) * 1000)))
+        trace.finish(attrs, self.status)
 
     def enter(self) -> contextvars.Token[Routed | None]:
         """Make this the request ``current()`` returns in this task (and those it starts)."""

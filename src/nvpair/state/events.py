@@ -133,15 +133,15 @@ def engine_content(e: EngineState, now: float) -> dict[str, Any]:
             "restarts": e.restarts, "pid": e.pid, "exit_code": e.exit_code,
             "admitting": e.admitting, "queued": e.queued,
             "queued_keys": {k: n for k, n, _ in e.queued_keys}, "activity": e.activity,
-            "memory": event_doc(e.memory), "log": {"dropping": e.log_dropping}}
+            "request_id": e.request_id, "memory": event_doc(e.memory),
+            "log": {"dropping": e.log_dropping}}
 
 
 def content_key(e: EngineState, now: float) -> tuple[object, ...]:
     """What ``engine_content`` is built from: equal keys, equal content."""
     return (shown_state(e, now), e.models, e.models_stale, e.aliases, e.identity, e.error,
             e.notice, e.restarts, e.pid, e.exit_code, e.admitting, e.queued, e.queued_keys,
-            e.activity,
-            e.memory, e.kind, e.url, e.managed, e.log_dropping)
+            e.activity, e.request_id, e.memory, e.kind, e.url, e.managed, e.log_dropping)
 
 
 def parse_event_id(text: str) -> tuple[str, int] | None:

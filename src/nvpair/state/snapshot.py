@@ -146,6 +146,9 @@ class EngineState(msgspec.Struct, frozen=True, gc=False):
     queued_keys: tuple[tuple[str, int, float], ...] = ()
     #: the last activation, eviction or drain, in words (an event when it changes)
     activity: str | None = None
+    #: the routed request its last queue change, activation, eviction or failed start was
+    #: for (its x-request-id; in its events); None: none
+    request_id: str | None = None
     #: the head of a multi-node group: its group, for its models' nvpair.group (docs/groups.md)
     group: GroupTag | None = None
     #: a managed engine's output lines dropped above the log rate cap since nvpair began
