@@ -166,6 +166,12 @@ class EngineLog:
             except OSError as exc:
                 self._file_failed(exc)
 
+    def set_rate(self, rate: RateCap) -> None:
+        """A reload's new cap, taken from now on (the tokens in hand are kept)."""
+        self.rate = rate
+        self._line_tokens.rate = rate.lines_per_s
+        self._byte_tokens.rate = rate.bytes_per_s
+
     @property
     def changed(self) -> trio.Event:
         """An event set when the next line is written."""

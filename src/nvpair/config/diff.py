@@ -46,7 +46,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "activation": ("activation",),
     "memory": ("memory",),
     "sweep": ("sweep_deadline_s",),
-    "log": ("log_dir", "log_lines_per_s", "log_bytes_per_s", "log_format", "access_log"),
+    "log_rate": ("log_lines_per_s", "log_bytes_per_s"),
+    "log": ("log_dir", "log_format", "access_log"),
     "http": ("keep_alive_s", "max_connections", "max_streams", "header_timeout_s",
              "body_timeout_s"),
 }

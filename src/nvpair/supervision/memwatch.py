@@ -595,6 +595,22 @@ class MemoryWatch:
                     f"{reserve / 1e9:.1f} GB)")
         return None
 
+    def reconfigure(self, specs: tuple[EngineSpec, ...]) -> None:
+        """A reload: watch these engines. An engine watched already keeps its readings and
+        trend (its spec is the new one); an added one starts with none; a removed one is
+        forgotten. Sync."""
+        engines = {}
+        for spec in specs:
+            w = self.engines.get(spec.name)
+            if w is None:
+                w = _Watched(spec, TrendDetector(self.settings),
+                             Part(f"engine {spec.name}: memory", logger=log),
+                             Part(f"engine {spec.name}: memory restart", logger=log))
+            else:
+                w.spec = spec
+            engines[spec.name] = w
+        self.engines = engines
+
     def exit_explainer(self, name: str) -> partial[str | None]:
         """``explain_exit`` for one engine, as the lifecycle calls it (``code`` only)."""
         return partial(self.explain_exit, name)
