@@ -148,9 +148,9 @@ def dispatch(args: argparse.Namespace) -> int:
         sys.stdout.write(schema_json(args.what) + "\n")
         return 0
     if args.command == "serve":
-        from nvpair.cli.serve import run_serve
-
         import msgspec
+
+        from nvpair.cli.serve import run_serve
 
         def load() -> Settings:  # (a reload reads it again the same way)
             settings = load_settings(args.config, listen=args.listen)

@@ -6,8 +6,8 @@ import errno
 import logging
 import logging.handlers
 import sys
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import TextIO
 
 import trio
