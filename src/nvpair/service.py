@@ -42,8 +42,8 @@ from nvpair.runtime import looplag
 from nvpair.runtime.collector import Collector, left_alone
 from nvpair.state.events import Journal
 from nvpair.state.history import History
-from nvpair.state.snapshot import Board
-from nvpair.state.transitions import initial_state
+from nvpair.state.snapshot import Board, EngineState
+from nvpair.state.transitions import initial_state, rescheduled
 from nvpair.supervision import orphans
 from nvpair.supervision.fleet import Fleet
 from nvpair.supervision.lifecycle import EngineRunner
@@ -341,9 +341,7 @@ class Reloader:
             if e.verdict == "update":
                 assert spec is not None
                 self.fleet.runners[e.name].update(spec)
-                self.board.update(e.name, partial(msgspec.structs.replace,
-                                                  optional=spec.optional,
-                                                  aliases=spec.aliases))
+                self.board.update(e.name, partial(_updated, spec=spec))
             elif e.verdict == "restart":
                 assert spec is not None
                 self.fleet.replace(e.name, partial(self._runner, spec, new, rate),
@@ -383,6 +381,15 @@ class Reloader:
         """A removed engine, once stopped: off the board (unless added back meanwhile)."""
         if name in self.fleet.runners or all(e.name != name for e in self.settings.engines):
             self.board.publish(tuple(e for e in self.board.current.engines if e.name != name))
+
+
+def _updated(engine: EngineState, spec: EngineSpec) -> EngineState:
+    """An engine's state once its spec is updated in place: what the board shows of the
+    spec (optional, aliases, overdue after the health probe's new schedule)."""
+    health = spec.probes.health
+    return rescheduled(msgspec.structs.replace(engine, optional=spec.optional,
+                                               aliases=spec.aliases),
+                       health.interval_s, health.timeout_s)
 
 
 def _load_again(source: str) -> Settings:

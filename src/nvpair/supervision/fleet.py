@@ -51,7 +51,8 @@ class Fleet:
                   ) -> None:
         """Own the runners until cancelled. Started value: None, at once (runners may be
         started from then on). Cancellation stops every engine (each runner's own
-        graceful stop, in parallel)."""
+        graceful stop, in parallel). Raises: nothing but Cancelled (a runner's failure is
+        its engine's state)."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()

@@ -424,7 +424,8 @@ class EngineRunner:
     async def _keep_probing(self, *, task_status: trio.TaskStatus[None]
                             = trio.TASK_STATUS_IGNORED) -> None:
         """The probes (``run_probes``), begun again with the spec of the moment each time
-        ``update`` ends them. Started value: None, once they first started."""
+        ``update`` ends them. Started value: None, once they first started. Cancellation
+        ends them. Raises: nothing but Cancelled (a probe's failure is the engine's state)."""
         while True:
             with trio.CancelScope() as self._probing:
                 async with trio.open_nursery() as nursery:

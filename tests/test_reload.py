@@ -1,0 +1,189 @@
+"""Reload (docs/lifecycle.md, "Reload"): POST /v1/admin/reload with managed simulators.
+
+Thirteen managed vLLM simulators, each with its own control port so the test counts on
+the simulator's side what it was sent. The unchanged engines' health probes run every
+30 s, so in the few seconds of a reload an engine nvpair does not touch gets no request
+at all: any request it gets is one the reload made.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import msgspec
+import trio
+from tests.managed import fast_manifest, free_port, wait_state
+from tests.router.script_engine import JSON
+
+from nvpair import service
+from nvpair.config.settings import load_settings
+
+UNCHANGED = [f"e{i}" for i in range(10)]
+#: the chat path the in-flight stream uses (not a probe's)
+CHAT = "/v1/chat/completions"
+
+
+def sim(port: int, control: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "nvpair.sim", "vllm", "--model", "{model}", "--host",
+            "{host}", "--port", "{port}", "--control-port", str(control), "--load-s", "0.1",
+            "--warmup-s", "0", *extra]
+
+
+def engine(name: str, manifest: Path, port: int, command: list[str]) -> str:
+    return (f"[[engines]]\nname = '{name}'\nkind = '{manifest}'\nport = {port}\n"
+            f"model = 'model-{name}'\nmanaged = true\ncommand = {json.dumps(command)}\n"
+            "[engines.probes.ready]\ninterval_s = 0.2\ntimeout_s = 0.2\n"
+            "[engines.probes.health]\ninterval_s = 30\ntimeout_s = 2\n")
+
+
+class Node:
+    """The config file and each engine's ports (engine, control)."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.manifest = fast_manifest(tmp, "vllm")
+        self.ports = {name: (free_port(), free_port())
+                      for name in [*UNCHANGED, "chg", "old", "new"]}
+        self.path = tmp / "nvpair.toml"
+
+    def write(self, names: list[str], *, chg_extra: tuple[str, ...] = (), tail: str = "") -> None:
+        text = (f"listen = '127.0.0.1:0'\nlog_dir = '{self.tmp / 'logs'}'\n"
+                f"state_dir = '{self.tmp / 'state'}'\n")
+        for name in names:
+            port, control = self.ports[name]
+            extra = chg_extra if name == "chg" else ()
+            text += engine(name, self.manifest, port, sim(port, control, *extra))
+        self.path.write_text(text + tail)
+
+    async def probe_counts(self, name: str) -> dict[str, int]:
+        """What the simulator of ``name`` was sent, per path, besides chat requests."""
+        async with httpx2.AsyncClient(timeout=5) as client:
+            r = await client.get(f"http://127.0.0.1:{self.ports[name][1]}/__sim/stats")
+        return {path: s["count"] for path, s in r.json()["paths"].items() if path != CHAT}
+
+
+def payload(model: str, tokens: int) -> bytes:
+    return msgspec.json.encode({"model": model, "max_tokens": tokens, "stream": True,
+                                "messages": [{"role": "user", "content": "hi"}]})
+
+
+async def test_a_reload_restarts_adds_and_removes_and_leaves_ten_engines_alone(
+        nursery, tmp_path) -> None:
+    node = Node(tmp_path)
+    node.write([*UNCHANGED, "chg", "old"])
+    with trio.fail_after(120):
+        running = await nursery.start(service.run, load_settings(str(node.path)))
+        for name in [*UNCHANGED, "chg", "old"]:
+            await wait_state(running.board, name, "ready", where=lambda e: bool(e.models),
+                             within=90)
+        before = {name: running.board.current.engine(name) for name in UNCHANGED}
+        counts = {name: await node.probe_counts(name) for name in UNCHANGED}
+        runners = {name: running.runners[name] for name in UNCHANGED}
+        old_chg = running.board.current.engine("chg")
+        chunks: list[bytes] = []
+        streaming = trio.Event()
+        async with httpx2.AsyncClient(base_url=running.url, timeout=30, headers=JSON
+                                      ) as client:
+
+            async def stream() -> None:  # 40 tokens at 20 a second: 2 s, across the reload
+                async with client.stream("POST", CHAT, content=payload("model-e0", 40)) as r:
+                    assert r.status_code == 200
+                    async for chunk in r.aiter_bytes():
+                        chunks.append(chunk)
+                        streaming.set()
+
+            async with trio.open_nursery() as n:
+                n.start_soon(stream)
+                await streaming.wait()
+                node.write([*UNCHANGED, "chg", "new"], chg_extra=("--token-rate", "40"))
+                r = await client.post("/v1/admin/reload")
+                assert r.status_code == 200, r.text
+                doc = r.json()
+                new = await wait_state(running.board, "new", "ready", within=60)
+                chg = await wait_state(running.board, "chg", "ready",
+                                       where=lambda e: e.pid != old_chg.pid, within=60)
+                await wait_state(running.board, "chg", "ready", within=60)
+            gone = [e.name for e in running.board.current.engines]
+            while "old" in gone:  # its drain ends off the board (nothing to wait on but it)
+                await running.board.wait_changed(running.board.current.version)
+                gone = [e.name for e in running.board.current.engines]
+    assert doc["summary"] == ("reload: 1 added (new), 1 restarted (chg: command), "
+                              "1 removed (old), 10 unchanged"), doc
+    assert doc["restart"] == {"chg": ["command"]} and doc["unchanged"] == 10
+    assert new.pid and chg.pid and chg.pid != old_chg.pid
+    assert gone == [*UNCHANGED, "chg", "new"]
+    for name in UNCHANGED:
+        now = running.board.current.engine(name)
+        assert running.runners[name] is runners[name], name  # the same runner task
+        assert now is before[name], (name, before[name], now)  # same state, no probe since
+        assert now.pid == before[name].pid and now.restarts == 0
+        assert await node.probe_counts(name) == counts[name], name  # no request at all
+    body = b"".join(chunks)
+    assert body.rstrip().endswith(b"data: [DONE]"), body[-200:]
+    assert body.count(b'"content"') >= 40, body  # every token: the stream was not cut
+
+
+async def test_a_bad_config_is_refused_with_checks_line_and_nothing_changes(
+        nursery, tmp_path) -> None:
+    node = Node(tmp_path)
+    node.write(["e0"])
+    with trio.fail_after(60):
+        running = await nursery.start(service.run, load_settings(str(node.path)))
+        ready = await wait_state(running.board, "e0", "ready", where=lambda e: bool(e.models),
+                                 within=40)
+        counts = await node.probe_counts("e0")
+        node.write(["e0"], tail="[[engines]]\nname = 'x'\nkind = 'vllm'\nport = 'no'\n")
+        check = await trio.run_process([sys.executable, "-m", "nvpair", "check", "--config",
+                                        str(node.path)], capture_stdout=True,
+                                       capture_stderr=True, check=False)
+        async with httpx2.AsyncClient(base_url=running.url, timeout=30) as client:
+            r = await client.post("/v1/admin/reload")
+            node.write(["e0"], tail="listen_nope = 1\n")
+            unknown = await client.post("/v1/admin/reload")
+            node.write(["e0"])
+            moved = node.path.read_text().replace("127.0.0.1:0", "127.0.0.1:1")
+            node.path.write_text(moved)
+            listen = await client.post("/v1/admin/reload")
+            wrong = await client.get("/v1/admin/reload")
+    assert check.returncode != 0
+    line = check.stderr.decode().strip().removeprefix("nvpair: error: ")
+    assert r.status_code == 400 and r.json()["error"]["message"] == line, (r.text, line)
+    assert unknown.status_code == 400 and "listen_nope" in unknown.text
+    assert listen.status_code == 400
+    assert "listen changed: a reload cannot move the API; restart nvpair" in listen.text
+    assert wrong.status_code == 405
+    assert [e.name for e in running.board.current.engines] == ["e0"]
+    assert running.board.current.engine("e0") is ready  # untouched
+    assert await node.probe_counts("e0") == counts
+    assert running.reloader is not None
+    assert (running.reloader.applied, running.reloader.refused) == (0, 3)
+
+
+async def test_an_update_in_place_keeps_the_process(nursery, tmp_path) -> None:
+    """A priority and a probe interval change: the engine keeps its pid and its state's
+    since; the runner takes the new spec; its probes begin again with the new interval."""
+    node = Node(tmp_path)
+    node.write(["e0"])
+    with trio.fail_after(60):
+        running = await nursery.start(service.run, load_settings(str(node.path)))
+        ready = await wait_state(running.board, "e0", "ready", within=40)
+        runner = running.runners["e0"]
+        text = node.path.read_text().replace("interval_s = 30\ntimeout_s = 2",
+                                                 "interval_s = 0.2\ntimeout_s = 0.2")
+        node.path.write_text(text.replace("managed = true", "managed = true\npriority = 5"))
+        change = await running.reloader.reload("test")
+        counts = await node.probe_counts("e0")
+        await wait_state(running.board, "e0", "ready",
+                         where=lambda e: e.overdue_after_s < ready.overdue_after_s)
+        later: dict[str, Any] = {}
+        while later.get("/health", 0) <= counts.get("/health", 0) + 2:  # fast probes now
+            await running.board.wait_changed(running.board.current.version)
+            later = await node.probe_counts("e0")
+    assert change.summary() == "reload: 1 updated (e0: probes, priority), 0 unchanged"
+    now = running.board.current.engine("e0")
+    assert running.runners["e0"] is runner and runner.spec.priority == 5
+    assert now.pid == ready.pid and now.since == ready.since and now.restarts == 0
