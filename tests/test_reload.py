@@ -187,3 +187,47 @@ async def test_an_update_in_place_keeps_the_process(nursery, tmp_path) -> None:
     now = running.board.current.engine("e0")
     assert running.runners["e0"] is runner and runner.spec.priority == 5
     assert now.pid == ready.pid and now.since == ready.since and now.restarts == 0
+
+
+async def test_nvpair_reload_prints_the_line_or_the_refusal(nursery, tmp_path) -> None:
+    node = Node(tmp_path)
+    node.write(["e0"])
+    with trio.fail_after(60):
+        running = await nursery.start(service.run, load_settings(str(node.path)))
+        await wait_state(running.board, "e0", "ready", within=40)
+        node.write(["e0", "new"])
+        cli = [sys.executable, "-m", "nvpair", "reload", "--url", running.url]
+        done = await trio.run_process(cli, capture_stdout=True, capture_stderr=True,
+                                      check=False)
+        await wait_state(running.board, "new", "ready", within=40)
+        node.write(["e0", "new"], tail="oops = true\n")
+        bad = await trio.run_process(cli, capture_stdout=True, capture_stderr=True,
+                                     check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.decode() == "reload: 1 added (new), 1 unchanged\n"
+    assert bad.returncode == 2 and bad.stdout == b""
+    lines = bad.stderr.decode().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("nvpair: error: POST /v1/admin/reload: 400")
+    assert "oops" in lines[0]
+    assert [e.name for e in running.board.current.engines] == ["e0", "new"]
+    # one reload event (GET /v1/events), for the reload that applied, none for the refusal
+    reloads = [json.loads(e.data) for e in running.events.ring if e.type == "reload"]
+    assert [r["summary"] for r in reloads] == ["reload: 1 added (new), 1 unchanged"]
+
+
+async def test_watch_config_notices_a_change_within_two_seconds(nursery, tmp_path) -> None:
+    """``nvpair serve --watch-config`` (service.watch_file): an edit is applied within 2 s;
+    a save of the same bytes, or a touch, reloads nothing."""
+    node = Node(tmp_path)
+    node.write(["e0"])
+    with trio.fail_after(60):
+        running = await nursery.start(service.run, load_settings(str(node.path)))
+        await wait_state(running.board, "e0", "ready", within=40)
+        await nursery.start(service.watch_file, node.path, running.reloader)
+        node.path.write_text(node.path.read_text())  # the same bytes: no reload
+        node.path.touch()
+        node.write(["e0", "new"])
+        with trio.fail_after(2.0):
+            await wait_state(running.board, "new", "starting", "ready")
+    assert running.reloader.applied == 1
+

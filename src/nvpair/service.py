@@ -19,7 +19,7 @@ from nvpair.base.logs import RateCap
 from nvpair.config.diff import ConfigDiff, diff
 from nvpair.config.settings import EngineSpec, Settings, load_settings, url_host
 from nvpair.errors import ConfigError, NvpairError
-from nvpair.http.api import Api
+from nvpair.http.api import RELOAD_PATH, Api
 from nvpair.http.asgi import Mount, Receive, Scope, Send, error_doc, send_json, send_wrong_method
 from nvpair.http.control import Control
 from nvpair.http.dashboard import Dashboard, HistoryView
@@ -244,8 +244,6 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
             engines.cancel_scope.cancel(reason="nvpair is shutting down")
         outer.cancel_scope.cancel(reason="nvpair is shutting down")
 
-#: the API's route of a reload (an admin's: a POST is a ``control`` route)
-RELOAD_PATH = "/v1/admin/reload"
 #: sections of the config a reload cannot apply yet, and why (besides config.diff.REFUSED)
 NOT_LIVE = {
     "peers": "peers changed: the peers broker cannot take new peers while it runs; restart "
@@ -422,15 +420,18 @@ class ReloadRoute:
 WATCH_EVERY_S = 1.0
 
 
-async def watch_file(path: Path, reloader: Reloader, *, every_s: float = WATCH_EVERY_S
-                     ) -> None:
+async def watch_file(path: Path, reloader: Reloader, *, every_s: float = WATCH_EVERY_S,
+                     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """Reload whenever ``path``'s content changes (``nvpair serve --watch-config``).
 
     Each look is a stat off the loop (its mtime and size); the file is read and hashed
     only when they moved, and a reload follows only when the hash did (a save of the
-    same bytes reloads nothing). Cancellation: at any wait."""
+    same bytes reloads nothing). Started value: None, once the file was first looked
+    at. Cancellation: at any wait. Raises: nothing but Cancelled (a refused reload is
+    logged by the reload)."""
     seen = await trio.to_thread.run_sync(_file_mark, path, None)
     applied = None if seen is None else seen[2]  # the content last read
+    task_status.started()
     while True:
         await trio.sleep(every_s)
         seen = await trio.to_thread.run_sync(_file_mark, path, seen)
@@ -582,6 +583,7 @@ async def _serve(settings: Settings, procs: orphans.EngineProcs, signals: Signal
                 if watch_config is not None and running.reloader is not None:
                     nursery.start_soon(Part("config watch").supervise,
                                        partial(watch_file, watch_config, running.reloader))
+                    # (supervised: a bug in it is logged and it runs again)
                 # What is alive is frozen out of the cyclic collector's walk, now and after
                 # each collection of the young generations, which are held to a size, so
                 # that every collection stays short at any size of the node
