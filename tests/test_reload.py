@@ -99,6 +99,7 @@ async def test_a_reload_restarts_adds_and_removes_and_leaves_ten_engines_alone(
             async with trio.open_nursery() as n:
                 n.start_soon(stream)
                 await streaming.wait()
+                node.ports["chg"] = (free_port(), free_port())  # moved, and its command
                 node.write([*UNCHANGED, "chg", "new"], chg_extra=("--token-rate", "40"))
                 r = await client.post("/v1/admin/reload")
                 assert r.status_code == 200, r.text
@@ -111,10 +112,11 @@ async def test_a_reload_restarts_adds_and_removes_and_leaves_ten_engines_alone(
             while "old" in gone:  # its drain ends off the board (nothing to wait on but it)
                 await running.board.wait_changed(running.board.current.version)
                 gone = [e.name for e in running.board.current.engines]
-    assert doc["summary"] == ("reload: 1 added (new), 1 restarted (chg: command), "
+    assert doc["summary"] == ("reload: 1 added (new), 1 restarted (chg: port), "
                               "1 removed (old), 10 unchanged"), doc
-    assert doc["restart"] == {"chg": ["command"]} and doc["unchanged"] == 10
+    assert doc["restart"] == {"chg": ["port"]} and doc["unchanged"] == 10
     assert new.pid and chg.pid and chg.pid != old_chg.pid
+    assert chg.url == f"http://127.0.0.1:{node.ports['chg'][0]}" != old_chg.url
     assert gone == [*UNCHANGED, "chg", "new"]
     for name in UNCHANGED:
         now = running.board.current.engine(name)

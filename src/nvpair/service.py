@@ -343,9 +343,7 @@ class Reloader:
             elif e.verdict == "restart":
                 assert spec is not None
                 self.fleet.replace(e.name, partial(self._runner, spec, new, rate),
-                                   then=lambda runner: self.router.reconfigure(
-                                       self.settings.engines, self.settings.router,
-                                       (runner.spec.name,)))
+                                   then=self._restarted)
             elif e.verdict == "removed":
                 self.fleet.remove(e.name, then=partial(self._forget, e.name))
         for spec in added:
@@ -374,6 +372,14 @@ class Reloader:
         runner = self.runner_for(spec, settings, rate)
         runner.explain_exit = self.memory.exit_explainer(spec.name)
         return runner
+
+    def _restarted(self, runner: EngineRunner) -> None:
+        """A changed engine's new runner, about to run: the board shows it as a new
+        engine starting (its address, kind and counters are the new spec's), and the
+        router's pool of the old one is gone."""
+        spec = runner.spec
+        self.board.update(spec.name, lambda _old: initial_state(spec))
+        self.router.reconfigure(self.settings.engines, self.settings.router, (spec.name,))
 
     def _forget(self, name: str) -> None:
         """A removed engine, once stopped: off the board (unless added back meanwhile)."""
