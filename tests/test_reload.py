@@ -233,3 +233,44 @@ async def test_watch_config_notices_a_change_within_two_seconds(nursery, tmp_pat
             await wait_state(running.board, "new", "starting", "ready")
     assert running.reloader.applied == 1
 
+
+
+async def test_an_engine_removed_and_added_back_while_it_drains(nursery, tmp_path) -> None:
+    """Removed with a stream in flight, then back before the stream ends: the stream
+    completes, the old process stops, one new one starts, and the engine is on the board
+    once (the fleet's slot and the board entry are not lost to the old drain's end)."""
+    node = Node(tmp_path)
+    node.write(["e0", "old"])
+    with trio.fail_after(60):
+        running = await nursery.start(service.run, load_settings(str(node.path)))
+        first = await wait_state(running.board, "old", "ready", where=lambda e: bool(e.models),
+                                 within=40)
+        chunks: list[bytes] = []
+        streaming = trio.Event()
+        async with httpx2.AsyncClient(base_url=running.url, timeout=30, headers=JSON
+                                      ) as client:
+
+            async def stream() -> None:  # 40 tokens at 20 a second: 2 s
+                async with client.stream("POST", CHAT, content=payload("model-old", 40)) as r:
+                    assert r.status_code == 200
+                    async for chunk in r.aiter_bytes():
+                        chunks.append(chunk)
+                        streaming.set()
+
+            async with trio.open_nursery() as n:
+                n.start_soon(stream)
+                await streaming.wait()
+                node.write(["e0"])
+                removed = await running.reloader.reload("test")
+                draining = running.board.current.engine("old")
+                node.write(["e0", "old"])
+                back = await running.reloader.reload("test")
+            again = await wait_state(running.board, "old", "ready",
+                                     where=lambda e: e.pid not in (None, first.pid), within=40)
+    assert removed.summary() == "reload: 1 removed (old), 1 unchanged"
+    assert back.summary() == "reload: 1 added (old), 1 unchanged"
+    assert draining is not None and not draining.admitting  # drained, not cut
+    body = b"".join(chunks)
+    assert body.rstrip().endswith(b"data: [DONE]") and body.count(b'"content"') >= 40
+    assert [e.name for e in running.board.current.engines] == ["e0", "old"]
+    assert again.pid != first.pid and running.runners["old"].spec.name == "old"

@@ -331,9 +331,12 @@ class Reloader:
         rate = node_probe_rate(new.engines)
         moved = [e.name for e in change.engines if e.verdict in ("restart", "removed")]
         added = [specs[e.name] for e in change.engines if e.verdict == "added"]
-        if added:  # on the board first: a runner writes to its engine's entry
+        # on the board first: a runner writes to its engine's entry (one removed and still
+        # draining has its entry: the new runner takes it over once the old one is out)
+        fresh = [spec for spec in added if self.board.current.engine(spec.name) is None]
+        if fresh:
             self.board.publish(self.board.current.engines
-                               + tuple(initial_state(spec) for spec in added))
+                               + tuple(initial_state(spec) for spec in fresh))
         for e in change.engines:
             spec = specs.get(e.name)
             if e.verdict == "update":
@@ -347,7 +350,11 @@ class Reloader:
             elif e.verdict == "removed":
                 self.fleet.remove(e.name, then=partial(self._forget, e.name))
         for spec in added:
-            self.fleet.start(self._runner(spec, new, rate))
+            if self.fleet.leaving(spec.name):  # removed, and back before its drain ended
+                self.fleet.replace(spec.name, partial(self._runner, spec, new, rate),
+                                   then=self._restarted)
+            else:
+                self.fleet.start(self._runner(spec, new, rate))
         self.router.reconfigure(new.engines, new.router, moved)
         self.traffic.config = new.router
         self.memory.reconfigure(new.engines)
@@ -383,7 +390,7 @@ class Reloader:
 
     def _forget(self, name: str) -> None:
         """A removed engine, once stopped: off the board (unless added back meanwhile)."""
-        if name in self.fleet.runners or all(e.name != name for e in self.settings.engines):
+        if all(e.name != name for e in self.settings.engines):
             self.board.publish(tuple(e for e in self.board.current.engines if e.name != name))
 
 

@@ -59,8 +59,12 @@ class Fleet:
             await trio.sleep_forever()
 
     def start(self, runner: EngineRunner) -> None:
-        """Run ``runner`` (it becomes ``runners[name]``). Sync."""
+        """Run ``runner`` (it becomes ``runners[name]``). Sync. An engine of that name
+        still being taken out (removed, then added back) is replaced by it once out."""
         assert self._nursery is not None, "the fleet is not running"
+        if self.leaving(runner.spec.name):
+            self.replace(runner.spec.name, lambda: runner)
+            return
         slot = _Slot(runner)
         self._slots[runner.spec.name] = slot
         self.runners[runner.spec.name] = runner
@@ -110,7 +114,8 @@ class Fleet:
                     await slot.ended.wait()
         slot.scope.cancel(reason="taken out of the config (reload)")
         await slot.ended.wait()
-        del self._slots[name]
+        if self._slots.get(name) is slot:
+            del self._slots[name]
         then = self._after.pop(name, None)
         make = self._next.pop(name, None)
         if make is None:
