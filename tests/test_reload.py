@@ -274,3 +274,37 @@ async def test_an_engine_removed_and_added_back_while_it_drains(nursery, tmp_pat
     assert body.rstrip().endswith(b"data: [DONE]") and body.count(b'"content"') >= 40
     assert [e.name for e in running.board.current.engines] == ["e0", "old"]
     assert again.pid != first.pid and running.runners["old"].spec.name == "old"
+
+
+async def test_keys_and_the_router_change_live(nursery, tmp_path) -> None:
+    """A key added by a reload is taken at once and a removed one refused; a reader may
+    not reload (an admin's route); the router's settings apply to the next request."""
+    for name in ("ops", "viewer", "late"):
+        (tmp_path / name).write_text(f"{name}-token-0123456789")
+    keys = ("[[keys]]\nname = 'ops'\ntoken_file = 'ops'\nrole = 'admin'\n"
+            "[[keys]]\nname = 'viewer'\ntoken_file = 'viewer'\nrole = 'reader'\n")
+    node = Node(tmp_path)
+    node.write(["e0"], tail=keys)
+    admin = {"authorization": "Bearer ops-token-0123456789"}
+    with trio.fail_after(60):
+        running = await nursery.start(service.run, load_settings(str(node.path)))
+        await wait_state(running.board, "e0", "ready", within=40)
+        async with httpx2.AsyncClient(base_url=running.url, timeout=30) as client:
+            as_reader = await client.post("/v1/admin/reload", headers={
+                "authorization": "Bearer viewer-token-0123456789"})
+            late_before = await client.get("/v1/engines", headers={
+                "authorization": "Bearer late-token-0123456789"})
+            node.write(["e0"], tail=keys.replace("'viewer'", "'late'")
+                       + "[router]\nmax_body_bytes = 2048\n")
+            r = await client.post("/v1/admin/reload", headers=admin)
+            late_after = await client.get("/v1/engines", headers={
+                "authorization": "Bearer late-token-0123456789"})
+            viewer_after = await client.get("/v1/engines", headers={
+                "authorization": "Bearer viewer-token-0123456789"})
+            big = await client.post(CHAT, headers={**admin, **JSON},
+                                    content=payload("model-e0", 1) + b" " * 4096)
+    assert as_reader.status_code == 403
+    assert r.status_code == 200 and r.json()["sections"] == ["keys", "router"], r.text
+    assert late_before.status_code == 401 and late_after.status_code == 200
+    assert viewer_after.status_code == 401
+    assert big.status_code == 413 and "2048" in big.text
