@@ -305,17 +305,17 @@ class Reloader:
 
     def check(self, new: Settings) -> ConfigDiff:
         """What ``new`` changes; raises ConfigError for what a reload cannot change."""
+        groups = tuple(e for e in new.engines if e.group is not None)
         new = self.groups.local(new)
         change = diff(self.settings, new)
         refused = list(change.refused)
         refused += [NOT_LIVE[s] for s in change.sections if s in NOT_LIVE]
+        if groups != tuple(self.groups.specs):  # (a rank's part is not in the local ones)
+            refused.append("a multi-node group ([engines.group]) changed: groups change "
+                           "only at a start; restart nvpair")
         if "keys" in change.sections and (not self.settings.keys) != (not new.keys):
             refused.append("keys turned on or off: the API's authentication changes only "
                            "at a start; restart nvpair")
-        grouped = {e.name for e in (*self.settings.engines, *new.engines) if e.group}
-        refused += [f"engine {e.name}: a multi-node group changes only at a start; restart "
-                    "nvpair" for e in change.engines
-                    if e.name in grouped and e.verdict != "unchanged"]
         if self.activator is None and any(e.activation == "on_demand" for e in new.engines):
             refused.append("the first on-demand engine needs nvpair's activation, made at a "
                            "start; restart nvpair")

@@ -53,15 +53,20 @@ class Fleet:
         started from then on). Cancellation stops every engine (each runner's own
         graceful stop, in parallel). Raises: nothing but Cancelled (a runner's failure is
         its engine's state)."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            task_status.started()
-            await trio.sleep_forever()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self._nursery = None  # (a reload that ends after nvpair's shutdown starts none)
 
     def start(self, runner: EngineRunner) -> None:
         """Run ``runner`` (it becomes ``runners[name]``). Sync. An engine of that name
-        still being taken out (removed, then added back) is replaced by it once out."""
-        assert self._nursery is not None, "the fleet is not running"
+        still being taken out (removed, then added back) is replaced by it once out.
+        Once the fleet has ended (nvpair shuts down), nothing is started."""
+        if self._nursery is None:  # the fleet has ended: nvpair is shutting down
+            return
         if self.leaving(runner.spec.name):
             self.replace(runner.spec.name, lambda: runner)
             return
@@ -95,7 +100,8 @@ class Fleet:
 
     def _take_out(self, name: str, reason: str,
                   then: Callable[[EngineRunner], None] | None) -> None:
-        assert self._nursery is not None, "the fleet is not running"
+        if self._nursery is None:  # the fleet has ended: every engine has stopped
+            return
         slot = self._slots[name]
         if slot.leaving:  # its drain is under way: it ends with what is asked last
             self._after[name] = then
