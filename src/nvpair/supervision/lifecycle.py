@@ -416,6 +416,8 @@ class EngineRunner:
         what they use changed (their settings, the API key), else they run on as they
         are. Sync, never waits."""
         old, self.spec = self.spec, spec
+        if self.log is not None and spec.api_key:  # (masked in its output: never logged)
+            self.log.add_secret(spec.api_key)
         used = (old.probes, old.api_key, old.allow_generating, old.kv_cache_probe_s)
         now = (spec.probes, spec.api_key, spec.allow_generating, spec.kv_cache_probe_s)
         if used != now and self._probing is not None:
