@@ -134,3 +134,38 @@ def test_an_argument_the_command_line_does_not_use_restarts_nothing():
     one = BASE.replace("ctx = 4096", "ctx = 4096\nunused = 1")
     d = diff(settings(one), settings(one.replace("unused = 1", "unused = 2")))
     assert d.engines[0].verdict == "update"
+
+
+#: another value for each field of an EngineSpec (of "small", managed llama.cpp)
+OTHER = {"kind": "vllm", "host": "10.0.0.9", "port": 1234, "managed": False,
+         "model": "/models/other.gguf", "command": ("llama-server", "-m", "{model}"),
+         "api_key": "k2", "api_key_file": "/tmp/k2", "args": {"ctx": 1},
+         "env": {"A": "1"}, "aliases": ("x",), "optional": True, "allow_generating": True,
+         "startup_budget_s": 1.0, "stop_grace_s": 1.0, "pid_file": "/tmp/p",
+         "cgroup": "/sys/fs/cgroup/x", "activation": "on_demand", "idle_unload_s": 5.0,
+         "priority": 9, "memory_bytes": 7, "max_in_flight": 2, "kv_cache_probe_s": 9.0,
+         "idle_sleep_s": 30, "sleep_level": 2}
+
+
+@given(st.sampled_from(sorted(OTHER)))
+def test_any_one_field_changed_is_never_unchanged_and_identity_restarts(field):
+    old = settings()
+    small = old.engines[0]
+    changed = msgspec.structs.replace(small, **{field: OTHER[field]})
+    d = diff(old, msgspec.structs.replace(old, engines=(changed, old.engines[1])))
+    verdict = d.engines[0]
+    assert verdict.verdict in ("restart", "update")
+    assert field in verdict.fields or verdict.fields == ("manifest",)
+    if field in IDENTITY:
+        assert verdict.verdict == "restart"
+    if field in ("priority", "idle_unload_s", "max_in_flight", "memory_bytes", "aliases",
+                 "stop_grace_s", "startup_budget_s", "kv_cache_probe_s", "optional"):
+        assert verdict.verdict == "update"
+    assert d.engines[1].verdict == "unchanged"
+
+
+def test_every_engine_field_is_covered_by_the_property():
+    """A field added to EngineSpec must be judged by the diff's tests too."""
+    from nvpair.config.settings import EngineSpec
+    assert set(EngineSpec.__struct_fields__) - set(OTHER) == {
+        "name", "manifest", "probes", "group", "sleep"}
