@@ -21,6 +21,7 @@ from tests.router.script_engine import JSON
 
 from nvpair import service
 from nvpair.config.settings import load_settings
+from nvpair.errors import ConfigError
 
 UNCHANGED = [f"e{i}" for i in range(10)]
 #: the chat path the in-flight stream uses (not a probe's)
@@ -308,3 +309,42 @@ async def test_keys_and_the_router_change_live(nursery, tmp_path) -> None:
     assert late_before.status_code == 401 and late_after.status_code == 200
     assert viewer_after.status_code == 401
     assert big.status_code == 413 and "2048" in big.text
+
+
+async def test_a_peer_added_and_removed_by_a_reload(nursery, tmp_path) -> None:
+    """Node a gets node b as a peer by a reload: b hears from a (a pushes to it); a reload
+    that removes b sends it a leave advert (b sees a leave), and a cluster token change
+    is refused with its reason."""
+    (tmp_path / "cluster").write_text("reload-cluster-token")
+    ports = {"a": free_port(), "b": free_port()}
+    dead = f"http://127.0.0.1:{free_port()}"
+
+    def write(name: str, peers: list[str], interval: float = 0.5) -> Path:
+        path = tmp_path / f"{name}.toml"
+        path.write_text(f"listen = '127.0.0.1:{ports[name]}'\nnode = '{name}'\n"
+                        f"state_dir = '{tmp_path / name}'\n"
+                        + "".join(f"[[peers]]\nurl = '{url}'\n" for url in peers)
+                        + f"[cluster]\ntoken_file = 'cluster'\ninterval_s = {interval}\n")
+        return path
+
+    b_url = f"http://127.0.0.1:{ports['b']}"
+    with trio.fail_after(60):
+        b = await nursery.start(service.run, load_settings(str(write("b", [dead]))))
+        a = await nursery.start(service.run, load_settings(str(write("a", [dead]))))
+        assert b.peers.table.entries == {}  # a pushes to a dead URL only
+        write("a", [dead, b_url])
+        added = await a.reloader.reload("test")
+        while (e := b.peers.table.entries.get("a")) is None:
+            await b.peers.table.wait_changed(b.peers.table.version)
+        write("a", [dead])
+        removed = await a.reloader.reload("test")
+        while b.peers.table.state(e, trio.current_time()) != "left":
+            await b.peers.table.wait_changed(b.peers.table.version)
+        write("a", [dead], interval=0.7)
+        try:
+            await a.reloader.reload("test")
+        except ConfigError as exc:
+            refused = str(exc)
+    assert added.sections == ("peers",) and removed.sections == ("peers",)
+    assert [link.url for link in a.peers.table.links] == [dead]
+    assert "only [[peers]] change in a reload" in refused

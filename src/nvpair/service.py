@@ -175,7 +175,7 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
     events = Journal(board, node=settings.node, max_streams=settings.max_streams,
                      peers=None if peers is None else PeerFeed(peers.table),
                      groups=groups if groups.runners else None)
-    reloader.events = events
+    reloader.events, reloader.peers = events, peers
     parts = frozenset({"router"} if settings.router.enabled else set()) | (
         frozenset() if peers is None else {"peers"}) | (
         frozenset({"groups"}) if groups.mounts else frozenset())
@@ -246,8 +246,6 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
 
 #: sections of the config a reload cannot apply yet, and why (besides config.diff.REFUSED)
 NOT_LIVE = {
-    "peers": "peers changed: the peers broker cannot take new peers while it runs; restart "
-             "nvpair",
     "http": "the API's connection limits changed (keep_alive_s, max_connections, "
             "max_streams, header_timeout_s, body_timeout_s): restart nvpair",
     "log": "log_dir, log_format or access_log changed: restart nvpair",
@@ -278,6 +276,8 @@ class Reloader:
         self.load = load or partial(_load_again, settings.source)
         self.events: Journal | None = None
         self.api: Api | None = None
+        #: the peers broker (None: peers are not enabled)
+        self.peers: Broker | None = None
         self._lock = trio.Lock()
         #: reloads applied, and refused, since nvpair started
         self.applied = self.refused = 0
@@ -316,6 +316,12 @@ class Reloader:
         if "keys" in change.sections and (not self.settings.keys) != (not new.keys):
             refused.append("keys turned on or off: the API's authentication changes only "
                            "at a start; restart nvpair")
+        if "peers" in change.sections:
+            if self.peers is None or new.cluster is None:
+                refused.append("peers turned on or off: the peers broker starts only at a "
+                               "start; restart nvpair")
+            elif (why := self.peers.refusal(new.cluster)) is not None:
+                refused.append(why)
         if self.activator is None and any(e.activation == "on_demand" for e in new.engines):
             refused.append("the first on-demand engine needs nvpair's activation, made at a "
                            "start; restart nvpair")
@@ -364,6 +370,8 @@ class Reloader:
             self.activator.specs = {s.name: s for s in new.engines
                                     if s.activation == "on_demand"}
             self.activator.config, self.activator.memory = new.activation, new.memory
+        if self.peers is not None and new.cluster is not None and "peers" in change.sections:
+            self.peers.reconfigure(new.cluster)
         if self.keys is not None and "keys" in change.sections:
             self.keys.replace(new.keys)
         if self.api is not None:
