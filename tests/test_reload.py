@@ -348,3 +348,21 @@ async def test_a_peer_added_and_removed_by_a_reload(nursery, tmp_path) -> None:
     assert added.sections == ("peers",) and removed.sections == ("peers",)
     assert [link.url for link in a.peers.table.links] == [dead]
     assert "only [[peers]] change in a reload" in refused
+
+
+async def test_the_memory_interval_changes_live(nursery, tmp_path) -> None:
+    """[memory] interval_s from 600 s to 1 s: readings come every second from then on,
+    not after the 600 s wait that was under way."""
+    node = Node(tmp_path)
+    node.write(["e0"], tail="[memory]\ninterval_s = 600\nwindow_h = 24\n")
+    with trio.fail_after(60):
+        running = await nursery.start(service.run, load_settings(str(node.path)))
+        first = await wait_state(running.board, "e0", "ready",
+                                 where=lambda e: e.memory.at is not None, within=40)
+        node.write(["e0"], tail="[memory]\ninterval_s = 1\nwindow_h = 24\n")
+        change = await running.reloader.reload("test")
+        with trio.fail_after(5):  # (600 s before the reload)
+            later = await wait_state(running.board, "e0", "ready",
+                                     where=lambda e: (e.memory.at or 0) >= first.memory.at + 1)
+    assert change.sections == ("memory",)
+    assert later.pid == first.pid

@@ -364,7 +364,7 @@ class Reloader:
         self.router.reconfigure(new.engines, new.router, moved)
         self.traffic.config = new.router
         self.memory.reconfigure(new.engines)
-        self.memory.config = new.memory
+        self.memory.set_config(new.memory)
         self.sleepers.specs = {s.name: s for s in new.engines if s.sleep is not None}
         if self.activator is not None:
             self.activator.specs = {s.name: s for s in new.engines

@@ -258,6 +258,8 @@ class MemoryWatch:
             spec, TrendDetector(self.settings), Part(f"engine {spec.name}: memory", logger=log),
             Part(f"engine {spec.name}: memory restart", logger=log)) for spec in specs}
         self.node_detector = TrendDetector(self.settings)
+        #: the wait for the next tick (a reload that changes the interval ends it)
+        self._waiting: trio.CancelScope | None = None
         self.node = NodeMemory()
         self.node_trend = "flat"
         self._own_cgroup: str | None = None
@@ -289,11 +291,16 @@ class MemoryWatch:
             await self.part.supervise(self._loop)
 
     async def _loop(self) -> None:
-        ticker = wakes.Ticker(self.config.interval_s)
+        every = self.config.interval_s
+        ticker = wakes.Ticker(every)
         while True:
             await self.tick()
             self.part.ok()
-            await ticker.tick()
+            if self.config.interval_s != every:  # (a reload changed it)
+                every = self.config.interval_s
+                ticker = wakes.Ticker(every)
+            with trio.CancelScope() as self._waiting:  # (a reload's interval ends it)
+                await ticker.tick()
 
     async def tick(self) -> None:
         """One reading of every engine and the node, published once."""
@@ -594,6 +601,20 @@ class MemoryWatch:
                     f"({info.mem_available / 1e9:.1f} GB available, reserve "
                     f"{reserve / 1e9:.1f} GB)")
         return None
+
+    def set_config(self, config: MemoryConfig) -> None:
+        """A reload's ``[memory]``: the action, the reserve and the interval (from the
+        next tick) are taken at once; a change of the trend's windows starts every trend
+        afresh (readings judged by other windows would mislead). Sync."""
+        if config.interval_s != self.config.interval_s and self._waiting is not None:
+            self._waiting.cancel(reason="memory.interval_s changed (reload)")
+        self.config = config
+        settings = trend_settings(config)
+        if settings != self.settings:
+            self.settings = settings
+            self.node_detector = TrendDetector(settings)
+            for w in self.engines.values():
+                w.detector = TrendDetector(settings)
 
     def reconfigure(self, specs: tuple[EngineSpec, ...]) -> None:
         """A reload: watch these engines. An engine watched already keeps its readings and
