@@ -366,3 +366,49 @@ async def test_the_memory_interval_changes_live(nursery, tmp_path) -> None:
                                      where=lambda e: (e.memory.at or 0) >= first.memory.at + 1)
     assert change.sections == ("memory",)
     assert later.pid == first.pid
+
+
+async def test_an_update_while_a_restart_drains_goes_to_the_new_engine(
+        nursery, tmp_path) -> None:
+    """Moved by one reload (draining a stream), given a priority by the next: the old
+    process keeps its address and finishes the stream; the new one starts on the new
+    port with the priority."""
+    node = Node(tmp_path)
+    node.write(["e0", "chg"])
+    with trio.fail_after(60):
+        running = await nursery.start(service.run, load_settings(str(node.path)))
+        first = await wait_state(running.board, "chg", "ready", where=lambda e: bool(e.models),
+                                 within=40)
+        old_runner = running.runners["chg"]
+        chunks: list[bytes] = []
+        streaming = trio.Event()
+        async with httpx2.AsyncClient(base_url=running.url, timeout=30, headers=JSON
+                                      ) as client:
+
+            async def stream() -> None:  # 40 tokens at 20 a second: 2 s
+                async with client.stream("POST", CHAT, content=payload("model-chg", 40)) as r:
+                    assert r.status_code == 200
+                    async for chunk in r.aiter_bytes():
+                        chunks.append(chunk)
+                        streaming.set()
+
+            async with trio.open_nursery() as n:
+                n.start_soon(stream)
+                await streaming.wait()
+                node.ports["chg"] = (free_port(), free_port())
+                node.write(["e0", "chg"])
+                moved = await running.reloader.reload("test")
+                node.path.write_text(node.path.read_text().replace(
+                    "name = 'chg'\n", "name = 'chg'\npriority = 4\n"))
+                updated = await running.reloader.reload("test")
+                # the draining runner is untouched: its address and priority are the old
+                assert f":{old_runner.spec.port}" in first.url
+                assert old_runner.spec.priority == 0
+            new = await wait_state(running.board, "chg", "ready",
+                                   where=lambda e: e.pid not in (None, first.pid), within=40)
+    assert moved.summary() == "reload: 1 restarted (chg: port), 1 unchanged"
+    assert updated.summary() == "reload: 1 updated (chg: priority), 1 unchanged"
+    assert new.url == f"http://127.0.0.1:{node.ports['chg'][0]}"
+    assert running.runners["chg"] is not old_runner and running.runners["chg"].spec.priority == 4
+    body = b"".join(chunks)
+    assert body.rstrip().endswith(b"data: [DONE]") and body.count(b'"content"') >= 40

@@ -345,7 +345,12 @@ class Reloader:
                                + tuple(initial_state(spec) for spec in fresh))
         for e in change.engines:
             spec = specs.get(e.name)
-            if e.verdict == "update":
+            if e.verdict == "update" and self.fleet.leaving(e.name):
+                # a restart under way from an earlier reload: it starts this spec instead
+                assert spec is not None
+                self.fleet.replace(e.name, partial(self._runner, spec, new, rate),
+                                   then=self._restarted)
+            elif e.verdict == "update":
                 assert spec is not None
                 self.fleet.runners[e.name].update(spec)
                 self.board.update(e.name, partial(_updated, spec=spec))
