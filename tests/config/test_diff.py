@@ -169,3 +169,15 @@ def test_every_engine_field_is_covered_by_the_property():
     from nvpair.config.settings import EngineSpec
     assert set(EngineSpec.__struct_fields__) - set(OTHER) == {
         "name", "manifest", "probes", "group", "sleep"}
+
+
+def test_every_setting_is_in_a_section():
+    """A setting added to Settings must be named in a section (applied live or refused);
+    until it is, a change of it is refused, never dropped without a word."""
+    from nvpair.config.diff import SECTIONS
+    from nvpair.config.settings import Settings
+    named = {f for fields in SECTIONS.values() for f in fields}
+    assert set(Settings.__struct_fields__) - named == {"source", "engines"}
+    old = settings()
+    d = diff(old, msgspec.structs.replace(old, sweep_deadline_s=9.0, source="other"))
+    assert d.sections == ("sweep",) and not d.refused  # (the source is where, not what)

@@ -122,8 +122,14 @@ def diff(old: Settings, new: Settings) -> ConfigDiff:
     changes += [EngineChange(name, "added") for name in after if name not in before]
     sections = tuple(name for name, fields in SECTIONS.items()
                      if any(getattr(old, f) != getattr(new, f) for f in fields))
+    refused = [REFUSED[s] for s in sections if s in REFUSED]
+    # a setting no section names (one added since) is never dropped without a word
+    covered = {f for fields in SECTIONS.values() for f in fields} | {"source", "engines"}
+    refused += [f"{f} changed: a reload cannot apply it; restart nvpair"
+                for f in old.__struct_fields__
+                if f not in covered and getattr(old, f) != getattr(new, f)]
     return ConfigDiff(tuple(changes), tuple(s for s in sections if s not in REFUSED),
-                      tuple(REFUSED[s] for s in sections if s in REFUSED))
+                      tuple(refused))
 
 
 def engine_change(old: EngineSpec, new: EngineSpec | None) -> EngineChange:
