@@ -67,6 +67,8 @@ def bench(session: nox.Session) -> None:
     session.run("python", "-m", "benchmarks.router", "--tracing", *quick)
     # Engines on demand: a warm request's added latency, a cold request's start overhead.
     session.run("python", "-m", "benchmarks.on_demand", *quick)
+    # Reload: 1,024 engines, one changed: time to apply, loop stall, requests to the rest.
+    session.run("python", "-m", "benchmarks.reload", *quick)
     # Multi-node groups: the failure timings (rank death, freeze, fencing, a rank's restart).
     session.run("python", "-m", "benchmarks.groups", *quick)
     # A restart of nvpair with 16 managed engines: on_exit = "keep" against "stop".

@@ -50,15 +50,18 @@ IDLE_LAG_S = 10.0
 
 
 def start_farms(procs: Procs, tag: str, kind: str, k: int, per: int, *,
-                bad_every: int = 4, models_per_engine: int = 1) -> list[dict[str, Any]]:
-    """``k`` simulated engines in ``ceil(k / per)`` farm processes; their descriptions."""
+                bad_every: int = 4, models_per_engine: int = 1,
+                control: bool = False) -> list[dict[str, Any]]:
+    """``k`` simulated engines in ``ceil(k / per)`` farm processes; their descriptions
+    (``control``: each engine with a control port, for its request counts)."""
     farms = []
     for i in range(math.ceil(k / per)):
         first, count = i * per, min(per, k - i * per)
         farms.append(procs.start(f"farm-{tag}-{i}", [
             PY, "-m", "nvpair.sim", "farm", "--kind", kind, "--first", str(first),
             "--count", str(count), "--bad-every", str(bad_every),
-            "--models-per-engine", str(models_per_engine)], stdout=subprocess.PIPE))
+            "--models-per-engine", str(models_per_engine),
+            *(["--control"] if control else [])], stdout=subprocess.PIPE))
     engines: list[dict[str, Any]] = []
     for farm in farms:
         assert farm.popen.stdout is not None

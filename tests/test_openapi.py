@@ -17,7 +17,7 @@ from tests.ports import free_port
 
 from nvpair import service
 from nvpair.config.settings import load_settings
-from nvpair.http.api import ENGINE_ACTIONS, FIXED_ROUTES, WAKE
+from nvpair.http.api import ENGINE_ACTIONS, FIXED_ROUTES, RELOAD_PATH, WAKE
 from nvpair.http.dashboard import Dashboard, HistoryView
 from nvpair.http.groups import ACTIONS as GROUP_ACTIONS
 from nvpair.http.groups import PREFIX as GROUPS
@@ -45,6 +45,7 @@ def dispatched() -> dict[str, str]:
                    for a in ENGINE_ACTIONS})
     routes["/v1/models/{model}"] = "get"
     routes["/v1/models/{model}" + WAKE] = "post"
+    routes[RELOAD_PATH] = "post"
     routes.update({path: "post" for path in ROUTED_PATHS})
     routes.update({"/v1/router": "get", QUEUE_PATH: "get", HistoryView.path: "get",
                    Dashboard.prefix: "get", PEERS_PATH: "get", ADVERTS_PATH: "post", GROUPS: "get",

@@ -134,21 +134,43 @@ def assert_gone(pid: int) -> None:
     assert group_members(pid) == []
 
 
-async def test_sighup_is_logged_and_ignored(tmp_path: Path) -> None:
+async def test_sighup_reloads_the_config_and_touches_no_unchanged_engine(
+        tmp_path: Path) -> None:
+    """SIGHUP reads the config again (docs/lifecycle.md, "Reload"): the unchanged engine
+    keeps its process; an added engine is started; a bad config is refused with its line
+    and nvpair goes on as it was. (It used to be ignored: the added engine never came.)"""
+    config = write_config(tmp_path, "--load-s", "0.2")
     with trio.fail_after(60):
-        async with serving(write_config(tmp_path, "--load-s", "0.2")) as serve:
+        async with serving(config) as serve:
             pid = await serve.engine_pid()
+            added = (f"[[engines]]\nname = 'f'\nkind = 'llamacpp'\nport = {free_port()}\n"
+                     f"model = 'm2'\nmanaged = true\n"
+                     f"command = {json.dumps(sim_command('llamacpp'))}\n")
+            config.write_text(config.read_text() + added)
             serve.proc.send_signal(signal.SIGHUP)
-            await serve.saw("got SIGHUP: ignored")
+            line = await serve.saw("reload: 1 added (f), 1 unchanged")
+            assert "(SIGHUP)" in line
             async with httpx2.AsyncClient(base_url=serve.url) as client:
                 doc = (await client.get("/v1/engines/e")).json()
-            assert doc["state"] == "ready" and doc["pid"] == pid  # nothing was stopped
+                assert doc["state"] == "ready" and doc["pid"] == pid  # not touched
+                # an external process: nothing to wait on but it
+                while (f := (await client.get("/v1/engines/f")).json())["state"] != "ready":  # noqa: ASYNC110
+                    await trio.sleep(0.05)
+                serve.engines.append(f["pid"])
+                config.write_text(config.read_text() + "[[engines]]\nname = 'bad'\n")
+                serve.proc.send_signal(signal.SIGHUP)
+                refused = await serve.saw("refused, the running config kept")
+                assert "engines[2]" in refused and "kind" in refused  # check's one line
+                doc = (await client.get("/v1/engines")).json()
+                assert [e["name"] for e in doc["engines"]] == ["e", "f"]
+                assert all(e["state"] == "ready" for e in doc["engines"])
             assert serve.proc.returncode is None and alive(pid)
             serve.proc.send_signal(signal.SIGTERM)
             await engine_log_says(tmp_path, "SIGTERM received: ignored")
             serve.proc.send_signal(signal.SIGTERM)  # (not to wait out the grace)
             assert await serve.proc.wait() == 0
     assert_gone(pid)
+    assert_gone(f["pid"])
 
 
 async def test_a_second_sigterm_kills_the_engines_now_and_reaps_them(tmp_path: Path) -> None:

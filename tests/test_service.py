@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx2
 import pytest
@@ -16,6 +17,7 @@ from tests.managed import free_port, group_members, wait_state
 from nvpair import service
 from nvpair.config.settings import load_settings
 from nvpair.sim import SimOptions, serve_sim
+from nvpair.supervision.fleet import Fleet
 
 FAST_READ_S = 0.1  # generous for a 2-core machine; a read that waited on a probe takes 1 s+
 
@@ -405,17 +407,22 @@ async def test_engine_that_wants_an_api_key_says_so(nursery, tmp_path) -> None:
 async def test_engines_start_a_few_at_a_time_and_all_of_them(autojump_clock) -> None:
     """service.start_engines: every runner runs, STARTED_AT_ONCE at a time and
     STARTED_EVERY_S apart (1,024 engines' first probes in one burst held the loop)."""
-    class Runner:  # (a stand-in with the one method start_engines calls)
+    class Runner:  # (a stand-in with what start_engines and the fleet use)
         started_at: float | None = None
+
+        def __init__(self, i: int) -> None:
+            self.spec = SimpleNamespace(name=f"e{i}")
 
         async def run(self) -> None:
             self.started_at = trio.current_time()
             await trio.sleep_forever()
 
-    runners = [Runner() for _ in range(3 * service.STARTED_AT_ONCE + 1)]
+    runners = [Runner(i) for i in range(3 * service.STARTED_AT_ONCE + 1)]
     async with trio.open_nursery() as nursery:
+        fleet = Fleet({})
+        await nursery.start(fleet.run)
         began = trio.current_time()
-        await service.start_engines(nursery, runners)  # type: ignore[arg-type]
+        await service.start_engines(fleet, runners)  # type: ignore[arg-type]
         await trio.testing.wait_all_tasks_blocked()
         nursery.cancel_scope.cancel()
     waves = [round((r.started_at - began) / service.STARTED_EVERY_S)  # type: ignore[operator]

@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from nvpair import __version__
-from nvpair.http.api import ENGINE_ACTIONS, LOG_WAIT_MAX_S
+from nvpair.http.api import ENGINE_ACTIONS, LOG_WAIT_MAX_S, RELOAD_PATH
 from nvpair.http.dashboard import HistoryView
 from nvpair.http.groups import ACTIONS as GROUP_ACTIONS
 from nvpair.http.groups import PREFIX as GROUPS_PATH
@@ -91,6 +91,20 @@ class Probe(msgspec.Struct):
     error: str | None
     #: ticks skipped because routed requests had just succeeded (passive health)
     passive: int
+
+
+class Reloaded(msgspec.Struct):
+    """``POST /v1/admin/reload``: what the reload changed (docs/lifecycle.md, "Reload"):
+    per verdict, each engine's name and the fields that changed; the sections outside
+    the engines that were applied; the log line."""
+
+    added: dict[str, list[str]]
+    restart: dict[str, list[str]]
+    update: dict[str, list[str]]
+    removed: dict[str, list[str]]
+    unchanged: int
+    sections: list[str]
+    summary: str
 
 
 class GroupHead(msgspec.Struct):
@@ -290,7 +304,7 @@ class Group(msgspec.Struct):
 
 TYPES: tuple[Any, ...] = (Error, Health, ModelList, ClusterModelList, Engines, EngineStatus,
                           Operation, ModelOperation, Logs, RouterCounters, Queue, History,
-                          Peers, Groups, Group)
+                          Peers, Groups, Group, Reloaded)
 
 #: component names of types whose class names are private in their modules
 _RENAMED = {"_Item": "ModelItem", "_Nvpair": "ModelNvpair"}
@@ -406,7 +420,7 @@ def _paths(parts: frozenset[str], engines: tuple[str, ...], models: tuple[str, .
             "summary": "server-sent events: a snapshot, then one event per change",
             "parameters": [
                 _param("types", "query", {"type": "string"},
-                       "a comma-separated choice of engine, models, peer, group"),
+                       "a comma-separated choice of engine, models, peer, group, reload"),
                 _param("engine", "query", {"type": "string"}, "only this engine's events")],
             "responses": _answers({200: ("the stream", {"content": {
                 "text/event-stream": _TEXT}})}, (400, 404, 503))}},
@@ -437,6 +451,10 @@ def _paths(parts: frozenset[str], engines: tuple[str, ...], models: tuple[str, .
                          "responses": _answers({200: ("the page", {"content": {
                              "text/html": _TEXT}})}, (403, 404), auth=False)}},
     }
+    paths[RELOAD_PATH] = {"post": {
+        "summary": "read the config again and apply what changed; only engines whose "
+                   "process changed restart (an admin's; docs/lifecycle.md)",
+        "responses": _answers({200: ("applied: what changed", _json(Reloaded))}, (400,))}}
     for action in sorted(ENGINE_ACTIONS - {"logs"}):
         paths[f"/v1/engines/{{name}}/{action}"] = {"post": {
             "summary": f"ask for {action} (docs/"

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
+from pathlib import Path
 
 import msgspec
 import trio
@@ -14,9 +17,11 @@ from hypercorn.config import Config as HypercornConfig
 from nvpair import __version__
 from nvpair.base.boundary import Part
 from nvpair.base.logs import RateCap
-from nvpair.config.settings import Settings, url_host
-from nvpair.http.api import Api
-from nvpair.http.asgi import Mount
+from nvpair.config.diff import ConfigDiff, diff
+from nvpair.config.settings import EngineSpec, Settings, load_settings, url_host
+from nvpair.errors import ConfigError, NvpairError
+from nvpair.http.api import RELOAD_PATH, Api
+from nvpair.http.asgi import Mount, Receive, Scope, Send, error_doc, send_json, send_wrong_method
 from nvpair.http.control import Control
 from nvpair.http.dashboard import Dashboard, HistoryView
 from nvpair.http.keys import Keyring
@@ -41,9 +46,10 @@ from nvpair.runtime.collector import Collector, left_alone
 from nvpair.runtime.spanexport import SpanExporter
 from nvpair.state.events import Journal
 from nvpair.state.history import History
-from nvpair.state.snapshot import Board
-from nvpair.state.transitions import initial_state
+from nvpair.state.snapshot import Board, EngineState
+from nvpair.state.transitions import initial_state, rescheduled
 from nvpair.supervision import orphans
+from nvpair.supervision.fleet import Fleet
 from nvpair.supervision.lifecycle import EngineRunner
 from nvpair.supervision.memwatch import MemoryWatch
 from nvpair.supervision.sleeper import Sleepers
@@ -72,6 +78,8 @@ class Running(msgspec.Struct, frozen=False):
     memory: MemoryWatch | None = None
     #: the trace export, where tracing is on (docs/observability.md)
     spans: SpanExporter | None = None
+    #: reloads of the config (docs/lifecycle.md, "Reload")
+    reloader: Reloader | None = None
 
 
 def limits(settings: Settings) -> Limits:
@@ -97,6 +105,7 @@ def hypercorn_config(settings: Settings) -> HypercornConfig:
 
 
 async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
+              load: Callable[[], Settings] | None = None,
               task_status: trio.TaskStatus[Running] = trio.TASK_STATUS_IGNORED) -> None:
     """Run nvpair until ``stop()`` is called (or cancelled).
 
@@ -112,6 +121,8 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
 
     ``procs``: the engine processes' records (``nvpair serve`` passes its own, to kill them
     at once on a second signal); None: one of its own, in ``settings.state_dir``.
+    ``load``: how a reload reads the config again (``Reloader``; None: from
+    ``settings.source``).
 
     Raises: an OSError when the API cannot listen (a taken or forbidden address), before
     the started value, in Trio's exception groups (the CLI unwraps it into one line).
@@ -123,13 +134,16 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
     sweep = Sweep(board, settings.sweep_deadline_s)
     traffic = Traffic(settings.router)
     procs = orphans.EngineProcs(settings.state_dir) if procs is None else procs
-    log_rate = RateCap(settings.log_lines_per_s, settings.log_bytes_per_s)
     rate = node_probe_rate(settings.engines)  # (the probes' wake grid: nvpair.runtime.wakes)
-    runners = {spec.name: EngineRunner(spec, board, sweep, settings.log_dir, traffic, procs,
-                                       log_rate=log_rate, probe_rate=rate,
-                                       api_address=(settings.listen_host,
-                                                    settings.listen_port))
-               for spec in settings.engines}
+
+    def runner_for(spec: EngineSpec, settings: Settings, rate: float) -> EngineRunner:
+        log_rate = RateCap(settings.log_lines_per_s, settings.log_bytes_per_s)
+        return EngineRunner(spec, board, sweep, settings.log_dir, traffic, procs,
+                            log_rate=log_rate, probe_rate=rate,
+                            api_address=(settings.listen_host, settings.listen_port))
+
+    runners = {spec.name: runner_for(spec, settings, rate) for spec in settings.engines}
+    fleet = Fleet(runners)
     memory = MemoryWatch(settings.memory, board, settings.engines, traffic=traffic,
                          runners=runners)
     for name, runner in runners.items():  # an exit while memory ran out: said so
@@ -162,6 +176,11 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
                      paths=Dashboard.paths, prefix=Dashboard.prefix, own_auth=True),
                Mount(handler=HistoryView(history, settings.node, mounts),
                      paths=frozenset({HistoryView.path}))]
+    reloader = Reloader(settings, fleet=fleet, board=board, router=router, traffic=traffic,
+                        memory=memory, sleepers=sleepers, activator=activator, keys=keys,
+                        sweep=sweep, groups=groups, runner_for=runner_for,
+                        load=load)
+    mounts.append(Mount(handler=ReloadRoute(reloader), paths=frozenset({RELOAD_PATH})))
     if settings.router.enabled:
         mounts.append(Mount(handler=router, paths=ROUTED_PATHS, peer_auth=True,
                             routed=True))
@@ -171,10 +190,11 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
     events = Journal(board, node=settings.node, max_streams=settings.max_streams,
                      peers=None if peers is None else PeerFeed(peers.table),
                      groups=groups if groups.runners else None)
+    reloader.events, reloader.peers = events, peers
     parts = frozenset({"router"} if settings.router.enabled else set()) | (
         frozenset() if peers is None else {"peers"}) | (
         frozenset({"groups"}) if groups.mounts else frozenset())
-    api = Api(board, node=settings.node, keys=keys, events=events,
+    api = reloader.api = Api(board, node=settings.node, keys=keys, events=events,
               spec=document_json(parts, tuple(spec.name for spec in settings.engines),
                                  tuple(dict.fromkeys(m for spec in settings.engines
                                                      for m in (spec.model, *spec.aliases)
@@ -215,6 +235,7 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
             await engines.start(groups.run)
             await engines.start(memory.run)
             await engines.start(sleepers.run)
+            await engines.start(fleet.run)
             async with trio.open_nursery() as http:
                 connections = Connections(connection_cap(settings.max_connections))
                 binds = await http.start(
@@ -227,7 +248,7 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
                 # The engines start once the API listens, a few at a time (see
                 # start_engines). Until its runner runs, reads show an engine as it
                 # starts ("starting").
-                engines.start_soon(start_engines, engines, list(runners.values()))
+                engines.start_soon(start_engines, fleet, list(runners.values()))
                 if peers is not None:  # until shutdown, then a graceful leave (<= 1.5 s)
                     await http.start(peers.run, binds[0], shutdown)
                 task_status.started(Running(url=binds[0], board=board, sweep=sweep,
@@ -235,19 +256,259 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
                                             stop=shutdown.set, peers=peers, procs=procs,
                                             connections=connections, events=events,
                                             groups=groups,
-                                            memory=memory, spans=exporter))
+                                            memory=memory, spans=exporter,
+                                            reloader=reloader))
             # hypercorn has stopped accepting and drained in-flight requests; engines stop
             # with their grace periods (each SIGTERM, wait, SIGKILL, in parallel).
             engines.cancel_scope.cancel(reason="nvpair is shutting down")
         outer.cancel_scope.cancel(reason="nvpair is shutting down")
+
+#: sections of the config a reload cannot apply yet, and why (besides config.diff.REFUSED)
+NOT_LIVE = {
+    "http": "the API's connection limits changed (keep_alive_s, max_connections, "
+            "max_streams, header_timeout_s, body_timeout_s): restart nvpair",
+    "log": "log_dir, log_format or access_log changed: restart nvpair",
+    "tracing": "[tracing] changed: the trace export starts with nvpair; restart nvpair",
+}
+
+
+class Reloader:
+    """Reads the config again and applies what changed to the running parts
+    (docs/lifecycle.md, "Reload"): ``nvpair reload``, SIGHUP, ``POST /v1/admin/reload``
+    and ``--watch-config`` all call ``reload``.
+
+    Reloads run one at a time: a reload asked while one runs waits for it, then reads
+    the file itself (so it sees the newest edit). An engine whose config did not change is
+    not touched; one being drained for a change goes on draining while the reload
+    returns (``nvpair.supervision.fleet``)."""
+
+    def __init__(self, settings: Settings, *, fleet: Fleet, board: Board, router: Router,
+                 traffic: Traffic, memory: MemoryWatch, sleepers: Sleepers,
+                 activator: Activator | None, keys: Keyring | None, sweep: Sweep,
+                 groups: Groups,
+                 runner_for: Callable[[EngineSpec, Settings, float], EngineRunner],
+                 load: Callable[[], Settings] | None = None) -> None:
+        self.settings = settings
+        self.fleet, self.board, self.router, self.traffic = fleet, board, router, traffic
+        self.memory, self.sleepers, self.activator = memory, sleepers, activator
+        self.keys, self.sweep, self.groups = keys, sweep, groups
+        self.runner_for = runner_for
+        self.load = load or partial(_load_again, settings.source)
+        self.events: Journal | None = None
+        self.api: Api | None = None
+        #: the peers broker (None: peers are not enabled)
+        self.peers: Broker | None = None
+        self._lock = trio.Lock()
+        #: reloads applied, and refused, since nvpair started
+        self.applied = self.refused = 0
+
+    async def reload(self, why: str) -> ConfigDiff:
+        """Read the config, check it and apply what changed; returns what changed.
+        Raises ConfigError (one line, as ``nvpair check`` says it) for a config that is
+        bad or changes what a reload cannot: nothing is changed then. ``why``: what asked
+        (for the log line)."""
+        async with self._lock:
+            try:
+                new = await trio.to_thread.run_sync(self.load)
+                change = self.check(new)
+            except NvpairError as exc:
+                self.refused += 1
+                log.error("reload (%s) refused, the running config kept: %s", why, exc)
+                raise ConfigError(str(exc)) from None
+            self.apply(new, change)
+            self.applied += 1
+            line = change.summary()
+            log.info("%s (%s)", line, why, extra={"event": "reload"})
+            if self.events is not None:
+                self.events.reloaded(change.doc())
+            return change
+
+    def check(self, new: Settings) -> ConfigDiff:
+        """What ``new`` changes; raises ConfigError for what a reload cannot change."""
+        groups = tuple(e for e in new.engines if e.group is not None)
+        new = self.groups.local(new)
+        change = diff(self.settings, new)
+        refused = list(change.refused)
+        refused += [NOT_LIVE[s] for s in change.sections if s in NOT_LIVE]
+        if groups != tuple(self.groups.specs):  # (a rank's part is not in the local ones)
+            refused.append("a multi-node group ([engines.group]) changed: groups change "
+                           "only at a start; restart nvpair")
+        if "keys" in change.sections and (not self.settings.keys) != (not new.keys):
+            refused.append("keys turned on or off: the API's authentication changes only "
+                           "at a start; restart nvpair")
+        if "peers" in change.sections:
+            if self.peers is None or new.cluster is None:
+                refused.append("peers turned on or off: the peers broker starts only at a "
+                               "start; restart nvpair")
+            elif (why := self.peers.refusal(new.cluster)) is not None:
+                refused.append(why)
+        if self.activator is None and any(e.activation == "on_demand" for e in new.engines):
+            refused.append("the first on-demand engine needs nvpair's activation, made at a "
+                           "start; restart nvpair")
+        if refused:
+            raise ConfigError(f"{new.source}: {'; '.join(refused)}")
+        return change
+
+    def apply(self, new: Settings, change: ConfigDiff) -> None:
+        """Apply ``change`` (from ``check``): sync, so no reader sees half of it; the drains
+        of restarted and removed engines go on in the fleet."""
+        new = self.groups.local(new)
+        specs = {e.name: e for e in new.engines}
+        rate = node_probe_rate(new.engines)
+        moved = [e.name for e in change.engines if e.verdict in ("restart", "removed")]
+        added = [specs[e.name] for e in change.engines if e.verdict == "added"]
+        # on the board first: a runner writes to its engine's entry (one removed and still
+        # draining has its entry: the new runner takes it over once the old one is out)
+        fresh = [spec for spec in added if self.board.current.engine(spec.name) is None]
+        if fresh:
+            self.board.publish(self.board.current.engines
+                               + tuple(initial_state(spec) for spec in fresh))
+        for e in change.engines:
+            spec = specs.get(e.name)
+            if e.verdict == "update" and self.fleet.leaving(e.name):
+                # a restart under way from an earlier reload: it starts this spec instead
+                assert spec is not None
+                self.fleet.replace(e.name, partial(self._runner, spec, new, rate),
+                                   then=self._restarted)
+            elif e.verdict == "update":
+                assert spec is not None
+                self.fleet.runners[e.name].update(spec)
+                self.board.update(e.name, partial(_updated, spec=spec))
+            elif e.verdict == "restart":
+                assert spec is not None
+                self.fleet.replace(e.name, partial(self._runner, spec, new, rate),
+                                   then=self._restarted)
+            elif e.verdict == "removed":
+                self.fleet.remove(e.name, then=partial(self._forget, e.name))
+        for spec in added:
+            if self.fleet.leaving(spec.name):  # removed, and back before its drain ended
+                self.fleet.replace(spec.name, partial(self._runner, spec, new, rate),
+                                   then=self._restarted)
+            else:
+                self.fleet.start(self._runner(spec, new, rate))
+        self.router.reconfigure(new.engines, new.router, moved)
+        self.traffic.config = new.router
+        self.memory.reconfigure(new.engines)
+        self.memory.set_config(new.memory)
+        self.sleepers.specs = {s.name: s for s in new.engines if s.sleep is not None}
+        self.sleepers.engines = {s.name: s for s in new.engines}
+        self.router.models.queue = new.activation  # (a model slot's queue limits)
+        if self.activator is not None:
+            self.activator.reconfigure(new.engines, new.activation, new.memory)
+        if self.peers is not None and new.cluster is not None and "peers" in change.sections:
+            self.peers.reconfigure(new.cluster)
+        if self.keys is not None and "keys" in change.sections:
+            self.keys.replace(new.keys)
+        if self.api is not None:
+            self.api.allowed_hosts = frozenset(h.lower() for h in new.allowed_hosts)
+        self.sweep.deadline_s = new.sweep_deadline_s
+        if "log_rate" in change.sections:
+            for runner in self.fleet.runners.values():
+                if runner.log is not None:
+                    runner.log.set_rate(RateCap(new.log_lines_per_s, new.log_bytes_per_s))
+        self.settings = new
+
+    def _runner(self, spec: EngineSpec, settings: Settings, rate: float) -> EngineRunner:
+        runner = self.runner_for(spec, settings, rate)
+        runner.explain_exit = self.memory.exit_explainer(spec.name)
+        return runner
+
+    def _restarted(self, runner: EngineRunner) -> None:
+        """A changed engine's new runner, about to run: the board shows it as a new
+        engine starting (its address, kind and counters are the new spec's), and the
+        router's pool of the old one is gone."""
+        spec = runner.spec
+        self.board.update(spec.name, lambda _old: initial_state(spec))
+        self.router.reconfigure(self.settings.engines, self.settings.router, (spec.name,))
+
+    def _forget(self, name: str) -> None:
+        """A removed engine, once stopped: off the board (unless added back meanwhile)."""
+        if all(e.name != name for e in self.settings.engines):
+            self.board.publish(tuple(e for e in self.board.current.engines if e.name != name))
+
+
+def _updated(engine: EngineState, spec: EngineSpec) -> EngineState:
+    """An engine's state once its spec is updated in place: what the board shows of the
+    spec (optional, aliases, overdue after the health probe's new schedule)."""
+    health = spec.probes.health
+    return rescheduled(msgspec.structs.replace(engine, optional=spec.optional,
+                                               aliases=spec.aliases),
+                       health.interval_s, health.timeout_s)
+
+
+def _load_again(source: str) -> Settings:
+    """The config read again from where it was read at the start."""
+    if source.startswith("("):  # the embedded default: what nvpair would find now
+        return load_settings(None)
+    return load_settings(source)
+
+
+class ReloadRoute:
+    """``POST /v1/admin/reload``: 200 with what changed (``ConfigDiff.doc``), or 400 with
+    the config's one-line error (nothing changed). A reload under way is waited for."""
+
+    def __init__(self, reloader: Reloader) -> None:
+        self.reloader = reloader
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["method"] != "POST":
+            await send_wrong_method(send, "POST", RELOAD_PATH)
+            return
+        try:
+            change = await self.reloader.reload("POST " + RELOAD_PATH)
+        except ConfigError as exc:
+            await send_json(send, 400, error_doc(400, str(exc), "invalid_config"))
+            return
+        await send_json(send, 200, change.doc())
+
+
+#: how often ``--watch-config`` looks at the config file (a change is seen within 2 s)
+WATCH_EVERY_S = 1.0
+
+
+async def watch_file(path: Path, reloader: Reloader, *, every_s: float = WATCH_EVERY_S,
+                     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """Reload whenever ``path``'s content changes (``nvpair serve --watch-config``).
+
+    Each look is a stat off the loop (its mtime and size); the file is read and hashed
+    only when they moved, and a reload follows only when the hash did (a save of the
+    same bytes reloads nothing). Started value: None, once the file was first looked
+    at. Cancellation: at any wait. Raises: nothing but Cancelled (a refused reload is
+    logged by the reload)."""
+    seen = await trio.to_thread.run_sync(_file_mark, path, None)
+    applied = None if seen is None else seen[2]  # the content last read
+    task_status.started()
+    while True:
+        await trio.sleep(every_s)
+        seen = await trio.to_thread.run_sync(_file_mark, path, seen)
+        if seen is not None and seen[2] != applied:
+            applied = seen[2]
+            await _reload_quietly(reloader, f"{path.name} changed")
+
+
+FileMark = tuple[int, int, bytes]
+
+
+def _file_mark(path: Path, seen: FileMark | None) -> FileMark | None:
+    """(mtime in ns, size, sha256 of the content) of ``path``; None when it cannot be read
+    (being replaced: the next look sees it). The content is hashed only when the mtime or
+    size differ from ``seen``."""
+    try:
+        st = path.stat()
+        if seen is not None and (st.st_mtime_ns, st.st_size) == seen[:2]:
+            return seen
+        return st.st_mtime_ns, st.st_size, hashlib.sha256(path.read_bytes()).digest()
+    except OSError:
+        return None
+
 
 #: engines are started this many at a time, STARTED_EVERY_S apart, once the API listens
 STARTED_AT_ONCE = 16
 STARTED_EVERY_S = 0.01
 
 
-async def start_engines(nursery: trio.Nursery, runners: list[EngineRunner]) -> None:
-    """Start every runner in ``nursery``, STARTED_AT_ONCE each STARTED_EVERY_S (1,024 in
+async def start_engines(fleet: Fleet, runners: list[EngineRunner]) -> None:
+    """Start every runner in ``fleet``, STARTED_AT_ONCE each STARTED_EVERY_S (1,024 in
     0.64 s). All at once, their first probes came in one burst that held the loop: at
     1,024 engines the API answered 3.3 s after nvpair started (the runners were started
     before it), or reads waited up to 1.1 s (after it). A runner is started at once (its
@@ -256,7 +517,7 @@ async def start_engines(nursery: trio.Nursery, runners: list[EngineRunner]) -> N
         if at:
             await trio.sleep(STARTED_EVERY_S)
         for runner in runners[at:at + STARTED_AT_ONCE]:
-            nursery.start_soon(runner.run)
+            fleet.start(runner)
 
 
 class Signals:
@@ -266,9 +527,9 @@ class Signals:
     running (the next nvpair adopts them); while it does (or while an error ends the
     service), another SIGINT or SIGTERM kills the engines now (``EngineProcs.kill_now``):
     their stop skips the rest of its grace period, and nvpair still waits for each to be
-    reaped. SIGHUP is logged and ignored (a closed terminal or ssh session sends it; its
-    default action would end nvpair at once and leave every managed engine running, in its
-    own session).
+    reaped. SIGHUP reloads the config (``Reloader``; a bad config is refused and logged,
+    the running one kept), once nvpair runs; before that, and while it shuts down, it is
+    logged and ignored (its default action would end nvpair at once).
     """
 
     WATCHED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -281,28 +542,49 @@ class Signals:
         self.ending = False
         #: cancelled by the first signal while nvpair starts: the start is abandoned
         self.starting = trio.CancelScope()
+        #: what SIGHUP does once nvpair runs (``Reloader.reload``)
+        self.reloader: Reloader | None = None
 
     async def handle(self, signals: AsyncIterator[int]) -> None:
-        async for signum in signals:
-            name = signal.Signals(signum).name
-            if signum == signal.SIGHUP:
-                log.warning("got SIGHUP: ignored (nvpair cannot reload its config yet; "
-                            "restart it to apply a change)")
-            elif not self.ending:
-                log.info("got %s, shutting down", name)
-                self.ending = True
-                self.asked.set()
-                self.starting.cancel(reason=f"got {name} while starting")
-            elif not self.procs.kill_now.is_set():
-                log.warning("got %s: second signal: killing engines now", name)
-                self.procs.kill_now.set()
+        async with trio.open_nursery() as reloads:  # (a reload never holds up a signal)
+            async for signum in signals:
+                self._handle(signum, reloads)
+            reloads.cancel_scope.cancel(reason="no more signals")
+
+    def _handle(self, signum: int, reloads: trio.Nursery) -> None:
+        name = signal.Signals(signum).name
+        if signum == signal.SIGHUP:
+            if self.reloader is None or self.ending:
+                log.warning("got SIGHUP: ignored (nvpair is %s)",
+                            "shutting down" if self.ending else "starting")
+            else:
+                reloads.start_soon(_reload_quietly, self.reloader, "SIGHUP")
+        elif not self.ending:
+            log.info("got %s, shutting down", name)
+            self.ending = True
+            self.asked.set()
+            self.starting.cancel(reason=f"got {name} while starting")
+        elif not self.procs.kill_now.is_set():
+            log.warning("got %s: second signal: killing engines now", name)
+            self.procs.kill_now.set()
+
+
+async def _reload_quietly(reloader: Reloader, why: str) -> None:
+    """A reload no one waits for the answer of (a signal, a file change): a refusal is
+    logged by the reload itself."""
+    with contextlib.suppress(ConfigError):
+        await reloader.reload(why)
 
 
 async def main(settings: Settings, *, announce: Callable[[str], None] = print,
-               watch: Callable[[Board], Awaitable[None]] | None = None) -> None:
+               watch: Callable[[Board], Awaitable[None]] | None = None,
+               load: Callable[[], Settings] | None = None,
+               watch_config: Path | None = None) -> None:
     """``nvpair serve``: run until SIGINT or SIGTERM, then shut down cleanly (``Signals``).
 
-    ``watch(board)`` runs beside it (the CLI prints engine state changes with it). However
+    ``load``: how a reload reads the config (``run``); ``watch_config``: reload when this
+    file changes (``watch_file``). ``watch(board)`` runs beside it (the CLI prints engine
+    state changes with it). However
     it ends (a signal, an error while it starts or runs), every managed engine has been
     stopped and reaped before it returns or raises: the signals stay handled until then.
     """
@@ -313,7 +595,7 @@ async def main(settings: Settings, *, announce: Callable[[str], None] = print,
         async with trio.open_nursery() as handling:
             handling.start_soon(signals.handle, received)
             try:
-                await _serve(settings, procs, signals, announce, watch)
+                await _serve(settings, procs, signals, announce, watch, load, watch_config)
             finally:
                 with trio.CancelScope(shield=True):
                     await orphans.end_strays(procs)
@@ -327,7 +609,9 @@ async def main(settings: Settings, *, announce: Callable[[str], None] = print,
 
 async def _serve(settings: Settings, procs: orphans.EngineProcs, signals: Signals,
                  announce: Callable[[str], None],
-                 watch: Callable[[Board], Awaitable[None]] | None) -> None:
+                 watch: Callable[[Board], Awaitable[None]] | None,
+                 load: Callable[[], Settings] | None = None,
+                 watch_config: Path | None = None) -> None:
     watching, collecting = trio.CancelScope(), trio.CancelScope()
 
     collector, collector_part = Collector(), Part("garbage collector")
@@ -346,7 +630,12 @@ async def _serve(settings: Settings, procs: orphans.EngineProcs, signals: Signal
     async with trio.open_nursery() as nursery:
         try:
             with signals.starting:
-                running = await nursery.start(partial(run, settings, procs=procs))
+                running = await nursery.start(partial(run, settings, procs=procs, load=load))
+                signals.reloader = running.reloader
+                if watch_config is not None and running.reloader is not None:
+                    nursery.start_soon(Part("config watch").supervise,
+                                       partial(watch_file, watch_config, running.reloader))
+                    # (supervised: a bug in it is logged and it runs again)
                 # What is alive is frozen out of the cyclic collector's walk, now and after
                 # each collection of the young generations, which are held to a size, so
                 # that every collection stays short at any size of the node

@@ -24,6 +24,27 @@ def test_ring_keeps_the_last_lines_and_masks_secrets(tmp_path: Path) -> None:
     assert "sk-secret" not in text and text.count("\n") == 5
 
 
+def test_a_secret_added_by_a_reload_is_masked_and_the_old_one_still(tmp_path: Path) -> None:
+    log = EngineLog(tmp_path / "e.log", redact=("sk-old",))
+    log.add_secret("sk-new")
+    log.write("old=sk-old new=sk-new")
+    assert log.tail(1).lines == ["old=*** new=***"]
+    log.close()
+    assert "sk-" not in (tmp_path / "e.log").read_text()
+
+
+async def test_a_lower_rate_cap_from_a_reload_takes_effect_at_once(
+        autojump_clock: trio.testing.MockClock) -> None:
+    log = EngineLog(None, rate=RateCap(1_000_000, 1 << 30), name="e")
+    log.set_rate(RateCap(10, 1 << 30))
+    send, receive = trio.testing.memory_stream_pair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(log.pump, receive)
+        await send.send_all(b"".join(b"line %d\n" % i for i in range(100)))
+        await send.aclose()
+    assert log.dropped == 90 and log.rate == RateCap(10, 1 << 30)
+
+
 def test_file_rotates_at_its_cap(tmp_path: Path) -> None:
     log = EngineLog(tmp_path / "e.log", max_bytes=100)
     for i in range(30):

@@ -26,6 +26,7 @@ def test_the_shipped_unit_contains_nvpair_s_containment() -> None:
     assert keys["Restart"] == "on-failure"
     assert keys["OOMPolicy"] == "continue"  # an engine's OOM kill is not the unit's end
     assert keys["User"] == "nvpair"
+    assert keys["ExecReload"] == "/bin/kill -HUP $MAINPID"  # systemctl reload: a reload
     # nvpair's own shutdown (5 s drain, then the longest built-in grace, 30 s) fits
     assert int(keys["TimeoutStopSec"]) >= 5 + 30
 

@@ -1163,3 +1163,30 @@ async def test_the_events_of_a_routed_request_name_its_request_id(nursery, tmp_p
     assert ids("b", lambda e: (e["activity"] or "").startswith("started b")) == {"for-b"}
     assert ids("c", lambda e: e["queued"] == 1) == {"for-c"}
     assert ids("c", failed) == {"for-c"}
+
+
+def test_a_reload_gives_the_activator_the_new_queue_and_swap_settings() -> None:
+    """``Activator.reconfigure`` (a reload): the swap rule and the ageing of queues that
+    already exist follow the new ``[activation]``; an engine no longer on demand is off."""
+    from tests.fakes import engine_spec
+
+    from nvpair.config.settings import ActivationConfig, MemoryConfig
+    from nvpair.router.activation import Activator
+    from nvpair.router.swaps import SwapPolicy
+    from nvpair.state.snapshot import Board
+    from nvpair.state.traffic import Traffic
+    from nvpair.state.transitions import initial_state
+
+    specs = [engine_spec("vllm", name=n, managed=True, model=n, command=["srv"],
+                         activation="on_demand") for n in ("a", "b")]
+    board = Board(tuple(initial_state(s, now=0.0) for s in specs))
+    activator = Activator(board, specs, {}, Traffic(), ActivationConfig())
+    queue = activator.queue("a")
+    assert not activator.swaps.holds
+    new = ActivationConfig(swap_batch=8, min_residency_s=5.0, max_swap_wait_s=30.0,
+                           priority_age_s=3.0)
+    activator.reconfigure([specs[0], msgspec.structs.replace(specs[1], activation="always")],
+                          new, MemoryConfig())
+    assert activator.swaps == SwapPolicy(8, 5.0, 30.0) and activator.swaps.holds
+    assert queue.waiting.age_s == 3.0 and activator.config is new
+    assert set(activator.specs) == {"a"}

@@ -166,6 +166,22 @@ class EngineLog:
             except OSError as exc:
                 self._file_failed(exc)
 
+    def add_secret(self, secret: str) -> None:
+        """A reload's new secret (an engine's API key) is masked too, from now on; the old
+        ones stay masked (lines written before may still come from the engine)."""
+        if secret and secret not in self.redact:
+            self.redact = (*self.redact, secret)
+            self._keep = 4 * (LINE_MAX + max(len(s) for s in self.redact))
+
+    def set_rate(self, rate: RateCap) -> None:
+        """A reload's new cap, taken from now on: the tokens in hand are kept, up to a
+        second's worth of the new cap (a lower cap holds at once)."""
+        self.rate = rate
+        for bucket, per_s in ((self._line_tokens, rate.lines_per_s),
+                              (self._byte_tokens, rate.bytes_per_s)):
+            bucket.rate = per_s
+            bucket.tokens = min(bucket.tokens, float(per_s))
+
     @property
     def changed(self) -> trio.Event:
         """An event set when the next line is written."""

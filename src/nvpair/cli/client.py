@@ -164,6 +164,10 @@ def _run(args: argparse.Namespace) -> int:
         doc = call(args, "POST", f"/v1/engines/{args.name}/{cmd}")
         print(f"{args.name}: {cmd} accepted ({doc.get('operation')}); state {doc.get('state')}")
         return 0
+    if cmd == "reload":  # (a bad config: the server's one line, exit 2, nothing changed)
+        doc = call(args, "POST", "/v1/admin/reload", timeout=60.0)
+        print(doc["summary"])
+        return 0
     if cmd == "logs":
         return follow_logs(args)
     if cmd == "memory":

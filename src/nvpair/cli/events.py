@@ -116,6 +116,8 @@ def summary(event: Sse) -> str:
         return f"listing version {doc.get('version')}"
     if event.event == "bye":
         return f"node {doc.get('node')} is shutting down"
+    if event.event == "reload":
+        return str(doc.get("summary"))
     return event.data[:200]
 
 

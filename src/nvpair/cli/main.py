@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-format", choices=("text", "json"),
                    help="nvpair's log lines: text (for people, the default) or json (one "
                         "object per line); overrides the config's log_format")
+    p.add_argument("--watch-config", action="store_true",
+                   help="reload the config when its file changes (noticed within 2 s; "
+                        "docs/lifecycle.md)")
 
     p = sub.add_parser("check", help="validate the config and manifests; show what nvpair would do")
     config_arg(p)
@@ -69,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, helptext in (
         ("status", "show the engines of a running nvpair"),
+        ("reload", "read the config again and apply what changed, restarting only the "
+                   "engines whose process changed (docs/lifecycle.md)"),
         ("models", "list the models a running nvpair serves"),
         ("start", "start an engine (managed engines)"),
         ("stop", "stop an engine"),
@@ -147,7 +152,7 @@ def _config_on_exit(config: str) -> str:
 
 
 def dispatch(args: argparse.Namespace) -> int:
-    from nvpair.config.settings import load_settings
+    from nvpair.config.settings import Settings, load_settings
 
     if args.command == "check":
         from nvpair.cli import check
@@ -168,14 +173,25 @@ def dispatch(args: argparse.Namespace) -> int:
         sys.stdout.write(schema_json(args.what) + "\n")
         return 0
     if args.command == "serve":
+        import msgspec
+
         from nvpair.cli.serve import run_serve
 
-        settings = load_settings(args.config, listen=args.listen)
-        if args.log_format:
-            import msgspec
+        def load() -> Settings:  # (a reload reads it again the same way)
+            settings = load_settings(args.config, listen=args.listen)
+            if args.log_format:
+                settings = msgspec.structs.replace(settings, log_format=args.log_format)
+            return settings
 
-            settings = msgspec.structs.replace(settings, log_format=args.log_format)
-        return run_serve(settings)
+        settings = load()
+        watched = None
+        if args.watch_config:
+            from nvpair.config.settings import find_config_path
+
+            watched = find_config_path(args.config)
+            if watched is None:
+                raise InputError("--watch-config: no config file to watch (give --config)")
+        return run_serve(settings, load=load, watch_config=watched)
     if args.command == "unit":
         from nvpair.config.deploy import unit_text
 

@@ -6,6 +6,7 @@ import errno
 import logging
 import logging.handlers
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
@@ -48,7 +49,8 @@ def setup_logging(settings: Settings, stream: TextIO | None = None) -> None:
         access.addHandler(to_file)
 
 
-def run_serve(settings: Settings) -> int:
+def run_serve(settings: Settings, *, load: Callable[[], Settings] | None = None,
+              watch_config: Path | None = None) -> int:
     setup_logging(settings)
     raise_fd_limit()  # client connections and engines' pipes; the cap fits under it
     from nvpair.cli.preflight import findings
@@ -71,7 +73,7 @@ def run_serve(settings: Settings) -> int:
 
     try:
         trio.run(lambda: service.main(  # (JSON: the transitions as log lines)
-            settings, announce=announce,
+            settings, announce=announce, load=load, watch_config=watch_config,
             watch=log_transitions if settings.log_format == "json" else print_transitions))
     except (OSError, ExceptionGroup) as exc:
         error = os_error(exc)

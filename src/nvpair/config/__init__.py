@@ -11,6 +11,8 @@ The modules:
   limits, model patterns, and the token read from its file.
 * ``settings``: `nvpair.toml`, decoded strictly, resolved to `Settings` and one `EngineSpec`
   per engine.
+* ``diff``: what a reload changes: the running settings against new ones, per engine
+  (unchanged, restart, update, added, removed) and per section.
 * ``schema``: JSON Schemas of the config and the manifests, generated from the types.
 * ``deploy``: the systemd unit nvpair ships (docs/deploy.md).
 * ``group``: `[engines.group]`, resolved to `GroupSettings`: this node's rank and its role's

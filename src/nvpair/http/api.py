@@ -453,6 +453,8 @@ WAKE = "/wake"
 #: the engine routes that ask the controller for something (POST)
 ENGINE_COMMANDS = frozenset({"start", "stop", "restart", "drain", "wake", "sleep"})
 ENGINE_ACTIONS = ENGINE_COMMANDS | {"logs"}
+#: the reload of the config (an admin's POST; the service serves it: docs/lifecycle.md)
+RELOAD_PATH = "/v1/admin/reload"
 
 
 def route_label(path: str, mounts: Sequence[Mount] = ()) -> str:

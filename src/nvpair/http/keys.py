@@ -241,6 +241,14 @@ class Keyring:
         self.changes = Changes()
         self._seen: dict[str, Seen] = {}
 
+    def replace(self, specs: Sequence[KeySpec]) -> None:
+        """A reload: these keys from now on (a request already identified keeps its key);
+        their files are looked at afresh. Sync."""
+        self.keys = tuple(Key(s) for s in specs)
+        self.by_name = {k.name: k for k in self.keys}
+        self._seen = {}
+        self.changes.bump()
+
     @classmethod
     def single(cls, token: str) -> Keyring:
         """One admin key of this token (the top-level ``token_file``; no file watched)."""

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+import msgspec
 import trio
 
 from nvpair.base.boundary import Part
@@ -60,6 +61,39 @@ class Broker:
         #: the broker's own fault boundary: it runs in the API's nursery, so nothing in it
         #: may end that nursery (a failure is ``broker.state: failed`` in /v1/peers).
         self.part = Part("peers: broker", initial_s=1.0, max_s=30.0)
+        #: the senders' nursery while the broker runs (None otherwise)
+        self._nursery: trio.Nursery | None = None
+
+    def refusal(self, cluster: ClusterSettings) -> str | None:
+        """Why a reload cannot take ``cluster`` (None: it can). Only ``[[peers]]`` of the
+        push backend change live; the token, the backend, etcd, the advertised URL and
+        the timings are fixed at a start."""
+        if msgspec.structs.replace(cluster, peers=self.cluster.peers) != self.cluster:
+            return ("the [cluster] table changed (its token, backend, etcd, advertise_url "
+                    "or timings): restart nvpair; only [[peers]] change in a reload")
+        return None
+
+    def reconfigure(self, cluster: ClusterSettings) -> None:
+        """A reload (``refusal`` None): a peer added is pushed to from now on; a peer
+        removed is sent a leave advert, then no longer pushed to. Sync."""
+        kept = {p.target: p for p in self.pushers if p.target in cluster.peers}
+        for pusher in self.pushers:
+            if pusher.target not in kept:
+                pusher.leave()  # (its run sends the leave advert and returns)
+                self.table.remove_link(pusher.link)
+        pushers = []
+        for target in cluster.peers:
+            known = kept.get(target)
+            if known is None:
+                known = Pusher(target, self.advertiser,
+                               self.table.add_link(Link(target.url, target.name,
+                                                        target.token)),
+                               interval=cluster.interval_s, timeout=cluster.push_timeout_s)
+                if self._nursery is not None:
+                    self._nursery.start_soon(known.run)
+            pushers.append(known)
+        self.pushers = pushers
+        self.cluster = cluster
 
     @property
     def mounts(self) -> list[Mount]:
@@ -127,11 +161,15 @@ class Broker:
             await nursery.start(self.advertiser.run)
             for pusher in self.pushers:
                 await nursery.start(pusher.run)
+            self._nursery = nursery  # (where a reload's new pushers run)
             if self.etcd is not None:
                 await nursery.start(self.etcd.run)
             started()
             self.part.ok()
-            await shutdown.wait()
+            try:
+                await shutdown.wait()
+            finally:
+                self._nursery = None
             await self.leave()
             nursery.cancel_scope.cancel(reason="nvpair is shutting down")
 

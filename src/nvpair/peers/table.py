@@ -175,6 +175,13 @@ class PeerTable:
         self._links_changed()
         return link
 
+    def remove_link(self, link: Link) -> None:
+        """A peer taken out of the config (a reload): no longer pushed to. What it said of
+        itself stays until it leaves or is gone, as for any peer."""
+        if link in self.links:
+            self.links.remove(link)
+            self._links_changed()
+
     def _links_changed(self) -> None:
         self._by_node = {link.node: link for link in self.links if link.node is not None}
         self._by_url = {link.url: link for link in self.links if link.node is None}

@@ -323,6 +323,17 @@ class Activator:
                 return name
         return None
 
+    def reconfigure(self, engines: Iterable[EngineSpec], config: ActivationConfig,
+                    memory: MemoryConfig) -> None:
+        """A reload: the on-demand engines, the queue and swap settings as configured now
+        (sync; a queue keeps its waiting requests, ordered by the new ageing from now)."""
+        self.specs = {s.name: s for s in engines if s.activation == "on_demand"}
+        self.config, self.memory = config, memory
+        self.swaps = SwapPolicy(config.swap_batch, config.min_residency_s,
+                                config.max_swap_wait_s)
+        for queue in self.queues.values():
+            queue.waiting.age_s = config.priority_age_s
+
     def asleep(self, name: str) -> bool:
         """On-demand engine ``name`` sleeps (or wakes): a request for it waits in its
         queue while room is made, and it is woken once (docs/on-demand.md, "Tiers")."""

@@ -195,8 +195,9 @@ class ModelSlots:
     async def _wait_for_slot(self, name: str, model: str
                              ) -> tuple[EngineState, str | None, bool]:
         """Wait until a request for ``model`` may go to engine ``name``: the engine as it
-        was then, the model to unload first, and whether it waited. Raises QueueFull (``queue_max`` wait
-        already) or Unavailable (none freed within ``queue_wait_s``, with why)."""
+        was then, the model to unload first, and whether it waited. Raises QueueFull
+        (``queue_max`` wait already) or Unavailable (none freed within ``queue_wait_s``,
+        with why)."""
         e = self.board.current.engine(name)
         assert e is not None and e.identity is not None
         go, victim = self._place(e, model)

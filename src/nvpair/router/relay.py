@@ -196,6 +196,27 @@ class Router:
                 self._stack = self._nursery = None
                 self.models.attach(None, None)
 
+    def reconfigure(self, engines: Iterable[EngineSpec], config: RouterConfig,
+                    moved: Iterable[str]) -> None:
+        """A reload: the engines as configured now and the router's settings. The pools of
+        the engines in ``moved`` (restarted, removed: their address or key may differ) are
+        retired, and every pool when ``config`` changed (its timeouts are the pool's);
+        a request in flight keeps its own until it ends. Sync."""
+        engines = tuple(engines)
+        self.specs = {e.name: e for e in engines}
+        self.known = Known(engines)
+        self.models.load_budgets = {name: spec.manifest.startup_budget_s
+                                    for name, spec in self.specs.items()}
+        retired = set(moved)
+        if config != self.config:
+            self.config = config
+            retired |= {key for key in self._targets if not key.startswith("peer ")}
+        for key in retired:
+            target = self._targets.pop(key, None)
+            if target is not None:
+                target.upstream.retired = True
+                self._release(target.upstream)
+
     async def _close_all(self) -> None:
         targets, self._targets = list(self._targets.values()), {}
         with trio.CancelScope(shield=True), trio.move_on_after(2.0):

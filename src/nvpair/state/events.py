@@ -34,7 +34,7 @@ from nvpair.state.memory import event_doc
 from nvpair.state.snapshot import Board, EngineState, shown_state
 
 #: event types a stream may ask for (``?types=``); ``snapshot`` and ``bye`` always come.
-TYPES = frozenset({"engine", "models", "peer", "group"})
+TYPES = frozenset({"engine", "models", "peer", "group", "reload"})
 #: recent events kept for resuming (``Last-Event-ID``): at most this many, and at most
 #: ``RING_BYTES`` of content (an engine of 10,000 models makes events of ~500 KB)
 RING = 256
@@ -222,6 +222,7 @@ class Journal:
         #: moves when a stream opens or ends (``wait_streams``)
         self.streams_changed = Changes(0)
         self.closed = False
+        self._reloads = 0  # reloads of the config this boot (``reloaded``)
         self._data: dict[str, bytes] = {}
         #: per engine, what its content was built from (``content_key``): a probe that
         #: moves only counters re-encodes nothing (10,000 models: 0.2 MB a probe before)
@@ -303,6 +304,12 @@ class Journal:
             self._ring_bytes -= len(self.ring.popleft().data)
         for stream in self.streams:
             stream.offer(event)
+
+    def reloaded(self, doc: dict[str, Any]) -> None:
+        """One ``reload`` event: what a reload of the config changed (``ConfigDiff.doc``)."""
+        self._reloads += 1
+        self._put("reload", "reload", _encode({"node": self.node, "reload": self._reloads,
+                                               **doc}), False)
 
     def close(self) -> None:
         """Shutting down: every stream gets ``bye`` and ends; new ones are refused."""

@@ -12,6 +12,8 @@ The modules:
   reap.
 * ``lifecycle``: `EngineRunner`: start, stop, restart and backoff of one engine, managed or
   adopted.
+* ``fleet``: `Fleet`: the runners as a set that changes while nvpair runs (a reload): each
+  in a cancel scope of its own, replaced or removed after a drain.
 * ``sleeper``: `Sleepers`: engines' wake and sleep (docs/sleep.md): single-flight wakes,
   a drain before each sleep, the kind's calls in order.
 * ``orphans``: state files of the processes nvpair starts, so a later nvpair stops what a

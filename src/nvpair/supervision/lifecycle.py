@@ -158,6 +158,8 @@ class EngineRunner:
         #: the last process started (it may outlive SIGKILL: ``stuck``)
         self._proc: EngineProcess | None = None
         self._reaper: trio.Nursery | None = None
+        #: the probes' scope while they run (``update`` ends it to begin them again)
+        self._probing: trio.CancelScope | None = None
         self.procs = procs if procs is not None else EngineProcs(None)  # state files
         self.traffic = traffic
         #: whether an exit by itself (its code) was a kill for memory, in words, or None
@@ -415,12 +417,38 @@ class EngineRunner:
                        transport=self.transport, memory=self.memory,
                        probe_rate=self.probe_rate)
 
+    def update(self, spec: EngineSpec) -> None:
+        """Take ``spec`` in place (a reload changed what nvpair does about this engine, not
+        its process): the process is left alone; the probes begin again with it when
+        what they use changed (their settings, the API key), else they run on as they
+        are. Sync, never waits."""
+        old, self.spec = self.spec, spec
+        if self.log is not None and spec.api_key:  # (masked in its output: never logged)
+            self.log.add_secret(spec.api_key)
+        used = (old.probes, old.api_key, old.allow_generating, old.kv_cache_probe_s)
+        now = (spec.probes, spec.api_key, spec.allow_generating, spec.kv_cache_probe_s)
+        if used != now and self._probing is not None:
+            self._probing.cancel(reason="its probe settings changed (reload)")
+
+    async def _keep_probing(self, *, task_status: trio.TaskStatus[None]
+                            = trio.TASK_STATUS_IGNORED) -> None:
+        """The probes (``run_probes``), begun again with the spec of the moment each time
+        ``update`` ends them. Started value: None, once they first started. Cancellation
+        ends them. Raises: nothing but Cancelled (a probe's failure is the engine's state)."""
+        while True:
+            with trio.CancelScope() as self._probing:
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(self._probes())
+                    task_status.started()
+                    task_status = trio.TASK_STATUS_IGNORED
+                    await trio.sleep_forever()
+
     async def _adopt(self) -> None:
         """Probe an engine nvpair does not own; never signal it."""
         self._set(state="starting", error=None)
         self.operation = None
         async with trio.open_nursery() as nursery:
-            await nursery.start(self._probes())
+            await nursery.start(self._keep_probing)
             await self._asked()
             nursery.cancel_scope.cancel(reason="stop requested")
 
@@ -502,7 +530,7 @@ class EngineRunner:
                      self.spec.name)
             self.drain(then="restart", reason="its command changed while nvpair was down")
         async with trio.open_nursery() as probing:
-            await probing.start(self._probes())
+            await probing.start(self._keep_probing)
             why = await first_of(partial(self._exited, proc), self._budget, self._asked)
             probing.cancel_scope.cancel(reason=_REASONS[why])
         return why

@@ -264,6 +264,8 @@ class MemoryWatch:
             spec, TrendDetector(self.settings), Part(f"engine {spec.name}: memory", logger=log),
             Part(f"engine {spec.name}: memory restart", logger=log)) for spec in specs}
         self.node_detector = TrendDetector(self.settings)
+        #: the wait for the next tick (a reload that changes the interval ends it)
+        self._waiting: trio.CancelScope | None = None
         self.node = NodeMemory()
         self.node_trend = "flat"
         self._own_cgroup: str | None = None
@@ -295,18 +297,23 @@ class MemoryWatch:
             await self.part.supervise(self._loop)
 
     async def _loop(self) -> None:
-        ticker = wakes.Ticker(self.config.interval_s)
+        every = self.config.interval_s
+        ticker = wakes.Ticker(every)
         touched = self.board.touched()
         while True:
             await self.tick()
             self.part.ok()
-            async with trio.open_nursery() as nursery:
-                async def first(wait: Any) -> None:
-                    await wait()
-                    nursery.cancel_scope.cancel()
+            if self.config.interval_s != every:  # (a reload changed it)
+                every = self.config.interval_s
+                ticker = wakes.Ticker(every)
+            with trio.CancelScope() as self._waiting:  # (a reload's interval ends it)
+                async with trio.open_nursery() as nursery:
+                    async def first(wait: Any) -> None:
+                        await wait()
+                        nursery.cancel_scope.cancel()
 
-                nursery.start_soon(first, ticker.tick)
-                nursery.start_soon(first, partial(self._new_process, touched))
+                    nursery.start_soon(first, ticker.tick)
+                    nursery.start_soon(first, partial(self._new_process, touched))
 
     async def _new_process(self, touched: Touched) -> None:
         """Return when a managed engine has a process the last reading did not know, but
@@ -628,6 +635,36 @@ class MemoryWatch:
                     f"({info.mem_available / 1e9:.1f} GB available, reserve "
                     f"{reserve / 1e9:.1f} GB)")
         return None
+
+    def set_config(self, config: MemoryConfig) -> None:
+        """A reload's ``[memory]``: the action, the reserve and the interval (from the
+        next tick) are taken at once; a change of the trend's windows starts every trend
+        afresh (readings judged by other windows would mislead). Sync."""
+        if config.interval_s != self.config.interval_s and self._waiting is not None:
+            self._waiting.cancel(reason="memory.interval_s changed (reload)")
+        self.config = config
+        settings = trend_settings(config)
+        if settings != self.settings:
+            self.settings = settings
+            self.node_detector = TrendDetector(settings)
+            for w in self.engines.values():
+                w.detector = TrendDetector(settings)
+
+    def reconfigure(self, specs: tuple[EngineSpec, ...]) -> None:
+        """A reload: watch these engines. An engine watched already keeps its readings and
+        trend (its spec is the new one); an added one starts with none; a removed one is
+        forgotten. Sync."""
+        engines = {}
+        for spec in specs:
+            w = self.engines.get(spec.name)
+            if w is None:
+                w = _Watched(spec, TrendDetector(self.settings),
+                             Part(f"engine {spec.name}: memory", logger=log),
+                             Part(f"engine {spec.name}: memory restart", logger=log))
+            else:
+                w.spec = spec
+            engines[spec.name] = w
+        self.engines = engines
 
     def exit_explainer(self, name: str) -> partial[str | None]:
         """``explain_exit`` for one engine, as the lifecycle calls it (``code`` only)."""
