@@ -404,3 +404,42 @@ async def test_an_on_demand_engine_left_running_is_adopted_not_shown_cold(
                 assert not alive(pid)
     finally:
         kill_all(engines)
+
+
+async def test_a_kept_engine_a_reload_removes_or_restarts_is_stopped_not_left_running(
+        tmp_path: Path) -> None:
+    """``on_exit = "keep"`` is about nvpair's own exit: an engine a reload takes out of
+    the config (or restarts for a change) is drained and stopped, never left running
+    beside its successor (whose port it would hold)."""
+    port = free_port()
+    config = write_config(tmp_path, port, free_port())
+    text = config.read_text()
+    engines: list[int] = []
+    try:
+        with trio.fail_after(STEP_S):
+            async with serving(config, engines) as serve:
+                first = int((await serve.engine())["pid"])  # type: ignore[call-overload]
+                engines.append(first)
+                assert '"--warmup-s", "0"' in text
+                config.write_text(text.replace('"--warmup-s", "0"', '"--warmup-s", "0.01"'))
+                async with httpx2.AsyncClient(base_url=serve.url, timeout=30) as client:
+                    r = await client.post("/v1/admin/reload")
+                    assert r.status_code == 200, r.text
+                    assert list(r.json()["restart"]) == ["e"], r.text
+                    second = first
+                    while second == first:  # (its successor: polled, an outside process)
+                        doc = await serve.engine()
+                        second = int(doc["pid"])  # type: ignore[call-overload]
+                        await trio.sleep(0.05)
+                    engines.append(second)
+                    assert not alive(first)
+                    config.write_text(text.split("[[engines]]")[0])
+                    r = await client.post("/v1/admin/reload")
+                    assert r.status_code == 200, r.text
+                    gone = False
+                    while not gone:  # (off the API once it has stopped: polled from outside)
+                        gone = (await client.get("/v1/engines/e")).status_code == 404
+                        await trio.sleep(0.05)
+                    assert not alive(second)
+    finally:
+        kill_all(engines)

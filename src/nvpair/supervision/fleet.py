@@ -114,8 +114,10 @@ class Fleet:
 
     async def _leave(self, name: str, slot: _Slot) -> None:
         runner = slot.runner
-        if runner.spec.managed:  # until nothing routed to it is in flight
-            while _in_flight(runner) > 0 and not slot.ended.is_set():
+        if runner.spec.managed:  # until nothing routed to it is in flight, and it stopped
+            # (by its own drain: a kept engine, on_exit = "keep", outlives a cancellation
+            # of its runner, so a cancel alone left it running beside its successor)
+            while not (_in_flight(runner) == 0 and _at_rest(runner)) and not slot.ended.is_set():
                 with trio.move_on_after(DRAIN_POLL_S):  # (the router's count: polled)
                     await slot.ended.wait()
         slot.scope.cancel(reason="taken out of the config (reload)")
@@ -138,6 +140,11 @@ class Fleet:
         """Whether engine ``name`` is being taken out (drained, stopped, replaced)."""
         slot = self._slots.get(name)
         return slot is not None and slot.leaving
+
+
+def _at_rest(runner: EngineRunner) -> bool:
+    """The runner's engine is stopped (its drain to a stop has ended) and stays so."""
+    return runner.desired == "stopped" and runner.operation is None
 
 
 def _in_flight(runner: EngineRunner) -> int:
