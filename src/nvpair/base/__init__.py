@@ -18,6 +18,8 @@ The modules:
   is about (`about`).
 * ``otlp``: finished spans (`Span`) and the OTLP protobuf they are exported as, written by
   hand (`encode_span`, `encode_request`).
+* ``words``: counts and durations in words (``3 requests``, ``4.2 s``) for lines people
+  read.
 * ``traceparent``: W3C Trace Context's ``traceparent`` header, read strictly (`parse`) and
   written (`header`).
 """

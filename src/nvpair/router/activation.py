@@ -38,6 +38,7 @@ from typing import Literal, NamedTuple
 import msgspec
 import trio
 
+from nvpair.base import words
 from nvpair.base.boundary import Part
 from nvpair.base.logformat import about
 from nvpair.config.settings import ActivationConfig, EngineSpec, MemoryConfig
@@ -473,7 +474,7 @@ class Activator:
                 and e.admitting and slots is not None):
             order = queue.waiting.order(trio.current_time(), SHOWN_WAITING)
             ahead = order.index(ticket) if ticket in order else len(order)
-            before = f", and {_requests(ahead)} waited before this one" if ahead else ""
+            before = f", and {words.requests(ahead)} waited before this one" if ahead else ""
             return (f"engine {name} had no free slot within {wait}: its {slots} "
                     f"{'slot was' if slots == 1 else 'slots were'} busy{before}")
         blocked = None if queue.blocked_by is None else queue.blocked_by()
@@ -827,7 +828,7 @@ class Activator:
         """What a start waits for while its victims drain, in words."""
         snap = self.board.current
         left = [v for v, step in victims.items() if not _at_rest(snap.engine(v), step)]
-        busy = [f"{v}'s {_requests(n)}" for v in left if (n := self._in_flight(v))]
+        busy = [f"{v}'s {words.requests(n)}" for v in left if (n := self._in_flight(v))]
         if busy:
             return f"waiting for {' and '.join(busy)} in flight to finish to make room"
         return f"waiting for {', '.join(left) or 'the victims'} to stop or sleep to make room"
@@ -905,7 +906,7 @@ class Activator:
             idle = now - last
             if idle < spec.idle_unload_s:
                 continue
-            reason = f"idle for {_duration(idle)}"
+            reason = f"idle for {words.duration(idle)}"
             if not isinstance(self.runners[name].drain(then="stop", reason=reason), Busy):
                 drained.append(name)
                 self.residency.pop(name, None)  # (its next load is a new batch)
@@ -941,13 +942,3 @@ def _meminfo() -> Meminfo | None:
         return read_meminfo()
     except MemorySourceError:
         return None
-
-
-def _requests(n: int) -> str:
-    return f"{n} request" if n == 1 else f"{n} requests"
-
-
-def _duration(seconds: float) -> str:
-    if seconds >= 120:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds:.1f} s"

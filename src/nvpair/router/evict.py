@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from itertools import groupby
 from typing import Literal
 
+from nvpair.base import words
+
 #: the wake time a plan assumes until nvpair woke the engine once (vLLM level 1 wakes a
 #: small model in 0.1-0.4 s, a 64 GiB one in about 3 s: landscape-3.md §6)
 DEFAULT_WAKE_S = 1.0
@@ -185,8 +187,8 @@ def plan(name: str, need: int | None, budget: int, running: Sequence[Candidate],
 
     def idle_words(c: Candidate) -> str:
         if c.in_flight:
-            return f"{_requests(c.in_flight)} in flight, drained first"
-        return f"idle {_duration(max(at - c.last_used, 0.0))}"
+            return f"{words.requests(c.in_flight)} in flight, drained first"
+        return f"idle {words.duration(max(at - c.last_used, 0.0))}"
 
     def tiers(group: list[Candidate]) -> None:
         for c in group:  # 1: level-1 sleeps while the host RAM holds what they move
@@ -196,7 +198,7 @@ def plan(name: str, need: int | None, budget: int, running: Sequence[Candidate],
             if c.can_sleep and 1 in c.levels and moves <= host_left:
                 kept = c.residual or 0
                 take(c, Step(c.name, "sleep", 1, (
-                    f"{idle_words(c)}, wakes in {_duration(comeback_s(c))}; frees "
+                    f"{idle_words(c)}, wakes in {words.duration(comeback_s(c))}; frees "
                     f"{gigabytes(max(size(c) - kept, 0))}, moves {gigabytes(moves)} to host "
                     f"RAM ({gigabytes(host_left)} free beyond the reserve)")),
                      max(size(c) - kept, 0), moves)
@@ -214,7 +216,7 @@ def plan(name: str, need: int | None, budget: int, running: Sequence[Candidate],
                 else:
                     because = "its only sleep"
                 take(c, Step(c.name, "sleep", 2, (
-                    f"{idle_words(c)}, wakes in {_duration(comeback_s(c))}; frees "
+                    f"{idle_words(c)}, wakes in {words.duration(comeback_s(c))}; frees "
                     f"{gigabytes(max(size(c) - kept, 0))} ({because})")),
                      max(size(c) - kept, 0))
         for c in group:  # 3: stops, then stops of those put to sleep (their residual)
@@ -229,7 +231,7 @@ def plan(name: str, need: int | None, budget: int, running: Sequence[Candidate],
                     because = "it cannot be put to sleep"
                 take(c, Step(c.name, "stop", None, (
                     f"{idle_words(c)}, loads again in "
-                    f"{_duration(c.load_s if c.load_s is not None else DEFAULT_LOAD_S)}; "
+                    f"{words.duration(c.load_s if c.load_s is not None else DEFAULT_LOAD_S)}; "
                     f"frees {gigabytes(size(c))} ({because})")), size(c))
         for c in group:
             if free >= want:
@@ -274,13 +276,3 @@ def plan(name: str, need: int | None, budget: int, running: Sequence[Candidate],
     for entry in kept_steps:  # (a victim's last step stands, in the order first taken)
         final[entry.step.name] = entry.step
     return Plan(steps=tuple(final.values()))
-
-
-def _requests(n: int) -> str:
-    return f"{n} request" if n == 1 else f"{n} requests"
-
-
-def _duration(seconds: float) -> str:
-    if seconds >= 120:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds:.1f} s"

@@ -37,6 +37,7 @@ import httpx2
 import msgspec
 import trio
 
+from nvpair.base import words
 from nvpair.base.boundary import Part
 from nvpair.base.changes import Changes
 from nvpair.base.logs import DEFAULT_RATE, Drops, EngineLog, RateCap
@@ -320,9 +321,9 @@ class EngineRunner:
         if draining is not None:
             self.draining = None
             done = "stopped" if draining.then == "stop" else "restarted"
-            waited = (f": {_requests(draining.in_flight)} in flight finished"
+            waited = (f": {words.requests(draining.in_flight)} in flight finished"
                       if draining.in_flight and not draining.cut else "")
-            cut = (f"; {_requests(draining.cut)} still in flight after the stop grace "
+            cut = (f"; {words.requests(draining.cut)} still in flight after the stop grace "
                    f"({self.spec.stop_grace_s:g} s) cut" if draining.cut else "")
             activity = f"drained ({draining.reason}){waited}, then {done}{cut}"
             self._set(activity=activity)
@@ -732,7 +733,3 @@ def _shown(argv: list[str], secret: str | None) -> str:
 
 def _wall() -> float:
     return round(time.time(), 3)
-
-
-def _requests(n: int) -> str:
-    return f"{n} request" if n == 1 else f"{n} requests"
