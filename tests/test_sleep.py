@@ -389,3 +389,34 @@ async def test_the_sleep_and_wake_calls_build_no_tls_context_of_their_own(
             monkeypatch.undo()
         assert sleep_counts(sim) == {"sleeps": 1, "wakes": 1}
         assert built == []
+
+
+async def test_vllm_with_idle_sleep_s_sleeps_once_idle_and_never_while_a_stream_runs(
+        nursery: trio.Nursery, tmp_path: Path) -> None:
+    """``idle_sleep_s`` for a kind nvpair puts to sleep (vLLM): asleep once no routed
+    request ran for that long; a stream that outlasts it keeps it awake, and it sleeps
+    again only after the stream has ended whole."""
+    sim = await nursery.start(serve_sim, SimOptions(
+        kind="vllm", model="gemma", enable_sleep_mode=True, dev_mode=True, token_rate=10,
+        wake_s=0.1))
+    await sim.wait_phase("ready")
+    with trio.fail_after(40):
+        running = await nursery.start(service.run, load_settings(str(config(
+            tmp_path, sim, "vllm", "idle_sleep_s = 1"))))
+        e = await wait_state(running.board, "e", "sleeping", within=20)
+        assert e.activity is not None and "idle" in e.activity, e.activity
+        assert sleep_counts(sim) == {"sleeps": 1, "wakes": 0}
+        async with httpx2.AsyncClient(base_url=running.url, timeout=20) as client:
+            body = {"model": "gemma", "max_tokens": 25, "stream": True,  # 2.5 s > 1 s
+                    "messages": [{"role": "user", "content": "hi"}]}
+            chunks: list[bytes] = []
+            async with client.stream("POST", "/v1/chat/completions", json=body) as stream:
+                assert stream.status_code == 200
+                async for chunk in stream.aiter_bytes():
+                    chunks.append(chunk)
+            assert b"".join(chunks).endswith(b"data: [DONE]\n\n")
+            assert sleep_counts(sim) == {"sleeps": 1, "wakes": 1}  # awake all along
+            ended = trio.current_time()
+            await wait_state(running.board, "e", "sleeping", within=20)
+            assert trio.current_time() - ended >= 1.0  # its idle time counts from the end
+            assert sleep_counts(sim) == {"sleeps": 2, "wakes": 1}

@@ -34,6 +34,8 @@ class EngineTraffic(msgspec.Struct):
     last_ok_at: float | None = None
     suspect_until: float | None = None
     last_error: str | None = None
+    #: when a routed request last ended, whatever its outcome (an engine's idle time)
+    last_ended_at: float | None = None
 
 
 class Traffic:
@@ -74,6 +76,7 @@ class Traffic:
         entry = self.of(name)
         entry.in_flight -= 1
         now = trio.current_time()
+        entry.last_ended_at = now
         if outcome == "ok":
             entry.consecutive_failures = 0
             entry.last_ok_at = now

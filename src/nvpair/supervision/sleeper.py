@@ -12,6 +12,11 @@ a load of that model (``POST /models/load``; ``GET /slots?model=`` for a model w
 child sleeps), then its model list read every ``LOAD_POLL_S`` until it is loaded. A second
 wake of the model while one runs joins it.
 
+An engine nvpair puts to sleep (vLLM, SGLang: the kind has sleep calls) with
+``idle_sleep_s`` is put to sleep once no routed request has run on it for that long
+(``idle``, looked at every ``IDLE_CHECK_S``); llama-server sleeps by itself (its own
+``--sleep-idle-seconds``).
+
 Each engine's operation runs in this module's nursery, inside a boundary of its own: a
 failing call is that engine's state (its error, its activity), never the service's.
 """
@@ -19,6 +24,7 @@ failing call is that engine's state (its error, its activity), never the service
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable
 from functools import partial
 from typing import Any, Literal, NamedTuple
@@ -34,6 +40,7 @@ from nvpair.config.manifest import EngineCall
 from nvpair.config.settings import EngineSpec, placeholder_values
 from nvpair.errors import NvpairError, ProbeError
 from nvpair.probing.probes import parse_listing
+from nvpair.runtime import wakes
 from nvpair.state.snapshot import ASLEEP_STATES, Board, EngineState, ModelState
 from nvpair.state.traffic import Traffic
 from nvpair.state.transitions import enter, with_model_list, with_model_state
@@ -50,6 +57,8 @@ AWAKE_STATES = frozenset({"ready", "stale"})
 LOAD_POLL_S = 0.25
 #: a multi-model engine's model states a wake of the model loads (or wakes) it from
 LOADABLE = frozenset({"cold", "sleeping", "loading"})
+#: how often engines with ``idle_sleep_s`` are looked at (a sleep is at most this late)
+IDLE_CHECK_S = 1.0
 
 
 class SleepError(NvpairError):
@@ -59,10 +68,13 @@ class SleepError(NvpairError):
 class Operation:
     """A wake or a sleep in progress: what it is, and when it ends (``error``: why not)."""
 
-    def __init__(self, kind: str, level: int | None = None) -> None:
+    def __init__(self, kind: str, level: int | None = None, reason: str | None = None
+                 ) -> None:
         self.kind = kind
         #: a sleep's level (vLLM's ``{sleep_level}``; None: the engine's ``sleep_level``)
         self.level = level
+        #: why it was asked (an idle time, an eviction), for the engine's activity
+        self.reason = reason
         self.done = trio.Event()
         self.error: str | None = None
         #: a sleep still draining (no call sent yet) ends here when called off
@@ -114,9 +126,36 @@ class Sleepers:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 task_status.started()
-                await trio.sleep_forever()
+                ticker = wakes.Ticker(IDLE_CHECK_S)
+                while True:
+                    await ticker.tick()
+                    for name, idle_s in self.idle(trio.current_time()):
+                        result = self.sleep(name, reason=f"idle {idle_s:.0f} s")
+                        log.info("%s: idle for %.0f s (idle_sleep_s): %s", name, idle_s,
+                                 result.reason if isinstance(result, Busy)
+                                 else "going to sleep", extra={"engine": name})
         finally:
             self._nursery = None
+
+    def idle(self, now: float) -> list[tuple[str, float]]:
+        """The engines due to sleep for their ``idle_sleep_s``, with how long each has been
+        idle: awake, admitting, nothing in flight, no operation under way, and no routed
+        request since ``idle_sleep_s`` (nor a state change: a woken engine gets its time).
+        Engines that sleep by themselves (no sleep calls: llama-server) are left to it."""
+        due = []
+        for name, spec in self.specs.items():
+            if spec.idle_sleep_s is None or spec.sleep is None or not spec.sleep.sleep:
+                continue
+            e = self.board.current.engine(name)
+            if (e is None or e.state not in AWAKE_STATES or not e.admitting
+                    or name in self.running or self._in_flight(name)):
+                continue
+            entry = self.traffic.engines.get(name)
+            ended = None if entry is None else entry.last_ended_at
+            idle_s = now - max(e.since, -math.inf if ended is None else ended)
+            if idle_s >= spec.idle_sleep_s:
+                due.append((name, idle_s))
+        return due
 
     def wakes_by_itself(self, name: str) -> bool:
         """Whether a routed request wakes the engine by itself (llama-server): then the
@@ -189,7 +228,7 @@ class Sleepers:
         because = "" if reason is None else f" ({reason})"
         self._set(name, admitting=False, activity=f"draining to sleep{because}: "
                   f"{self._in_flight(name)} in flight, then sleep")
-        self._start(name, Operation("sleep", level))
+        self._start(name, Operation("sleep", level, reason))
         return Accepted("going to sleep")
 
     def wake_model(self, model: str) -> ModelWake | None:
@@ -359,8 +398,9 @@ class Sleepers:
             why = f"sleep failed: {exc}" if isinstance(exc, SleepError) else "sleep cut short"
             self._set(name, admitting=True, activity=why)
             raise
+        because = "" if operation.reason is None else f" ({operation.reason})"
         self._set(name, state="sleeping", admitting=True, error=None,
-                  activity=f"asleep, drained ({in_flight} in flight finished first)")
+                  activity=f"asleep{because}, drained ({in_flight} in flight finished first)")
         log.info("%s: asleep", name)
 
     def _in_flight(self, name: str) -> int:
