@@ -104,8 +104,8 @@ async def test_adopted_llama_server_listed_ready_with_identity_and_probe_rates(
         took = trio.current_time() - start
     assert _requests(after, "health") == health_before + n
     assert {name: stats.path for name, stats in after.probes} == {
-        "ready": "/health", "health": "/health", "identity": "/props",
-        "models": "/v1/models"}  # never the queued /slots or /metrics
+        "ready": "/health", "health": "/props", "identity": "/props",
+        "models": "/v1/models"}  # never the queued /slots or /metrics; /props: is it asleep
     assert (n - 1) * HEALTH_INTERVAL_S * 0.9 <= took, took
     assert took <= n * HEALTH_INTERVAL_S * (1 + JITTER) + 1.0, took
     assert _requests(after, "ready") == ready_before
