@@ -416,3 +416,46 @@ async def test_an_update_while_a_restart_drains_goes_to_the_new_engine(
     assert running.runners["chg"] is not old_runner and running.runners["chg"].spec.priority == 4
     body = b"".join(chunks)
     assert body.rstrip().endswith(b"data: [DONE]") and body.count(b'"content"') >= 40
+
+
+async def test_a_bug_while_a_reload_is_applied_is_the_reloads_never_the_services(
+        nursery, tmp_path) -> None:
+    """A fault of nvpair's own code in a reload (stood in for by a runner that cannot be
+    made, and by an apply that raises) is logged as that reload's or that engine's: the
+    service, its other engines and its reads go on, and the next reload works."""
+    node = Node(tmp_path)
+    node.write(["e0", "e1"])
+    with trio.fail_after(60):
+        running = await nursery.start(service.run, load_settings(str(node.path)))
+        for name in ("e0", "e1"):
+            await wait_state(running.board, name, "ready", within=40)
+        reloader = running.reloader
+        assert reloader is not None
+        made = reloader.runner_for
+
+        def broken(*args: object) -> object:
+            raise RuntimeError("a bug making a runner")
+
+        reloader.runner_for = broken  # type: ignore[assignment]
+        node.ports["e0"] = (free_port(), free_port())  # e0 moves: a restart
+        node.write(["e0", "e1"])
+        async with httpx2.AsyncClient(base_url=running.url, timeout=30) as client:
+            r = await client.post("/v1/admin/reload")
+            assert r.status_code == 200, r.text
+            while "e0" in running.runners:  # (its drain and the failed make: in the fleet,
+                with trio.move_on_after(0.1):  # with no event of their own)
+                    await running.board.wait_changed(running.board.current.version)
+            assert (await client.get("/healthz")).status_code == 200
+            apply = reloader.apply
+
+            def failing(*args: object) -> None:
+                raise RuntimeError("a bug applying a reload")
+
+            reloader.apply = failing  # type: ignore[method-assign]
+            await service._reload_quietly(reloader, "SIGHUP")  # logged, not raised
+            reloader.runner_for, reloader.apply = made, apply  # type: ignore[method-assign]
+            node.write(["e0", "e1", "new"])
+            r = await client.post("/v1/admin/reload")
+            assert r.status_code == 200, r.text
+            await wait_state(running.board, "new", "ready", within=40)
+        assert running.board.current.engine("e1").state == "ready"  # type: ignore[union-attr]

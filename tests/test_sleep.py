@@ -420,3 +420,25 @@ async def test_vllm_with_idle_sleep_s_sleeps_once_idle_and_never_while_a_stream_
             await wait_state(running.board, "e", "sleeping", within=20)
             assert trio.current_time() - ended >= 1.0  # its idle time counts from the end
             assert sleep_counts(sim) == {"sleeps": 2, "wakes": 1}
+
+
+async def test_a_bug_in_the_look_for_idle_engines_is_logged_and_the_look_goes_on(
+        nursery: trio.Nursery, autojump_clock: object, monkeypatch: object) -> None:
+    """The idle look runs every second inside a boundary: a fault of nvpair's own code in
+    it (stood in for by one that raises) never ends the sleep operations."""
+    from nvpair.state.snapshot import Board
+    from nvpair.state.traffic import Traffic
+    from nvpair.supervision.sleeper import Sleepers
+
+    sleepers = Sleepers((), Board(()), Traffic())
+    looked: list[float] = []
+
+    def idle(now: float) -> list[tuple[str, float]]:
+        looked.append(now)
+        raise RuntimeError("a bug in the idle look")
+
+    sleepers.idle = idle  # type: ignore[method-assign]
+    await nursery.start(sleepers.run)
+    await trio.sleep(3.5)
+    assert len(looked) >= 3  # looked again each second: the loop lives on
+    assert sleepers._nursery is not None

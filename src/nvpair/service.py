@@ -571,8 +571,10 @@ class Signals:
 
 async def _reload_quietly(reloader: Reloader, why: str) -> None:
     """A reload no one waits for the answer of (a signal, a file change): a refusal is
-    logged by the reload itself."""
-    with contextlib.suppress(ConfigError):
+    logged by the reload itself; a failure of nvpair's own while it applies (a bug) is
+    the reload's, logged with its traceback, never the service's (an API reload's is its
+    500)."""
+    with Part(f"reload ({why})", logger=log).guard(), contextlib.suppress(ConfigError):
         await reloader.reload(why)
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from nvpair.base.boundary import Part
 from nvpair.supervision.lifecycle import DRAIN_POLL_S, EngineRunner
 
 log = logging.getLogger("nvpair.lifecycle")
@@ -126,15 +127,19 @@ class Fleet:
             del self._slots[name]
         then = self._after.pop(name, None)
         make = self._next.pop(name, None)
-        if make is None:
-            self.runners.pop(name, None)
+        # (what comes after, a new runner or the caller's step, is this engine's: a
+        # failure in it, a bug, is logged as the engine's and never ends the fleet)
+        if self.runners.get(name) is runner:  # (it has ended: its successor, if any,
+            del self.runners[name]            # takes the name once made)
+        with Part(f"engine {name}: reload", logger=log).guard():
+            if make is None:
+                if then is not None:
+                    then(runner)
+                return
+            new = make()
+            self.start(new)
             if then is not None:
-                then(runner)
-            return
-        new = make()
-        self.start(new)
-        if then is not None:
-            then(new)
+                then(new)
 
     def leaving(self, name: str) -> bool:
         """Whether engine ``name`` is being taken out (drained, stopped, replaced)."""

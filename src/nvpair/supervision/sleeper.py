@@ -34,6 +34,7 @@ import httpx2
 import msgspec
 import trio
 
+from nvpair.base.boundary import Part
 from nvpair.base.tls import client_tls
 from nvpair.config.command import fill
 from nvpair.config.manifest import EngineCall
@@ -127,15 +128,22 @@ class Sleepers:
                 self._nursery = nursery
                 task_status.started()
                 ticker = wakes.Ticker(IDLE_CHECK_S)
+                idle = Part("sleep: idle engines", logger=log)  # (a bug: the next look's)
                 while True:
                     await ticker.tick()
-                    for name, idle_s in self.idle(trio.current_time()):
-                        result = self.sleep(name, reason=f"idle {idle_s:.0f} s")
-                        log.info("%s: idle for %.0f s (idle_sleep_s): %s", name, idle_s,
-                                 result.reason if isinstance(result, Busy)
-                                 else "going to sleep", extra={"engine": name})
+                    with idle.guard():
+                        self._sleep_idle()
+                        idle.ok()
         finally:
             self._nursery = None
+
+    def _sleep_idle(self) -> None:
+        """Put the engines due to sleep for their ``idle_sleep_s`` to sleep (``idle``)."""
+        for name, idle_s in self.idle(trio.current_time()):
+            result = self.sleep(name, reason=f"idle {idle_s:.0f} s")
+            log.info("%s: idle for %.0f s (idle_sleep_s): %s", name, idle_s,
+                     result.reason if isinstance(result, Busy) else "going to sleep",
+                     extra={"engine": name})
 
     def idle(self, now: float) -> list[tuple[str, float]]:
         """The engines due to sleep for their ``idle_sleep_s``, with how long each has been
