@@ -114,7 +114,8 @@ async def _stream(journal: Journal, stream: Stream, sender: Sender, first: bytes
         if stream.closed:
             body = frames(events) + frame(
                 journal.event_id(), "bye",
-                b'{"node":%s,"reason":"shutdown"}' % encoder.encode(journal.node))
+                b'{"node":%s,"reason":%s}' % (encoder.encode(journal.node),
+                                              encoder.encode(stream.reason)))
             if await sender.body(body):
                 await sender.send({"type": "http.response.body", "body": b""})
             return
