@@ -251,6 +251,7 @@ class SpanExport:
         """From now on spans go to ``exporter`` (None: nowhere); the one before sends what
         it holds and ends. Sync: a reload applies it at once. Each exporter runs in a task
         of its own in ``run``'s nursery (from ``run``'s start, when called before it)."""
+        self._fold()  # (those that ended since: let go of them)
         old, self.current = self.current, exporter
         if exporter is not None:
             self.used = True
