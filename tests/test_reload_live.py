@@ -53,7 +53,8 @@ async def test_tracing_turned_on_moved_and_off_by_reloads(nursery, tmp_path) -> 
     """On: the next requests reach the receiver. Moved to a second receiver (another
     service name) while a stream is under way: the spans finished before go to the first
     (sent as its exporter ends, whose thread ends), the new requests' and the stream's to
-    the second, and the stream comes whole. Off: the next request is traced nowhere."""
+    the second, and the stream comes whole. A sample ratio of 0, then off: the next
+    requests are traced nowhere."""
     first, second = Receiver(), Receiver()
     await nursery.start(first.serve)
     await nursery.start(second.serve)
@@ -96,6 +97,9 @@ async def test_tracing_turned_on_moved_and_off_by_reloads(nursery, tmp_path) -> 
             await second.wait_for(lambda s: {after.headers["x-request-id"],
                                              streamed.headers["x-request-id"]} <= ids(s))
 
+            write(path, eng.port, tracing(second, "nvpair-2") + "sample_ratio = 0.0\n")
+            zero = await reload(client)
+            unsampled = await client.post(CHAT, content=body())
             write(path, eng.port)
             off = await reload(client)
             nowhere = await client.post(CHAT, content=body())
@@ -112,7 +116,7 @@ async def test_tracing_turned_on_moved_and_off_by_reloads(nursery, tmp_path) -> 
                 current.wait, lambda _: export.exported == total, 5.0)
             metrics = (await client.get("/metrics")).text
     assert untraced.status_code == traced.status_code == after.status_code == 200
-    for r in (on, moved, off, again):
+    for r in (on, moved, zero, off, again):
         assert r.status_code == 200 and r.json()["sections"] == ["tracing"], r.text
     assert streamed.status_code == 200
     assert head + rest == b"".join(data for _, data in slow[1:])  # whole
@@ -122,6 +126,7 @@ async def test_tracing_turned_on_moved_and_off_by_reloads(nursery, tmp_path) -> 
     assert {after.headers["x-request-id"], streamed.headers["x-request-id"]} <= seconds
     assert not seconds & firsts and untraced.headers["x-request-id"] not in firsts
     assert nowhere.headers["x-request-id"] not in firsts | seconds
+    assert unsampled.headers["x-request-id"] not in firsts | seconds  # (sample_ratio 0)
     assert {r["service.name"] for r in second.resources} == {"nvpair-2"}
     assert f"nvpair_trace_spans_exported_total {total}\n" in metrics
     assert "nvpair_trace_spans_dropped_total 0\n" in metrics
