@@ -43,7 +43,7 @@ from nvpair.router.queueview import QueueView
 from nvpair.router.tracing import Tracer
 from nvpair.runtime import looplag
 from nvpair.runtime.collector import Collector, left_alone
-from nvpair.runtime.spanexport import SpanExporter
+from nvpair.runtime.spanexport import SpanExport, SpanExporter
 from nvpair.state.events import Journal
 from nvpair.state.history import History
 from nvpair.state.snapshot import Board, EngineState
@@ -76,7 +76,8 @@ class Running(msgspec.Struct, frozen=False):
     groups: Groups | None = None
     #: the memory watch (docs/memory.md)
     memory: MemoryWatch | None = None
-    #: the trace export, where tracing is on (docs/observability.md)
+    #: the trace export nvpair started with, where tracing is on (docs/observability.md;
+    #: a reload that changes [tracing] starts another: ``reloader.export.current``)
     spans: SpanExporter | None = None
     #: reloads of the config (docs/lifecycle.md, "Reload")
     reloader: Reloader | None = None
@@ -91,6 +92,24 @@ def limits(settings: Settings) -> Limits:
     return Limits(keep_alive_s=settings.keep_alive_s, max_connections=settings.max_connections,
                   header_timeout_s=settings.header_timeout_s,
                   body_timeout_s=settings.body_timeout_s, keep_alive_paths=paths)
+
+
+def exporter_for(settings: Settings) -> SpanExporter | None:
+    """The trace export of ``settings`` (None: tracing is off)."""
+    tracing = settings.tracing
+    if tracing is None:
+        return None
+    return SpanExporter(tracing.endpoint, [
+        ("service.name", tracing.service_name), ("service.version", __version__),
+        ("service.instance.id", settings.node)], headers=tracing.headers,
+        timeout_s=tracing.timeout_s)
+
+
+def tracer_for(settings: Settings, export: SpanExport) -> Tracer | None:
+    """Whether and how routed requests are traced (None: they are not)."""
+    if settings.tracing is None:
+        return None
+    return Tracer(export, settings.tracing.sample_ratio, node=settings.node)
 
 
 def hypercorn_config(settings: Settings) -> HypercornConfig:
@@ -156,30 +175,28 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
     if any(spec.activation == "on_demand" for spec in settings.engines):
         activator = Activator(board, settings.engines, runners, traffic, settings.activation,
                               settings.memory, sleepers)
-    exporter = tracer = None  # traces of routed requests (docs/observability.md)
-    if settings.tracing is not None:
-        exporter = SpanExporter(settings.tracing.endpoint, [
-            ("service.name", settings.tracing.service_name), ("service.version", __version__),
-            ("service.instance.id", settings.node)], headers=settings.tracing.headers,
-            timeout_s=settings.tracing.timeout_s)
-        tracer = Tracer(exporter, settings.tracing.sample_ratio, node=settings.node)
+    # traces of routed requests (docs/observability.md); a reload may switch them
+    export, exporter = SpanExport(), exporter_for(settings)
+    export.switch(exporter)
+    tracer = tracer_for(settings, export)
     router = Router(board, settings.engines, settings.router, traffic, node=settings.node,
                     peers=None if peers is None else peers.table, cluster_token=cluster_token,
                     activator=activator, sleepers=sleepers, queue=settings.activation,
                     tracer=tracer)
-    keys = Keyring(settings.keys) if settings.keys else None  # (docs/keys.md)
+    keys = Keyring(settings.keys)  # (docs/keys.md; none in it: no token, a reload may add)
     mounts = [Mount(handler=TrafficView(traffic, keys), paths=frozenset({"/v1/router"})),
               Mount(handler=QueueView(activator), paths=QueueView.paths)]
     history = History(board)  # the dashboard's charts (docs/dashboard.md)
-    mounts += [Mount(handler=Dashboard(token_set=keys is not None,
-                                       allowed_hosts=frozenset(settings.allowed_hosts)),
-                     paths=Dashboard.paths, prefix=Dashboard.prefix, own_auth=True),
+    dashboard = Dashboard(token_set=keys.on, allowed_hosts=frozenset(settings.allowed_hosts))
+    mounts += [Mount(handler=dashboard, paths=Dashboard.paths, prefix=Dashboard.prefix,
+                     own_auth=True),
                Mount(handler=HistoryView(history, settings.node, mounts),
                      paths=frozenset({HistoryView.path}))]
     reloader = Reloader(settings, fleet=fleet, board=board, router=router, traffic=traffic,
                         memory=memory, sleepers=sleepers, activator=activator, keys=keys,
                         sweep=sweep, groups=groups, runner_for=runner_for,
                         load=load)
+    reloader.export, reloader.dashboard = export, dashboard
     mounts.append(Mount(handler=ReloadRoute(reloader), paths=frozenset({RELOAD_PATH})))
     if settings.router.enabled:
         mounts.append(Mount(handler=router, paths=ROUTED_PATHS, peer_auth=True,
@@ -205,7 +222,7 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
               metrics=Metrics(board, traffic, node=settings.node, sweep=sweep.durations,
                               peers=None if peers is None else peers.table,
                               streams=lambda: len(events.streams), keys=keys,
-                              spans=exporter))
+                              spans=export))
     shutdown = trio.Event()
 
     async def drain() -> None:  # event streams say bye and end, so the drain waits for none
@@ -221,15 +238,14 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
     # On shutdown the API drains first, then engines stop, then the clients close.
     async with trio.open_nursery() as outer:
         outer.start_soon(looplag.from_env)  # opt-in: NVPAIR_LOOP_LAG_FILE (benchmarks)
-        if exporter is not None:
-            await outer.start(exporter.run)
+        await outer.start(export.run)
         await outer.start(router.run)
         if activator is not None:
             await outer.start(activator.run)
         outer.start_soon(Part("events journal").supervise, events.run)  # a bug: retried
         outer.start_soon(Part("history").supervise, history.run)
-        if keys is not None:  # a changed key file is read again (rotation)
-            outer.start_soon(Part("keys: token files").supervise, keys.watch)
+        # a changed key file is read again (rotation); none: a look costs nothing
+        outer.start_soon(Part("keys: token files").supervise, keys.watch)
         async with trio.open_nursery() as engines:
             await engines.start(sweep.run)
             await engines.start(groups.run)
@@ -268,7 +284,6 @@ NOT_LIVE = {
     "http": "the API's connection limits changed (keep_alive_s, max_connections, "
             "max_streams, header_timeout_s, body_timeout_s): restart nvpair",
     "log": "log_dir, log_format or access_log changed: restart nvpair",
-    "tracing": "[tracing] changed: the trace export starts with nvpair; restart nvpair",
 }
 
 
@@ -301,6 +316,9 @@ class Reloader:
         self._lock = trio.Lock()
         #: reloads applied, and refused, since nvpair started
         self.applied = self.refused = 0
+        #: the trace export, switched when [tracing] changes; the dashboard (its auth)
+        self.export: SpanExport | None = None
+        self.dashboard: Dashboard | None = None
 
     async def reload(self, why: str) -> ConfigDiff:
         """Read the config, check it and apply what changed; returns what changed.
@@ -333,9 +351,6 @@ class Reloader:
         if groups != tuple(self.groups.specs):  # (a rank's part is not in the local ones)
             refused.append("a multi-node group ([engines.group]) changed: groups change "
                            "only at a start; restart nvpair")
-        if "keys" in change.sections and (not self.settings.keys) != (not new.keys):
-            refused.append("keys turned on or off: the API's authentication changes only "
-                           "at a start; restart nvpair")
         if "peers" in change.sections:
             if self.peers is None or new.cluster is None:
                 refused.append("peers turned on or off: the peers broker starts only at a "
@@ -401,12 +416,35 @@ class Reloader:
             self.keys.replace(new.keys)
         if self.api is not None:
             self.api.allowed_hosts = frozenset(h.lower() for h in new.allowed_hosts)
+        self._apply_access(new)
+        if "tracing" in change.sections:
+            self._apply_tracing(new)
         self.sweep.deadline_s = new.sweep_deadline_s
         if "log_rate" in change.sections:
             for runner in self.fleet.runners.values():
                 if runner.log is not None:
                     runner.log.set_rate(RateCap(new.log_lines_per_s, new.log_bytes_per_s))
         self.settings = new
+
+    def _apply_access(self, new: Settings) -> None:
+        """Keys turned on or off (``Keyring.on``: the API asks for a key from the next
+        request on, or asks for none and lets only this machine in) and allowed_hosts, at
+        the dashboard too. Keys turned on end the event streams opened without one: their
+        clients come back with a key (a long-poll or a log follow ends in <= 30 s)."""
+        if self.dashboard is not None:
+            self.dashboard.token_set = bool(new.keys)
+            self.dashboard.allowed_hosts = frozenset(h.lower() for h in new.allowed_hosts)
+        if new.keys and not self.settings.keys and self.events is not None:
+            self.events.end_streams("keys")
+
+    def _apply_tracing(self, new: Settings) -> None:
+        """[tracing] changed: new requests are traced by a new tracer (its sample ratio)
+        into a new exporter (its collector, headers, service name), or not at all; the
+        exporter before sends what it holds and ends (``SpanExport.switch``)."""
+        if self.export is None:
+            return
+        self.export.switch(exporter_for(new))
+        self.router.tracer = tracer_for(new, self.export)
 
     def _runner(self, spec: EngineSpec, settings: Settings, rate: float) -> EngineRunner:
         runner = self.runner_for(spec, settings, rate)

@@ -3,6 +3,7 @@ that hangs (accepts, reads, never answers), and none at all."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -11,7 +12,7 @@ from tests.otlp_receiver import Receiver, attrs
 from tests.ports import free_port
 
 from nvpair.base.otlp import SERVER, Span
-from nvpair.runtime.spanexport import CLOSE_S, SpanExporter
+from nvpair.runtime.spanexport import CLOSE_S, SpanExport, SpanExporter
 
 
 async def counted(exporter: SpanExporter, done: Callable[[SpanExporter], bool]) -> bool:
@@ -103,3 +104,33 @@ async def test_what_is_left_at_shutdown_is_sent_and_a_hung_collector_does_not_ho
     # shutdown waited CLOSE_S for the hung POST, not its 30 s timeout
     assert CLOSE_S <= took < CLOSE_S + 1.0, took
     assert hung.posts == 1 and exporter.exported == 0
+
+
+async def test_a_switch_sends_the_next_spans_to_the_new_exporter_and_ends_the_old(
+        nursery) -> None:
+    """What the old exporter held still reaches its collector, and its thread ends; what
+    follows goes to the new one; with none, spans are dropped and counted; the counts add
+    up every exporter's."""
+    first, second = Receiver(), Receiver()
+    await nursery.start(first.serve)
+    await nursery.start(second.serve)
+    old = SpanExporter(first.url, [], flush_s=30.0)  # (holds its spans until it ends)
+    new = SpanExporter(second.url, [], flush_s=0.05)
+    export = SpanExport()
+    export.switch(old)
+    await nursery.start(export.run)
+    with trio.fail_after(10):
+        export.add(spans(3, "old"))
+        export.switch(new)
+        export.add(spans(2, "new"))
+        assert [s.name for s in await first.wait_for(lambda s: len(s) == 3)] == [
+            "old1", "old2", "old3"]
+        await second.wait_for(lambda s: len(s) == 2)
+        assert await counted(new, lambda _: export.exported == 5)
+        export.switch(None)
+        export.add(spans(4))
+        for thread in threading.enumerate():  # (each exporter's worker ends)
+            if thread.name == "nvpair-otlp":
+                await trio.to_thread.run_sync(thread.join, 5.0)
+    assert export.dropped == 4 and export.exported == 5 and export.used
+    assert old.ended and new.ended and [s.name for s in second.spans] == ["new1", "new2"]

@@ -126,9 +126,9 @@ class Api:
         #: the change journal of GET /v1/events and the long-poll (nvpair.state.events)
         self.events = events
         self.node = node
-        #: who may ask: every key's token and role (None: no token, loopback only)
-        self.keys = keys if keys is not None and keys.keys else (
-            Keyring.single(token) if token else None)
+        #: who may ask: every key's token and role (None, or none in it: no token, this
+        #: machine only); a reload may give an empty ring keys, or take them all away
+        self.keys = Keyring.single(token) if token and (keys is None or not keys.on) else keys
         self.cluster_token = cluster_token.encode() if cluster_token else None
         #: names besides loopback that mean this machine (``allowed_hosts``), lower-case
         self.allowed_hosts = frozenset(h.lower() for h in allowed_hosts)
@@ -262,7 +262,7 @@ class Api:
         if mount is not None and mount.own_auth:
             await mount.handler(scope, receive, send)
             return
-        if self.keys is not None:
+        if self.keys is not None and self.keys.on:
             key = self.keys.identify(bearer(scope))
             if key is None:
                 if not self._peer_forwarded(scope, mount):

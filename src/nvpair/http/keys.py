@@ -241,9 +241,14 @@ class Keyring:
         self.changes = Changes()
         self._seen: dict[str, Seen] = {}
 
+    @property
+    def on(self) -> bool:
+        """There are keys: every request needs one (none: no token, this machine only)."""
+        return bool(self.keys)
+
     def replace(self, specs: Sequence[KeySpec]) -> None:
         """A reload: these keys from now on (a request already identified keeps its key);
-        their files are looked at afresh. Sync."""
+        their files are looked at afresh; none turns the keys off (``on``). Sync."""
         self.keys = tuple(Key(s) for s in specs)
         self.by_name = {k.name: k for k in self.keys}
         self._seen = {}

@@ -69,9 +69,13 @@ def number(value: float) -> str:
 
 
 class SpanCounts(Protocol):
-    """What /metrics shows of the trace export (``nvpair.runtime.spanexport``)."""
+    """What /metrics shows of the trace export (``nvpair.runtime.spanexport.SpanExport``)."""
 
-    exported: int
+    @property
+    def used(self) -> bool: ...
+
+    @property
+    def exported(self) -> int: ...
 
     @property
     def dropped(self) -> int: ...
@@ -96,7 +100,7 @@ class Metrics:
         self.wall = wall
         #: the API's keys (docs/keys.md): their requests, refusals and queue waits
         self.keys = keys
-        #: the trace export's counts, where tracing is on (docs/observability.md)
+        #: the trace export's counts, once tracing was on (docs/observability.md)
         self.spans = spans
         #: (route, status code) -> requests answered (the API counts them)
         self.api: dict[tuple[str, int], int] = {}
@@ -182,14 +186,14 @@ class Metrics:
         self._sweep(family, add)
         self._peers(now, family, add)
         self._router(engines, names, now, family, add)
-        if self.keys is not None:
+        if self.keys is not None and self.keys.on:
             key_families(self.keys, family, add)
         memory_families(snap, names, family, add)
         self._api(family, add)
         if self.streams is not None:
             family("nvpair_events_streams", "gauge", "Open /v1/events streams.")
             add(f"nvpair_events_streams {self.streams()}\n")
-        if self.spans is not None:
+        if self.spans is not None and self.spans.used:
             family("nvpair_trace_spans_exported_total", "counter",
                    "Spans the OTLP collector took.")
             add(f"nvpair_trace_spans_exported_total {self.spans.exported}\n")

@@ -4,8 +4,9 @@ A stream starts with ``retry:`` (a random 1-3 s, so clients do not all come back
 same millisecond after a restart) and a ``snapshot`` (or, resuming with ``Last-Event-ID``,
 the events it missed), then sends each key's newest change, at most ``batches_per_s``
 batches in any second; a ``:`` comment when nothing was sent for ``heartbeat_s``; ``bye``
-when nvpair shuts down. A send the client does not take for ``drop_after_s`` closes its
-connection: nvpair never queues for a slow client (``nvpair.state.events.Stream``).
+when nvpair shuts down or a reload turns keys on. A send the client does not take for
+``drop_after_s`` closes its connection: nvpair never queues for a slow client
+(``nvpair.state.events.Stream``).
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ async def _stream(journal: Journal, stream: Stream, sender: Sender, first: bytes
         if stream.closed:
             body = frames(events) + frame(
                 journal.event_id(), "bye",
-                b'{"node":%s,"reason":"shutdown"}' % encoder.encode(journal.node))
+                b'{"node":%s,"reason":%s}' % (encoder.encode(journal.node),
+                                              encoder.encode(stream.reason)))
             if await sender.body(body):
                 await sender.send({"type": "http.response.body", "body": b""})
             return

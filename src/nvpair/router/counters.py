@@ -22,6 +22,6 @@ class TrafficView:
             await send_wrong_method(send, "GET", "/v1/router")
             return
         doc: dict[str, Any] = {"engines": self.traffic.doc(trio.current_time())}
-        if self.keys is not None:
+        if self.keys is not None and self.keys.on:
             doc["keys"] = self.keys.doc()
         await send_json(send, 200, doc)

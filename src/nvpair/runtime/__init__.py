@@ -15,5 +15,6 @@ The modules:
   before 3.14 only (3.14's incremental collector has no generation 1: `left_alone` says so
   at start).
 * ``spanexport``: spans to an OTLP/HTTP collector from a bounded buffer a worker thread
-  drains, dropped and counted when the collector is slow, hung or gone (`SpanExporter`).
+  drains, dropped and counted when the collector is slow, hung or gone (`SpanExporter`);
+  the exporter of now, which a reload of `[tracing]` switches (`SpanExport`).
 """

@@ -12,6 +12,9 @@ A collector that is slow, hung (accepts, never answers: each POST waits ``timeou
 gone costs the loop nothing: the buffer fills, and spans that find it full are dropped and
 counted (``dropped``), as are the spans of a POST that failed. The collector's trouble is
 logged once when it begins and once when it ends; the headers (a token) never are.
+
+A reload that changes ``[tracing]`` swaps the exporter (``SpanExport.switch``): the next
+spans go to the new one while the old one sends what it holds and its thread ends.
 """
 
 from __future__ import annotations
@@ -83,6 +86,12 @@ class SpanExporter:
     def dropped(self) -> int:
         """Spans never delivered: the buffer was full, or their POST failed."""
         return self._overflowed + self._failed
+
+    @property
+    def ended(self) -> bool:
+        """Its worker was told to stop and has ended: its counts no longer move."""
+        thread = self._thread
+        return self._stop.is_set() and (thread is None or not thread.is_alive())
 
     def wait(self, done: Callable[[SpanExporter], bool], timeout_s: float) -> bool:
         """Block the calling thread (never the loop's: ``trio.to_thread``) until ``done``
@@ -204,3 +213,95 @@ class SpanExporter:
             log.warning("tracing: the collector at %s failed (%s): spans are dropped and "
                         "counted until it answers", self.url, why)
         self.trouble = why
+
+
+class SpanExport:
+    """Where routed requests' spans go while reloads change ``[tracing]`` (the tracers'
+    sink): the current exporter, the ones still ending, and the counts of all of them.
+
+    ``switch`` makes another exporter current (None: tracing is off). Spans handed over
+    from then on go to it, whichever tracer made them: a request traced before a reload
+    that ends after it has its spans sent to the collector of now (with tracing turned
+    off, nowhere: they are counted as dropped). The exporter it replaces sends what it
+    already holds (``SpanExporter.run``'s end: CLOSE_S at most) and its thread ends.
+    ``exported`` and ``dropped`` add up every exporter's counts, so the counters in
+    /metrics never go back at a reload.
+    """
+
+    def __init__(self) -> None:
+        self.current: SpanExporter | None = None
+        #: tracing was on at some time since nvpair started (/metrics shows the counts)
+        self.used = False
+        #: the exporters whose run was asked for and has not ended, each with its scope
+        self._runs: dict[SpanExporter, trio.CancelScope] = {}
+        #: exporters whose counts may still move (the current one, those ending)
+        self._live: list[SpanExporter] = []
+        #: the counts of the exporters that ended, and the spans with nowhere to go
+        self._exported = self._dropped = 0
+        self._nursery: trio.Nursery | None = None
+
+    def add(self, spans: list[Span]) -> None:
+        """Hand a request's finished spans to the current exporter (never waits)."""
+        if self.current is not None:
+            self.current.add(spans)
+        else:
+            self._dropped += len(spans)
+
+    def switch(self, exporter: SpanExporter | None) -> None:
+        """From now on spans go to ``exporter`` (None: nowhere); the one before sends what
+        it holds and ends. Sync: a reload applies it at once. Each exporter runs in a task
+        of its own in ``run``'s nursery (from ``run``'s start, when called before it)."""
+        self._fold()  # (those that ended since: let go of them)
+        old, self.current = self.current, exporter
+        if exporter is not None:
+            self.used = True
+            self._live.append(exporter)
+            self._runs[exporter] = trio.CancelScope()
+            if self._nursery is not None:
+                self._nursery.start_soon(self._run, exporter)
+        if old is not None and old in self._runs:
+            self._runs[old].cancel(reason="tracing changed in a reload")
+
+    @property
+    def exported(self) -> int:
+        self._fold()
+        return self._exported + sum(e.exported for e in self._live)
+
+    @property
+    def dropped(self) -> int:
+        self._fold()
+        return self._dropped + sum(e.dropped for e in self._live)
+
+    def _fold(self) -> None:
+        """The exporters that ended: their counts into the totals, and let go of them."""
+        for e in [e for e in self._live if e is not self.current and e.ended]:
+            self._live.remove(e)
+            self._exported += e.exported
+            self._dropped += e.dropped
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Run every exporter switched to until cancelled, each in a task of its own.
+        Started value: None, at once (spans handed over before an exporter's thread runs
+        wait in its buffer). Cancellation: each exporter ends as in its own ``run``
+        (CLOSE_S at most). Raises: nothing but Cancelled."""
+        for never in [e for e in self._runs if e is not self.current]:
+            del self._runs[never]  # (replaced before the start: it never ran, holds nothing)
+            self._live.remove(never)
+        async with trio.open_nursery() as nursery:
+            if self.current is not None:
+                nursery.start_soon(self._run, self.current)
+            self._nursery = nursery
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._nursery = None
+
+    async def _run(self, exporter: SpanExporter) -> None:
+        """Run ``exporter`` until the switch that replaced it, or cancellation."""
+        try:
+            with self._runs[exporter]:
+                await exporter.run()
+        finally:
+            del self._runs[exporter]

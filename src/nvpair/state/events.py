@@ -165,6 +165,8 @@ class Stream:
         self.pending: dict[str, Event] = {}
         self._ready = trio.Event()
         self.closed = False
+        #: why it was closed (its ``bye`` says it): "shutdown", or "keys" (keys turned on)
+        self.reason = "shutdown"
 
     def wants(self, event: Event) -> bool:
         if event.type not in self.types:
@@ -179,8 +181,9 @@ class Stream:
             self.pending[event.key] = event
             self._ready.set()
 
-    def close(self) -> None:
+    def close(self, reason: str = "shutdown") -> None:
         self.closed = True
+        self.reason = reason
         self._ready.set()
 
     def take(self) -> list[Event]:
@@ -316,6 +319,13 @@ class Journal:
         self.closed = True
         for stream in self.streams:
             stream.close()
+
+    def end_streams(self, reason: str) -> None:
+        """Every open stream gets ``bye`` (saying ``reason``) and ends; new ones are still
+        served. A reload that turns the keys on: the streams opened without a key end,
+        and their clients come back with one."""
+        for stream in self.streams:
+            stream.close(reason)
 
     # -- reads --------------------------------------------------------------------------
 

@@ -223,7 +223,8 @@ function handle(type, doc, id) {
   } else if (type === 'memory') {
     refreshEngines();
   } else if (type === 'bye') {
-    setLink('reconnecting', 'nvpair stopped; reconnecting…');
+    setLink('reconnecting', doc.reason === 'keys' ? 'nvpair now asks for a key; reconnecting…'
+      : 'nvpair stopped; reconnecting…');
   }
 }
 
