@@ -10,7 +10,6 @@ the head waits that long for a silent rank before it ends the epoch.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from tests.group.nodes import Group, group_processes, sim_manifest
+from tests.group.nodes import Group, group_processes, rpc_manifest, sim_manifest
 from tests.managed import alive
 from tests.peers.cluster import Cluster, Node, open_cluster
 
@@ -32,14 +31,16 @@ def ready(doc: dict[str, Any]) -> bool:
 
 
 def rank_pids() -> list[int]:
-    """The group's rank processes (``--node-rank 1``) running now, by /proc."""
+    """The group's rank processes running now, by /proc: a simulated SGLang's with
+    ``--node-rank 1``, or an rpc-server's counting into ``rank1.count``."""
     out = []
     for pid in group_processes():
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"--node-rank" in argv and argv[argv.index(b"--node-rank") + 1] == b"1":
+        if (b"--node-rank" in argv and argv[argv.index(b"--node-rank") + 1] == b"1") or any(
+                a.endswith(b"/rank1.count") for a in argv):
             out.append(pid)
     return out
 
@@ -47,16 +48,20 @@ def rank_pids() -> list[int]:
 async def gone(pid: int, within: float) -> None:
     """Poll /proc (no event crosses processes) until ``pid`` has ended."""
     with trio.fail_after(within):
-        while alive(pid):
+        while True:
+            if not alive(pid):
+                return
             await trio.sleep(0.05)
 
 
 @asynccontextmanager
-async def kept_group(tmp_path: Path) -> AsyncIterator[tuple[Cluster, Group, dict[str, Any]]]:
+async def kept_group(tmp_path: Path, manifest: Path | None = None
+                     ) -> AsyncIterator[tuple[Cluster, Group, dict[str, Any]]]:
     """A ready group of a head and one rank whose config keeps its engines (the top-level
-    on_exit, which a group's engine now takes)."""
+    on_exit, which a group's engine now takes); ``manifest``: simulated SGLang's."""
     async with open_cluster(tmp_path) as cluster:
-        group = Group(cluster, tmp_path, 2, manifest=sim_manifest(tmp_path / "sim.json"),
+        group = Group(cluster, tmp_path, 2,
+                      manifest=manifest or sim_manifest(tmp_path / "sim.json"),
                       grace_s=GRACE_S, top={1: "on_exit = 'keep'"})
         with trio.fail_after(120):
             await cluster.start(*group.nodes)
@@ -123,7 +128,13 @@ async def test_a_kept_rank_is_adopted_after_sigterm_and_sigkill_without_a_group_
 
 
 async def test_a_kept_rank_of_an_epoch_the_head_ended_is_replaced(tmp_path: Path) -> None:
-    async with kept_group(tmp_path) as (cluster, group, doc):
+    """llama.cpp RPC stand-ins: an rpc-server outlives its head's process (a simulated
+    SGLang rank exits once its head's process goes, as SGLang's does, so it would not
+    be there to adopt after the group restarted)."""
+    counts = tmp_path / "counts"
+    counts.mkdir()
+    manifest = rpc_manifest(tmp_path / "rpc.json", counts, listen_after_s=0.3)
+    async with kept_group(tmp_path, manifest) as (cluster, group, doc):
         epoch, rank_pid = doc["epoch"], doc["ranks"][1]["pid"]
         rank = group.nodes[1]
         await cluster.stop(rank, signal.SIGKILL)
@@ -168,4 +179,3 @@ async def test_the_head_keeps_no_process_and_says_so(tmp_path: Path) -> None:
                     "with nvpair") in said, said[-3000:]
             assert "leaving" not in said
             assert not alive(head_pid)
-            assert os.path.exists(group.head.dir / "state")

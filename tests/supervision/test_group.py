@@ -209,3 +209,24 @@ def test_next_look() -> None:
     assert next_look(True, True, 5.0) == 5.0
     assert next_look(True, False, 5.0) == RECHECK_S
     assert next_look(True, False, 0.5) == 0.5
+
+
+async def test_an_adopted_rank_stays_only_for_its_heads_boot_epoch_and_command(
+        tmp_path: Path) -> None:
+    """Once the head is heard, an adopted kept process stays if the head has the same boot
+    and epoch and the config builds the same command; else it is stopped (not fenced)."""
+    head = Report(name="g", rank=0, epoch=7, state="ready", run=True)
+    cases = [  # (the head's epoch, its boot, the record's digest: None is today's), kept
+        (7, "boot-a", None, True), (8, "boot-a", None, False), (7, "boot-b", None, False),
+        (7, "boot-a", "0" * 64, False)]
+    for epoch, boot, digest, stays in cases:
+        said = Heard(msgspec.structs.replace(head, epoch=epoch), "fresh", 0.1, "127.0.0.1",
+                     boot)
+        runner = rank_runner(tmp_path, Hearing(said))
+        slot = Slot(7)
+        slot.adopted, slot.head_boot = True, "boot-a"
+        runner.slot, runner.started_epoch = slot, 7
+        runner._adopted_digest = digest or runner._rank_digest("127.0.0.1")
+        runner._rank_step(trio.current_time())
+        assert slot.stopping is not stays and not slot.fenced, (epoch, boot, digest)
+        assert runner.slot is slot  # (no second process for its epoch)

@@ -269,6 +269,9 @@ class GroupRunner:
         self.keep = spec.on_exit == "keep" and self.group.rank != 0 and procs.dir is not None
         #: a rank held stopped on this node (``hold``: ``nvpair stop-engines``)
         self.held = False
+        #: an adopted process's command digest, until the head is first heard: another
+        #: command in the config now (changed while nvpair was down) stops it
+        self._adopted_digest: str | None = None
         self.started_epoch: int | None = None
         self.fenced = False
         self.members: tuple[Member, ...] = ()
@@ -529,6 +532,13 @@ class GroupRunner:
         if (running is not None and slot is not None and heard.boot is not None
                 and heard.peer != "left" and slot.head_boot != heard.boot):
             running = -1  # started for another boot of the head: never its epoch
+        if self._adopted_digest is not None and head is not None and running is not None:
+            # the first word of the head: its host is known, so is the rank's command now
+            if self._adopted_digest != self._rank_digest(heard.host):
+                log.info("group %s: rank %d's command changed while nvpair was down: its "
+                         "kept process is stopped", self.spec.name, self.group.rank)
+                running = -1  # (as a process of another epoch: stopped, none started)
+            self._adopted_digest = None
         silent_s = heard.silent_s
         if silent_s is None and running is not None and slot is not None and slot.adopted:
             # not heard since this nvpair began: an adopted process is fenced as a running
@@ -548,10 +558,7 @@ class GroupRunner:
             self._stop(slot)
         if d.start and d.epoch is not None and (slot is None or slot.done):
             self.fenced = False
-            host = heard.host or "127.0.0.1"
-            values = role_values(self.group, self.group.member, placeholder_values(self.spec),
-                                 rank=self.group.rank, dist_host=host, rank_hosts=[host])
-            self._start(d.epoch, values, heard.boot)
+            self._start(d.epoch, self._rank_values(heard.host), heard.boot)
         report = self._rank_report(head)
         self.reports.set(msgspec.structs.replace(report, memory_bytes=self._memory_now())
                          if report.pid is not None else report)
@@ -560,6 +567,17 @@ class GroupRunner:
                 silent_s is not None and running is not None):
             wake = now + max(self.group.fence_after_s - silent_s, 0.0) + 1e-3
         return wake
+
+    def _rank_values(self, head_host: str | None) -> dict[str, object]:
+        host = head_host or "127.0.0.1"
+        return role_values(self.group, self.group.member, placeholder_values(self.spec),
+                           rank=self.group.rank, dist_host=host, rank_hosts=[host])
+
+    def _rank_digest(self, head_host: str | None) -> str:
+        """The digest of the command this rank would start now (a kept record's digest)."""
+        argv, extra = build_command(role_manifest(self.spec.manifest, self.group.my_role),
+                                    None, self._rank_values(head_host))
+        return command_digest(argv, {**extra, **self.spec.env})
 
     def _rank_report(self, head: Report | None) -> Report:
         slot = self.slot
@@ -615,6 +633,7 @@ class GroupRunner:
         slot = Slot(kept.epoch if kept is not None and kept.epoch is not None else 0)
         slot.head_boot = None if kept is None else kept.head_boot
         slot.adopted = True
+        self._adopted_digest = None if kept is None else kept.digest
         self.slot, self.started_epoch = slot, slot.epoch
         log.info("group %s: rank %d's process %d of epoch %d, left running by nvpair %d "
                  "(on_exit = keep), is adopted: it runs on while the head has that epoch",
