@@ -230,3 +230,23 @@ async def test_an_adopted_rank_stays_only_for_its_heads_boot_epoch_and_command(
         runner._rank_step(trio.current_time())
         assert slot.stopping is not stays and not slot.fenced, (epoch, boot, digest)
         assert runner.slot is slot  # (no second process for its epoch)
+
+
+async def test_a_held_rank_stops_its_process_and_starts_none(tmp_path: Path) -> None:
+    """``hold`` (POST /v1/groups/NAME/stop?here=1, nvpair stop-engines): the rank's process
+    is stopped, none is started while held, and the head refuses it."""
+    assert "head of group g" in (rank_runner(tmp_path, node="n0").hold(True) or "")
+    head = Report(name="g", rank=0, epoch=7, state="ready", run=True, go=True)
+    runner = rank_runner(tmp_path, Hearing(Heard(head, "fresh", 0.1, "127.0.0.1", "b")))
+    slot = Slot(7)
+    slot.head_boot = "b"
+    runner.slot, runner.started_epoch = slot, 7
+    runner._rank_step(trio.current_time())
+    assert not slot.stopping
+    assert runner.hold(True) is None and runner.held
+    runner._rank_step(trio.current_time())
+    assert slot.stopping and not slot.fenced
+    slot.done = True
+    runner.started_epoch = None  # (it could start epoch 7 again: held, it does not)
+    runner._rank_step(trio.current_time())
+    assert runner.slot is slot and runner.reports.items["g"].state == "stopped"
