@@ -110,8 +110,8 @@ async def test_a_kept_rank_is_adopted_after_sigterm_and_sigkill_without_a_group_
             own = await group.wait(lambda d: d["epoch"] is not None, within=10,
                                    what="the rank's view", node=rank)
             assert own["epoch"] == epoch and own["ranks"][1]["pid"] == rank_pid, own
-            print(f"{signal.Signals(how).name}: the rank's nvpair restarted -> the group "
-                  f"ready again with the kept rank in {took:.2f} s")
+            print(f"{signal.Signals(how).name}: the rank's nvpair spawned again -> the "
+                  f"group ready again with the kept rank in {took:.2f} s")
         log = (rank.dir / "logs" / f"g.e{epoch}.log").read_text()
         assert log.count(": starting: ") == 1, log  # one start in three nvpairs
         assert log.count(f"adopted process {rank_pid}") == 2, log
