@@ -89,6 +89,23 @@ def test_nvpair_unit_follows_the_config_s_on_exit(tmp_path: Path) -> None:
     assert _keys(r.stdout)["KillMode"] == "mixed"
 
 
+def test_nvpair_unit_keeps_a_groups_rank_but_not_its_head(tmp_path: Path) -> None:
+    """A rank's process is kept (docs/groups.md); the head's stops with nvpair, so a node
+    that is only a group's head gets the default unit."""
+    (tmp_path / "token").write_text("secret\n")
+    for node, kill_mode in (("n1", "process"), ("n0", "mixed")):
+        config = tmp_path / f"{node}.toml"
+        config.write_text(
+            f"on_exit = 'keep'\nnode = '{node}'\n[[engines]]\nname = 'g'\nkind = 'sglang'\n"
+            "model = 'm'\nmanaged = true\n[engines.group]\nranks = ['n0', 'n1']\n"
+            "dist_port = 50000\n[[peers]]\nurl = 'http://127.0.0.1:1'\n[cluster]\n"
+            "token_file = 'token'\n")
+        r = subprocess.run([sys.executable, "-m", "nvpair", "unit", "--config", str(config)],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert _keys(r.stdout)["KillMode"] == kill_mode, (node, r.stdout)
+
+
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")
 def test_systemd_accepts_the_keep_unit(tmp_path: Path) -> None:
     unit = tmp_path / "nvpair.service"

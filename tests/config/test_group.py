@@ -170,3 +170,25 @@ def test_bad_group_roles_in_a_manifest(group: str, expected: str) -> None:
     with pytest.raises(ManifestError) as info:
         decode_manifest((BASE % group).encode(), "m.json")
     assert expected in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_groups_engine_may_be_kept_its_own_or_by_the_top_level(tmp_path: Path) -> None:
+    """on_exit = keep on a group's engine (a rank's process outlives its nvpair: docs/
+    groups.md) was a config error; its own on_exit wins over the top-level one."""
+    own = settings(tmp_path, extra="managed = true\non_exit = 'keep'\n").engines[0]
+    assert own.on_exit == "keep" and own.group is not None and own.group.rank == 1
+    head = settings(tmp_path, node="spark-1", extra="managed = true\non_exit = 'keep'\n")
+    assert head.engines[0].on_exit == "keep"  # (the head's process stops with nvpair anyway)
+    text = "on_exit = 'keep'\n" + config(tmp_path)
+    top = resolve(decode_config(text.encode(), "n.toml"), "n.toml", tmp_path).engines[0]
+    assert top.on_exit == "keep"
+    text = "on_exit = 'keep'\n" + config(tmp_path, extra="managed = true\non_exit = 'stop'\n")
+    assert resolve(decode_config(text.encode(), "n.toml"), "n.toml",
+                   tmp_path).engines[0].on_exit == "stop"
+    assert settings(tmp_path).engines[0].on_exit == "stop"  # the default
+
+
+def test_on_exit_of_a_group_that_nvpair_does_not_manage_is_still_refused(
+        tmp_path: Path) -> None:
+    message = error(tmp_path, extra="on_exit = 'keep'\n")
+    assert "engines[0].on_exit: needs managed = true" in message, message

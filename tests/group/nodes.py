@@ -87,9 +87,11 @@ class Group:
     def __init__(self, cluster: Cluster, tmp: Path, count: int, *, manifest: Path,
                  group_extra: str = "",
                  hosts: list[tuple[str, str | None]] | None = None,
-                 etcd_url: str | None = None) -> None:
+                 etcd_url: str | None = None, grace_s: float = 2,
+                 top: dict[int, str] | None = None) -> None:
         """``hosts``: each node's address and network namespace (default 127.0.0.N);
-        ``etcd_url``: the etcd backend instead of push."""
+        ``etcd_url``: the etcd backend instead of push; ``grace_s``: rank_lost_grace_s;
+        ``top``: lines at the top of node N's config (``on_exit = 'keep'``)."""
         self.cluster = cluster
         self.port = free_port()  # each node's API, on its own address
         self.engine_port = free_port()
@@ -99,7 +101,7 @@ class Group:
                                        netns=hosts[i][1])) for i in range(count)]
         for node in self.nodes:
             peers = [o for o in self.nodes if o is not node]
-            lines = []
+            lines = [(top or {}).get(self.nodes.index(node), "")]
             if not node.host.startswith("127."):  # off loopback: the API wants a token
                 (node.dir / "user-token").write_text(USER_TOKEN)
                 lines.append(f"token_file = '{node.dir / 'user-token'}'")
@@ -112,7 +114,7 @@ class Group:
                      "[engines.probes.health]", "interval_s = 1", "timeout_s = 1",
                      "[engines.group]",
                      f"ranks = [{', '.join(repr(n.name) for n in self.nodes)}]",
-                     f"dist_port = {self.dist_port}", "rank_lost_grace_s = 2",
+                     f"dist_port = {self.dist_port}", f"rank_lost_grace_s = {grace_s}",
                      "restart_backoff = {initial_s = 0.5, max_s = 2}", group_extra]
             if etcd_url is not None:
                 lines += ["[cluster]", "backend = 'etcd'", f"etcd_url = '{etcd_url}'",

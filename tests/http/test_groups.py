@@ -71,6 +71,10 @@ class Source:
     def head_url(self, name: str) -> str | None:
         return "http://head.example:14322"
 
+    def hold(self, name: str, held: bool) -> str | None:
+        self.asked.append(f"hold {held}")
+        return "this node is the head" if self.s.rank == 0 else None
+
 
 async def call(view: GroupsView, method: str, path: str) -> tuple[int, Any]:
     sent: list[dict[str, Any]] = []
@@ -81,7 +85,9 @@ async def call(view: GroupsView, method: str, path: str) -> tuple[int, Any]:
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    await view({"type": "http", "method": method, "path": path, "headers": []}, receive, send)
+    path, _, query = path.partition("?")
+    await view({"type": "http", "method": method, "path": path, "headers": [],
+                "query_string": query.encode()}, receive, send)
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     return sent[0]["status"], json.loads(body)
 
@@ -136,3 +142,24 @@ async def test_a_wrong_method_names_the_right_one_in_allow() -> None:
                    receive, send)
         assert sent[0]["status"] == 405
         assert (b"allow", allowed) in sent[0]["headers"], (method, path)
+
+
+async def test_here_is_a_ranks_own_stop_or_start_never_passed_on() -> None:
+    """``?here=1`` (what nvpair stop-engines asks of a rank's nvpair): the rank holds its
+    own process stopped, or runs again; the head refuses it, and restart is the group's."""
+    def head(request: httpx2.Request) -> httpx2.Response:
+        raise AssertionError(f"passed on to the head: {request.url}")
+
+    source = Source(Status(name="g", node="c", rank=2, role="rank", ranks=RANKS))
+    view = GroupsView(source, "c", "cluster-secret",
+                      transport=lambda: httpx2.MockTransport(head))
+    status, body = await call(view, "POST", "/v1/groups/g/stop?here=1")
+    assert status == 202 and body["here"] is True and body["node"] == "c"
+    status, body = await call(view, "POST", "/v1/groups/g/start?here=1")
+    assert status == 202 and source.asked == ["hold True", "hold False"]
+    status, body = await call(view, "POST", "/v1/groups/g/restart?here=1")
+    assert status == 400 and "restart is the group's" in body["error"]["message"]
+    on_head = Source(head_status(Head(epoch=3, state="ready")))
+    status, body = await call(GroupsView(on_head, "a", "t"), "POST", "/v1/groups/g/stop?here=1")
+    assert status == 409 and body["error"]["message"] == "this node is the head"
+    assert on_head.asked == ["hold True"]

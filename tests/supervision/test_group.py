@@ -8,6 +8,7 @@ import socket
 from pathlib import Path
 
 import httpx2
+import msgspec
 import trio
 from hypothesis import given
 from hypothesis import strategies as st
@@ -19,6 +20,7 @@ from nvpair.supervision.group import (
     RECHECK_S,
     STARTING_CHECK_S,
     GroupRunner,
+    Heard,
     Reports,
     Slot,
     listening,
@@ -96,16 +98,70 @@ def test_reports_tell_their_listeners_of_changes_only() -> None:
     assert len(calls) == 2 and [x.name for x in reports.all()] == ["a", "g"]
 
 
-def rank_runner(tmp_path: Path) -> GroupRunner:
-    """Rank 1 of a group of the built-in SGLang manifest (its rank probe: GET /ping)."""
+def rank_runner(tmp_path: Path, peers: object = None, node: str = "n1") -> GroupRunner:
+    """Rank 1 of a group of the built-in SGLang manifest (its rank probe: GET /ping);
+    ``node = "n0"``: its head."""
     (tmp_path / "token").write_text("secret\n")
-    text = ('node = "n1"\n[cluster]\ntoken_file = "token"\n[[peers]]\n'
+    text = (f'node = "{node}"\n[cluster]\ntoken_file = "token"\n[[peers]]\n'
             'url = "http://127.0.0.1:1"\n[[engines]]\nname = "g"\nkind = "sglang"\n'
             'model = "m"\nmanaged = true\n[engines.group]\nranks = ["n0", "n1"]\n'
             "dist_port = 50000\n")
     s = resolve(decode_config(text.encode(), "n.toml"), "n.toml", tmp_path)
-    return GroupRunner(s.engines[0], Board(()), None, Reports(),  # type: ignore[arg-type]
-                       "n1", None, EngineProcs(None), None)
+    return GroupRunner(s.engines[0], Board(()), peers, Reports(),  # type: ignore[arg-type]
+                       node, None, EngineProcs(None), None)
+
+
+class Hearing:
+    """``GroupPeers`` that hear one thing of every node (``said``), or nothing."""
+
+    version = 0
+
+    def __init__(self, said: Heard | None = None) -> None:
+        self.said = said or Heard(None, "none")
+
+    async def wait_changed(self, since_version: int) -> int:
+        await trio.sleep_forever()
+        return since_version
+
+    def heard(self, node: str, group: str, now: float) -> Heard:
+        return self.said
+
+    def own_host(self) -> str | None:
+        return None
+
+
+async def test_an_adopted_rank_waits_fence_after_s_for_a_head_it_never_heard(
+        tmp_path: Path, autojump_clock: object) -> None:
+    """A kept process adopted by a new nvpair (on_exit = keep) is fenced as a running rank
+    is: once the head is silent for fence_after_s (30 s), counted from its adoption; a
+    process this nvpair started for a head it never heard is fenced at once."""
+    runner = rank_runner(tmp_path, Hearing())
+    slot = Slot(7)
+    slot.adopted = True
+    runner.slot, runner.started_epoch = slot, 7
+    wake = runner._rank_step(trio.current_time())
+    assert not slot.stopping and abs(wake - (slot.started_at + 30.0)) < 0.01
+    report = runner.reports.items["g"]
+    assert (report.epoch, report.state) == (7, "unknown")  # (the head waits its grace)
+    await trio.sleep(29.9)
+    runner._rank_step(trio.current_time())
+    assert not slot.stopping
+    await trio.sleep(0.2)
+    runner._rank_step(trio.current_time())
+    assert slot.stopping and slot.fenced
+    fresh = Slot(8)
+    runner.slot, runner.started_epoch = fresh, 8
+    runner._rank_step(trio.current_time())
+    assert fresh.stopping and fresh.fenced
+
+
+async def test_the_head_waits_its_grace_for_a_kept_rank_whose_nvpair_left(
+        tmp_path: Path) -> None:
+    left = Report(name="g", rank=1, epoch=3, state="ready", pid=9)
+    for kept, state in ((False, "stopped"), (True, "unknown")):
+        said = Heard(msgspec.structs.replace(left, kept=kept), "left", 0.5)
+        head = rank_runner(tmp_path, Hearing(said), node="n0")
+        assert [m.state for m in head._member_list(0.0)] == [state]
 
 
 async def test_a_ready_rank_is_probed_within_budget_and_a_hung_one_found_soon(
@@ -153,3 +209,44 @@ def test_next_look() -> None:
     assert next_look(True, True, 5.0) == 5.0
     assert next_look(True, False, 5.0) == RECHECK_S
     assert next_look(True, False, 0.5) == 0.5
+
+
+async def test_an_adopted_rank_stays_only_for_its_heads_boot_epoch_and_command(
+        tmp_path: Path) -> None:
+    """Once the head is heard, an adopted kept process stays if the head has the same boot
+    and epoch and the config builds the same command; else it is stopped (not fenced)."""
+    head = Report(name="g", rank=0, epoch=7, state="ready", run=True)
+    cases = [  # (the head's epoch, its boot, the record's digest: None is today's), kept
+        (7, "boot-a", None, True), (8, "boot-a", None, False), (7, "boot-b", None, False),
+        (7, "boot-a", "0" * 64, False)]
+    for epoch, boot, digest, stays in cases:
+        said = Heard(msgspec.structs.replace(head, epoch=epoch), "fresh", 0.1, "127.0.0.1",
+                     boot)
+        runner = rank_runner(tmp_path, Hearing(said))
+        slot = Slot(7)
+        slot.adopted, slot.head_boot = True, "boot-a"
+        runner.slot, runner.started_epoch = slot, 7
+        runner._adopted_digest = digest or runner._rank_digest("127.0.0.1")
+        runner._rank_step(trio.current_time())
+        assert slot.stopping is not stays and not slot.fenced, (epoch, boot, digest)
+        assert runner.slot is slot  # (no second process for its epoch)
+
+
+async def test_a_held_rank_stops_its_process_and_starts_none(tmp_path: Path) -> None:
+    """``hold`` (POST /v1/groups/NAME/stop?here=1, nvpair stop-engines): the rank's process
+    is stopped, none is started while held, and the head refuses it."""
+    assert "head of group g" in (rank_runner(tmp_path, node="n0").hold(True) or "")
+    head = Report(name="g", rank=0, epoch=7, state="ready", run=True, go=True)
+    runner = rank_runner(tmp_path, Hearing(Heard(head, "fresh", 0.1, "127.0.0.1", "b")))
+    slot = Slot(7)
+    slot.head_boot = "b"
+    runner.slot, runner.started_epoch = slot, 7
+    runner._rank_step(trio.current_time())
+    assert not slot.stopping
+    assert runner.hold(True) is None and runner.held
+    runner._rank_step(trio.current_time())
+    assert slot.stopping and not slot.fenced
+    slot.done = True
+    runner.started_epoch = None  # (it could start epoch 7 again: held, it does not)
+    runner._rank_step(trio.current_time())
+    assert runner.slot is slot and runner.reports.items["g"].state == "stopped"

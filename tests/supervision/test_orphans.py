@@ -411,3 +411,20 @@ def test_a_script_shown_by_its_interpreter_is_the_same_command() -> None:
                                       "--port", "9"])
     assert not same_command(started, ["nvpair", "sim"])
     assert not same_command([], ["x"])
+
+
+def test_a_kept_record_carries_a_ranks_epoch_and_an_older_one_still_parses() -> None:
+    """A group rank's kept record adds its epoch and its head's boot; a record written
+    before them (no such fields) parses with neither; an unknown field is still refused."""
+    old = {"engine": "g", "pid": 42, "start_time": 7, "boot_id": "b", "argv": ["x"],
+           "nvpair_pid": 41, "nvpair_start_time": 6, "on_exit": "keep",
+           "kept": {"digest": "a" * 64, "restarts": 1, "output": "/s/g.out", "offset": 9}}
+    record = parse_record(json.dumps(old).encode(), "old.json")
+    assert record.kept is not None and (record.kept.epoch, record.kept.head_boot) == (None, None)
+    old["kept"] = {**old["kept"], "epoch": 12, "head_boot": "boot-of-head"}  # type: ignore[dict-item]
+    record = parse_record(json.dumps(old).encode(), "new.json")
+    assert record.kept is not None and (record.kept.epoch, record.kept.head_boot) == (
+        12, "boot-of-head")
+    old["kept"] = {**old["kept"], "epochs": 3}  # type: ignore[dict-item]
+    with pytest.raises(StateFileError, match=r"new\.json"):
+        parse_record(json.dumps(old).encode(), "new.json")

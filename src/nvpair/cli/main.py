@@ -147,7 +147,9 @@ def _config_on_exit(config: str) -> str:
         settings = load_settings(config) if os.path.isfile(config) else None
     except InputError:
         return "stop"
-    keeps = settings is not None and any(e.on_exit == "keep" for e in settings.engines)
+    # (a group's head never keeps its process: docs/groups.md)
+    keeps = settings is not None and any(e.on_exit == "keep" and not (
+        e.group is not None and e.group.rank == 0) for e in settings.engines)
     return "keep" if keeps else "stop"
 
 

@@ -3,11 +3,12 @@ with nvpair running or not (``systemctl stop`` runs it: docs/deploy.md).
 
 The records say which nvpair started (or adopted) each engine process. An engine of an
 nvpair that is running is stopped through that nvpair's API (``POST
-/v1/engines/NAME/stop``: stopped behind its back, its runner would start it again), and
-the command waits until its record is gone. An engine whose nvpair is gone (it exited
-leaving its kept engines, or was killed) is stopped here, as a starting nvpair stops an
-orphan: its stop signal to its process group, the grace period, SIGKILL
-(``nvpair.supervision.orphans.reclaim``).
+/v1/engines/NAME/stop``: stopped behind its back, its runner would start it again; a
+group's rank, ``POST /v1/groups/NAME/stop?here=1``: held stopped on this node, the rest of
+its group left to its head), and the command waits until its record is gone. An engine
+whose nvpair is gone (it exited leaving its kept engines, or was killed) is stopped here,
+as a starting nvpair stops an orphan: its stop signal to its process group, the grace
+period, SIGKILL (``nvpair.supervision.orphans.reclaim``).
 
 As a systemd unit's ``ExecStop=`` (``--systemd-unit %n``, with ``on_exit = "keep"``) it
 stops the engines only for a stop job of the unit (``systemctl stop``, a shutdown):
@@ -86,9 +87,12 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
     if served:  # a running nvpair's: through its API
         from nvpair.cli.client import call
 
+        ranks = {e.name for e in settings.engines if e.group is not None and e.group.rank}
         for name in served:
+            path = (f"/v1/groups/{name}/stop?here=1" if name in ranks
+                    else f"/v1/engines/{name}/stop")
             try:
-                call(args, "POST", f"/v1/engines/{name}/stop")
+                call(args, "POST", path)
             except InputError as exc:  # (said; what is left on record is said below)
                 print(f"nvpair: {name}: {exc}", file=sys.stderr)
         grace = max((e.stop_grace_s for e in settings.engines), default=orphans.DEFAULT_GRACE_S)

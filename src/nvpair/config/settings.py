@@ -484,7 +484,7 @@ def resolve(config: Config, source: str, base: Path, *, listen: str | None = Non
             raise ConfigError(f"{where}.name: duplicate engine name {eng.name!r}")
         names.add(eng.name)
         spec = _resolve_engine(eng, where, base)
-        if spec.managed and eng.group is None:  # a group's ranks: docs/lifecycle.md
+        if spec.managed:  # (a group's: kept on its ranks only, docs/groups.md)
             spec = msgspec.structs.replace(spec, on_exit=eng.on_exit or config.on_exit)
         twin = next((e for e in engines if (e.host, e.port) == (spec.host, spec.port)), None)
         # two adopted engines at one address: a mistake as a rule; a load test may mean it.
@@ -663,9 +663,6 @@ def _resolve_engine(eng: EngineConfig, where: str, base: Path) -> EngineSpec:
     if eng.on_exit is not None and not eng.managed:
         raise ConfigError(f"{where}.on_exit: needs managed = true (nvpair never stops an "
                           "engine it did not start)")
-    if eng.on_exit == "keep" and eng.group is not None:
-        raise ConfigError(f"{where}.on_exit: a group's engine is stopped with nvpair; "
-                          "on_exit = 'keep' is for single-node engines")
     if eng.activation == "on_demand" and not eng.managed:
         raise ConfigError(f"{where}.activation: on_demand needs managed = true (nvpair "
                           "starts and stops the engine)")

@@ -2,7 +2,9 @@
 
 Reads are answered from this node's memory, never by asking a peer: the head knows the
 whole group; a rank knows the head's last word and its own process. A POST on a rank is
-passed on to the head (the cluster token, as the router passes requests on), bounded.
+passed on to the head (the cluster token, as the router passes requests on), bounded;
+with ``?here=1``, a ``stop`` or ``start`` is this rank's own: it holds its process stopped
+(``nvpair stop-engines``) or runs again as its head says.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
+from urllib.parse import parse_qs
 
 import httpx2
 import trio
@@ -32,6 +35,8 @@ class GroupSource(Protocol):
     def request(self, name: str, action: str) -> str | None: ...
 
     def head_url(self, name: str) -> str | None: ...
+
+    def hold(self, name: str, held: bool) -> str | None: ...
 
 
 def _wall(at: float | None, offset: float) -> float | None:
@@ -161,6 +166,19 @@ class GroupsView:
             return
         if method != "POST":
             await send_wrong_method(send, "POST", f"{PREFIX}/{name}/{action}")
+            return
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        if query.get("here", ["0"])[-1] not in ("0", "false", ""):
+            if action == "restart":
+                await send_error(send, 400, "here=1 takes stop or start (this rank's own "
+                                 "process); restart is the group's: ask without here")
+                return
+            why = self.source.hold(name, action == "stop")
+            if why is not None:
+                await send_error(send, 409, why)
+                return
+            await send_json(send, 202, {"group": name, "action": action, "accepted": True,
+                                        "node": self.node, "here": True})
             return
         if status.rank == 0:
             why = self.source.request(name, action)

@@ -135,6 +135,9 @@ class Groups:
     def request(self, name: str, action: str) -> str | None:
         return self.runners[name].request(action)
 
+    def hold(self, name: str, held: bool) -> str | None:
+        return self.runners[name].hold(held)
+
     def head_url(self, name: str) -> str | None:
         runner = self.runners.get(name)
         if runner is None or self.link is None:

@@ -61,6 +61,9 @@ class Report(msgspec.Struct, frozen=True, omit_defaults=True):
     ranks_ready: Annotated[int, msgspec.Meta(ge=0)] = 0
     #: its process's anonymous memory plus swap, to about 5 % (None: unread)
     memory_bytes: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    #: a rank: its process outlives its nvpair (``on_exit = "keep"``), so its nvpair's
+    #: leave is not the process's end (the head waits ``grace_s`` for it, as for silence)
+    kept: bool = False
 
 
 def coarse(n: int) -> int:

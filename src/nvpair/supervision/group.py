@@ -7,6 +7,12 @@ change (a peer's advert, the board, a process) wakes the loop, which recomputes 
 run and makes it so. Processes are ``nvpair.supervision.process.run_engine_process``: their own
 session, stopped with the role's signal, grace and SIGKILL, on record for
 ``nvpair.supervision.orphans``, a log file per epoch (the last ``LOGS_KEPT`` kept).
+
+With ``on_exit = "keep"`` a rank's process outlives its nvpair (``nvpair.supervision.kept``):
+its record carries its epoch and its head's boot, and the next nvpair adopts it into a
+slot of that epoch; the rank's step then keeps it while the head still has that boot and
+epoch, and stops it like any old-epoch process once the head has moved on. The end of an
+epoch always stops it. The head's own process always stops with its nvpair.
 """
 
 from __future__ import annotations
@@ -35,8 +41,9 @@ from nvpair.config.settings import EngineSpec, placeholder_values
 from nvpair.state import group as machine
 from nvpair.state.group import GroupTag, Head, KeyView, Member, Policy, Proc, Report
 from nvpair.state.snapshot import Board
+from nvpair.supervision.kept import output_path
 from nvpair.supervision.memproc import MemorySourceError, parse_listening, read_status
-from nvpair.supervision.orphans import EngineProcs
+from nvpair.supervision.orphans import EngineProcs, Kept, Record, command_digest
 from nvpair.supervision.process import EngineProcess, Stopping, describe_exit, run_engine_process
 
 log = logging.getLogger("nvpair.group")
@@ -193,6 +200,11 @@ class Slot:
         self.exit_code: int | None = None
         #: the boot of the head it was started for (a rank's)
         self.head_boot: str | None = None
+        #: a kept process a previous nvpair left (``on_exit = "keep"``), adopted
+        self.adopted = False
+        #: an adopted process's readiness is known: its first look answered, or as many
+        #: looks as the failure threshold did not (until then it reports ``unknown``)
+        self.looked = False
 
     @property
     def pid(self) -> int | None:
@@ -252,6 +264,14 @@ class GroupRunner:
             start_order=g.start_order)
         self.head: Head | None = None
         self.slot: Slot | None = None
+        #: a rank whose process outlives its nvpair (``on_exit = "keep"``, with a state
+        #: directory); the head's never does (its new boot restarts the group anyway)
+        self.keep = spec.on_exit == "keep" and self.group.rank != 0 and procs.dir is not None
+        #: a rank held stopped on this node (``hold``: ``nvpair stop-engines``)
+        self.held = False
+        #: an adopted process's command digest, until the head is first heard: another
+        #: command in the config now (changed while nvpair was down) stops it
+        self._adopted_digest: str | None = None
         self.started_epoch: int | None = None
         self.fenced = False
         self.members: tuple[Member, ...] = ()
@@ -302,6 +322,20 @@ class GroupRunner:
         self._wake.bump()
         return None
 
+    def hold(self, held: bool) -> str | None:
+        """On a rank: stop its own process and start none (``held``: what ``nvpair
+        stop-engines`` asks), or run again as the head says; None, or why not (the head's
+        process is the group's: stop the group)."""
+        if self.group.rank == 0:
+            return (f"this node is the head of group {self.spec.name}: its process is the "
+                    "group's; stop or start the group")
+        if held != self.held:
+            self.held = held
+            log.info("group %s: rank %d %s on this node", self.spec.name, self.group.rank,
+                     "held stopped" if held else "runs again as its head says")
+            self._wake.bump()
+        return None
+
     # -- the loop --------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -316,6 +350,12 @@ class GroupRunner:
                 nursery.start_soon(self._forward_peers)
                 if self.group.rank == 0:  # the head's readiness is its engine's probes
                     nursery.start_soon(self._forward_board)
+                    if self.spec.on_exit == "keep":
+                        log.info("group %s: on_exit = keep keeps the ranks' processes; the "
+                                 "head's stops with nvpair (a new head restarts its group)",
+                                 self.spec.name)
+                elif self.keep:
+                    self._adopt_kept()
                 task_status.started()
                 try:
                     await self.part.supervise(self._loop)
@@ -369,8 +409,9 @@ class GroupRunner:
         for rank, node in enumerate(self.group.ranks[1:], start=1):
             heard = self.peers.heard(node, self.spec.name, now)
             r = heard.report
-            if heard.peer == "left" and r is not None and r.rank == rank:
+            if heard.peer == "left" and r is not None and r.rank == rank and not r.kept:
                 # its nvpair said goodbye: its process is stopping, no grace to wait out
+                # (a kept one runs on: silent, its grace applies)
                 out.append(Member(rank, node, "stopped", r.epoch, "left (its nvpair stopped)"))
             elif r is None or heard.peer not in ("fresh", "one-way") or r.rank != rank:
                 state: machine.RankState = "unknown"
@@ -491,10 +532,24 @@ class GroupRunner:
         if (running is not None and slot is not None and heard.boot is not None
                 and heard.peer != "left" and slot.head_boot != heard.boot):
             running = -1  # started for another boot of the head: never its epoch
-        d = machine.reconcile(head, heard.peer, heard.silent_s, running, self.started_epoch,
+        if self._adopted_digest is not None and head is not None and running is not None:
+            # the first word of the head: its host is known, so is the rank's command now
+            if self._adopted_digest != self._rank_digest(heard.host):
+                log.info("group %s: rank %d's command changed while nvpair was down: its "
+                         "kept process is stopped", self.spec.name, self.group.rank)
+                running = -1  # (as a process of another epoch: stopped, none started)
+            self._adopted_digest = None
+        silent_s = heard.silent_s
+        if silent_s is None and running is not None and slot is not None and slot.adopted:
+            # not heard since this nvpair began: an adopted process is fenced as a running
+            # one is, once the head is silent for fence_after_s counted from its adoption
+            silent_s = now - slot.started_at
+        d = machine.reconcile(head, heard.peer, silent_s, running, self.started_epoch,
                               self.group.fence_after_s)
         if self.key_view is not None:  # the etcd backend: held to the group's epoch key
             d = machine.apply_key(d, self.key_view(), self.group.head_node, running)
+        if self.held:
+            d = machine.Decision(None, reason="held stopped on this node")
         if slot is not None and running is not None and d.epoch != running:
             if d.fenced:
                 log.warning("group %s: %s", self.spec.name, d.reason)
@@ -503,28 +558,36 @@ class GroupRunner:
             self._stop(slot)
         if d.start and d.epoch is not None and (slot is None or slot.done):
             self.fenced = False
-            host = heard.host or "127.0.0.1"
-            values = role_values(self.group, self.group.member, placeholder_values(self.spec),
-                                 rank=self.group.rank, dist_host=host, rank_hosts=[host])
-            self._start(d.epoch, values)
-            assert self.slot is not None
-            self.slot.head_boot = heard.boot
+            self._start(d.epoch, self._rank_values(heard.host), heard.boot)
         report = self._rank_report(head)
         self.reports.set(msgspec.structs.replace(report, memory_bytes=self._memory_now())
                          if report.pid is not None else report)
         wake = float("inf")
         if (head is None or heard.peer not in ("fresh", "one-way")) and (
-                heard.silent_s is not None and running is not None):
-            wake = now + max(self.group.fence_after_s - heard.silent_s, 0.0) + 1e-3
+                silent_s is not None and running is not None):
+            wake = now + max(self.group.fence_after_s - silent_s, 0.0) + 1e-3
         return wake
+
+    def _rank_values(self, head_host: str | None) -> dict[str, object]:
+        host = head_host or "127.0.0.1"
+        return role_values(self.group, self.group.member, placeholder_values(self.spec),
+                           rank=self.group.rank, dist_host=host, rank_hosts=[host])
+
+    def _rank_digest(self, head_host: str | None) -> str:
+        """The digest of the command this rank would start now (a kept record's digest)."""
+        argv, extra = build_command(role_manifest(self.spec.manifest, self.group.my_role),
+                                    None, self._rank_values(head_host))
+        return command_digest(argv, {**extra, **self.spec.env})
 
     def _rank_report(self, head: Report | None) -> Report:
         slot = self.slot
         epoch = head.epoch if head is not None else (slot.epoch if slot is not None else 0)
         name, rank = self.spec.name, self.group.rank
         if slot is not None and slot.alive:
-            state = "stopping" if slot.stopping else "ready" if slot.ready else "starting"
-            return Report(name=name, rank=rank, epoch=slot.epoch, state=state, pid=slot.pid)
+            state = ("stopping" if slot.stopping else "ready" if slot.ready
+                     else "unknown" if slot.adopted and not slot.looked else "starting")
+            return Report(name=name, rank=rank, epoch=slot.epoch, state=state, pid=slot.pid,
+                          kept=self.keep)
         # a fenced or exited process is news for its own epoch only: once the head has
         # moved on, this rank is simply stopped (and may start the new epoch)
         if slot is not None and slot.fenced and slot.epoch == epoch:
@@ -538,37 +601,82 @@ class GroupRunner:
     # -- processes -------------------------------------------------------------------------
 
     def _stop(self, slot: Slot) -> None:
+        """End ``slot``'s process: its epoch is over (a kept one too: only nvpair's own exit
+        leaves it running). A kept process still being spawned is stopped once it is."""
         if not slot.stopping:
             slot.stopping = True
-            slot.scope.cancel(reason="its epoch is over")
+            if slot.handle is not None:
+                slot.handle.stop_on_cancel()
+                slot.scope.cancel(reason="its epoch is over")
+            elif not self.keep:
+                slot.scope.cancel(reason="its epoch is over")
             self._wake.bump()
 
-    def _start(self, epoch: int, values: dict[str, object]) -> None:
+    def _start(self, epoch: int, values: dict[str, object], head_boot: str | None = None
+               ) -> None:
         assert self._nursery is not None
         slot = Slot(epoch)
+        slot.head_boot = head_boot
         self.slot = slot
         self.started_epoch = epoch
         self._nursery.start_soon(self._run_slot, slot, values)
         self._wake.bump()
 
-    async def _run_slot(self, slot: Slot, values: dict[str, object]) -> None:
+    def _adopt_kept(self) -> None:
+        """The rank's kept process a previous nvpair left (``reclaim`` found it, the same
+        process), in a slot of its recorded epoch; the steps decide whether it stays."""
+        record = self.procs.take(self.spec.name)
+        if record is None:
+            return
+        assert self._nursery is not None
+        kept = record.kept
+        slot = Slot(kept.epoch if kept is not None and kept.epoch is not None else 0)
+        slot.head_boot = None if kept is None else kept.head_boot
+        slot.adopted = True
+        self._adopted_digest = None if kept is None else kept.digest
+        self.slot, self.started_epoch = slot, slot.epoch
+        log.info("group %s: rank %d's process %d of epoch %d, left running by nvpair %d "
+                 "(on_exit = keep), is adopted: it runs on while the head has that epoch",
+                 self.spec.name, self.group.rank, record.pid, slot.epoch, record.nvpair_pid)
+        self._nursery.start_soon(self._run_slot, slot, {}, record)
+
+    async def _run_slot(self, slot: Slot, values: dict[str, object],
+                        adopt: Record | None = None) -> None:
         role = self.group.my_role
         spec = self.spec
+        where = f"[nvpair] group {spec.name} epoch {slot.epoch} rank {self.group.rank}"
         try:
             with slot.scope:
-                argv, extra = build_command(role_manifest(spec.manifest, role), None, values)
-                env = engine_env(os.environ, extra, spec.env)
-                env[EPOCH_ENV] = str(slot.epoch)
-                self.log = self._epoch_log(slot.epoch)
-                self.log.write(f"[nvpair] group {spec.name} epoch {slot.epoch} rank "
-                               f"{self.group.rank}: starting: {' '.join(argv)}")
+                keep: Kept | None = None
+                if adopt is not None:  # (its argv is the record's: run_engine_process)
+                    argv, env = list(adopt.argv), {}
+                    keep = adopt.kept or Kept(digest=command_digest(argv, {}))
+                    self.log = self._epoch_log(slot.epoch)
+                    self.log.write(f"{where}: adopted process {adopt.pid}, left running by "
+                                   f"nvpair {adopt.nvpair_pid} (on_exit = keep)")
+                else:
+                    argv, extra = build_command(role_manifest(spec.manifest, role), None,
+                                                values)
+                    env = engine_env(os.environ, extra, spec.env)
+                    env[EPOCH_ENV] = str(slot.epoch)
+                    if self.keep:
+                        assert self.procs.dir is not None
+                        keep = Kept(digest=command_digest(argv, {**extra, **spec.env}),
+                                    output=str(output_path(self.procs.dir, spec.name)),
+                                    epoch=slot.epoch, head_boot=slot.head_boot)
+                    self.log = self._epoch_log(slot.epoch)
+                    self.log.write(f"{where}: starting: {' '.join(argv)}")
                 assert self._reaper is not None
                 grace = role.stop_grace_s or spec.stop_grace_s
                 run = partial(run_engine_process, argv, env, name=spec.name, log_to=self.log,
                               output=self._output, procs=self.procs, reaper=self._reaper,
-                              stopping=Stopping(spec.manifest.stop.signal, grace))
+                              stopping=Stopping(spec.manifest.stop.signal, grace),
+                              keep=keep, adopt=adopt)
                 async with trio.open_nursery() as lifetime:
                     slot.handle = await lifetime.start(run)
+                    if slot.stopping:  # its epoch ended while it was spawned: a stop
+                        slot.handle.stop_on_cancel()
+                        slot.scope.cancel(reason="its epoch is over")
                     self._wake.bump()
                     if self.group.rank != 0:
                         lifetime.start_soon(self._watch_rank, slot)
@@ -588,14 +696,19 @@ class GroupRunner:
         """A rank's readiness: its probe, its process, or its listening socket."""
         role = self.group.member
         if role.ready == "process":
-            slot.ready = True
+            slot.ready = slot.looked = True
             self._wake.bump()
             return
         failures = 0
         while True:
             ok = (listening(self.group.dist_port, self.spec.host) if role.ready == "listen"
                   else await self._probe_rank())
-            if ok != slot.ready and (ok or failures + 1 >= self._threshold()):
+            if slot.adopted and not slot.looked:  # (unknown until then: the head waits)
+                if ok or failures + 1 >= self._threshold():
+                    slot.ready = ok
+                    slot.looked = True
+                    self._wake.bump()
+            elif ok != slot.ready and (ok or failures + 1 >= self._threshold()):
                 slot.ready = ok
                 self._wake.bump()
             failures = 0 if ok else failures + 1

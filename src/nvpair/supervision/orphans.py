@@ -90,14 +90,18 @@ class Record(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class Kept(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What a kept engine's record adds (``on_exit = "keep"``): the digest of the command it
     runs (``command_digest``: another digest in the config means a restart), the runner's
-    restarts and backoff when it was started, and its output file with how far nvpair has
-    read it."""
+    restarts and backoff when it was started, its output file with how far nvpair has
+    read it, and for a group's rank its epoch and its head's boot."""
 
     digest: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
     restarts: Annotated[int, msgspec.Meta(ge=0, le=1 << 31)] = 0
     backoff_s: Annotated[float, msgspec.Meta(ge=0, le=1e6)] = 0.0
     output: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)] = "-"
     offset: Annotated[int, msgspec.Meta(ge=0, le=1 << 62)] = 0
+    #: a group rank's (``nvpair.supervision.group``): the epoch it runs for, and the boot
+    #: of the head it was started for (the next nvpair keeps it only while the head has both)
+    epoch: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    head_boot: Annotated[str, msgspec.Meta(max_length=64)] | None = None
 
 
 def command_digest(argv: Sequence[str], env: Mapping[str, str]) -> str:
