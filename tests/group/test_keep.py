@@ -179,3 +179,23 @@ async def test_the_head_keeps_no_process_and_says_so(tmp_path: Path) -> None:
                     "with nvpair") in said, said[-3000:]
             assert "leaving" not in said
             assert not alive(head_pid)
+
+
+async def test_stop_engines_on_the_head_node_stops_the_group(tmp_path: Path) -> None:
+    """On the head's node, with its nvpair running, ``nvpair stop-engines`` stops the
+    group through the head (its process is the group's): the head's and the rank's
+    processes end, and the head's record is gone, well within the command's wait."""
+    async with open_cluster(tmp_path) as cluster:
+        group = Group(cluster, tmp_path, 2, manifest=sim_manifest(tmp_path / "sim.json"))
+        with trio.fail_after(90):
+            await cluster.start(*group.nodes)
+            doc = await group.wait(ready, within=30, what="the group ready")
+            head_pid, rank_pid = doc["ranks"][0]["pid"], doc["ranks"][1]["pid"]
+            done = await trio.to_thread.run_sync(stop_engines, group.head, "--url",
+                                                 group.head.url)
+            assert done.returncode == 0, done
+            assert "stopped 1 engine(s): g" in done.stdout, done
+            assert not alive(head_pid)
+            await gone(rank_pid, 15)
+            doc = await group.doc(group.head)
+            assert doc["state"] == "stopped", doc

@@ -5,10 +5,11 @@ The records say which nvpair started (or adopted) each engine process. An engine
 nvpair that is running is stopped through that nvpair's API (``POST
 /v1/engines/NAME/stop``: stopped behind its back, its runner would start it again; a
 group's rank, ``POST /v1/groups/NAME/stop?here=1``: held stopped on this node, the rest of
-its group left to its head), and the command waits until its record is gone. An engine
-whose nvpair is gone (it exited leaving its kept engines, or was killed) is stopped here,
-as a starting nvpair stops an orphan: its stop signal to its process group, the grace
-period, SIGKILL (``nvpair.supervision.orphans.reclaim``).
+its group left to its head; a group's head, ``POST /v1/groups/NAME/stop``: the whole group
+stopped, since no rank runs without its head), and the command waits until its record is
+gone. An engine whose nvpair is gone (it exited leaving its kept engines, or was killed)
+is stopped here, as a starting nvpair stops an orphan: its stop signal to its process
+group, the grace period, SIGKILL (``nvpair.supervision.orphans.reclaim``).
 
 As a systemd unit's ``ExecStop=`` (``--systemd-unit %n``, with ``on_exit = "keep"``) it
 stops the engines only for a stop job of the unit (``systemctl stop``, a shutdown):
@@ -88,8 +89,10 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
         from nvpair.cli.client import call
 
         ranks = {e.name for e in settings.engines if e.group is not None and e.group.rank}
+        heads = {e.name for e in settings.engines if e.group is not None and not e.group.rank}
         for name in served:
             path = (f"/v1/groups/{name}/stop?here=1" if name in ranks
+                    else f"/v1/groups/{name}/stop" if name in heads
                     else f"/v1/engines/{name}/stop")
             try:
                 call(args, "POST", path)
