@@ -9,14 +9,17 @@ move it (a refresh of the same content is no change), so those waits poll under 
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import httpx2
+import pytest
 import trio
 from tests.managed import FAST_PROBES, fast_manifest, free_port, sim_command
+from tests.peers.etcd_server import ETCD, SKIP_REASON, open_etcd
 
 from nvpair import service
 from nvpair.config.settings import load_settings
@@ -42,9 +45,9 @@ class Nodes:
         return f"http://127.0.0.1:{self.ports[name]}"
 
     def write(self, name: str, peers: tuple[str, ...] = (), *, token: str | None = "one",
-              interval: float = 0.5) -> Path:
+              interval: float = 0.5, etcd: str = "") -> Path:
         """``name``'s config: pushing to ``peers``, with the cluster token file ``token``
-        (None: no [cluster] at all)."""
+        (None: no [cluster] at all); ``etcd``: more of [cluster] (the etcd backend)."""
         text = (f"listen = '127.0.0.1:{self.ports[name]}'\nnode = '{name}'\n"
                 f"state_dir = '{self.tmp / name}'\nlog_dir = '{self.tmp / name / 'logs'}'\n")
         if name == "b":
@@ -54,7 +57,7 @@ class Nodes:
                      f"command = {json.dumps(command)}\n{FAST_PROBES}")
         text += "".join(f"[[peers]]\nurl = '{self.url(peer)}'\n" for peer in peers)
         if token is not None:
-            text += f"[cluster]\ntoken_file = '{token}'\ninterval_s = {interval}\n"
+            text += f"[cluster]\ntoken_file = '{token}'\ninterval_s = {interval}\n{etcd}"
         path = self.tmp / f"{name}.toml"
         path.write_text(text)
         return path
@@ -225,3 +228,51 @@ async def test_a_new_push_interval_takes_effect(nursery: trio.Nursery,
     assert change.sections == ("peers",)
     assert doc["interval_s"] == 0.1, doc
     assert took < 3, took
+
+
+def on_etcd(url: str, prefix: str) -> str:
+    return (f"backend = 'etcd'\netcd_url = '{url}'\netcd_prefix = '{prefix}'\n"
+            "etcd_lease_ttl_s = 3\n")
+
+
+async def etcd_keys(url: str, prefix: str) -> list[str]:
+    """The keys under ``prefix`` (etcd's JSON gateway: keys are base64)."""
+    start = prefix.encode()
+    end = start[:-1] + bytes([start[-1] + 1])
+    r = await get(url + "/v3/kv/range", method="POST", json={
+        "key": base64.b64encode(start).decode(), "range_end": base64.b64encode(end).decode(),
+        "keys_only": True})
+    return [base64.b64decode(kv["key"]).decode() for kv in r.json().get("kvs", [])]
+
+
+@pytest.mark.skipif(ETCD is None, reason=SKIP_REASON)
+async def test_an_etcd_prefix_changed_moves_the_node(nursery: trio.Nursery,
+                                                     tmp_path: Path) -> None:
+    """Nodes a and b in one etcd under prefix one/. A reload moves a to two/: a forgets b
+    at once (b is not under two/), a's key is under two/, and its old key under one/ goes
+    with its lease (left to expire: within the 3 s TTL). b moved to two/ too: a lists b's
+    model again. Before, each reload was refused (etcd was fixed at a start)."""
+    nodes = Nodes(tmp_path)
+    async with open_etcd(tmp_path) as etcd:
+        with trio.fail_after(60):
+            b = await nodes.start(nursery, "b", nodes.write("b", etcd=on_etcd(etcd.url, "one/")))
+            a = await nodes.start(nursery, "a", nodes.write("a", etcd=on_etcd(etcd.url, "one/")))
+            await lists(nodes, a, "a")
+            nodes.write("a", etcd=on_etcd(etcd.url, "two/"))
+            assert a.reloader is not None and b.reloader is not None
+            change = await a.reloader.reload("test")
+            moved_listing = await cluster_models(nodes, "a")
+
+            async def moved() -> bool:
+                return (await etcd_keys(etcd.url, "two/") == ["two/a"]
+                        and await etcd_keys(etcd.url, "one/") == ["one/b"])
+
+            with trio.fail_after(3 + 3):  # the old lease's TTL, and slack
+                await until(moved)
+            nodes.write("b", etcd=on_etcd(etcd.url, "two/"))
+            await b.reloader.reload("test")
+            await lists(nodes, a, "a")
+            doc = (await get(nodes.url("a") + "/v1/peers")).json()
+    assert change.sections == ("peers",)
+    assert MODEL not in moved_listing
+    assert doc["etcd"]["state"] == "ok" and [p["node"] for p in doc["peers"]] == ["b"]
