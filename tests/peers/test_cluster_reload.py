@@ -18,11 +18,13 @@ from typing import Any
 import httpx2
 import pytest
 import trio
+from tests.group.nodes import vllm_manifest
 from tests.managed import FAST_PROBES, fast_manifest, free_port, sim_command
 from tests.peers.etcd_server import ETCD, SKIP_REASON, open_etcd
 
 from nvpair import service
 from nvpair.config.settings import load_settings
+from nvpair.errors import ConfigError
 from nvpair.peers.table import Entry
 from nvpair.service import Running
 
@@ -276,3 +278,57 @@ async def test_an_etcd_prefix_changed_moves_the_node(nursery: trio.Nursery,
     assert change.sections == ("peers",)
     assert MODEL not in moved_listing
     assert doc["etcd"]["state"] == "ok" and [p["node"] for p in doc["peers"]] == ["b"]
+
+
+async def test_a_group_keeps_hearing_its_rank_through_a_token_and_interval_change(
+        nursery: trio.Nursery, tmp_path: Path) -> None:
+    """A two-node group (vLLM-like: head h, headless rank r) runs; a reload on both nodes
+    moves the cluster token and the interval: the group stays ready in the same epoch and
+    the head hears its rank's reports under the new token. A change of the backend while
+    the group runs is refused with its reason (the group's ranks hear each other through
+    it). Before, the first reload was refused (the token was fixed at a start)."""
+    manifest = vllm_manifest(tmp_path / "group.json")
+    ports = {"h": free_port(), "r": free_port()}
+    engine_port, dist_port = free_port(), free_port()
+    (tmp_path / "one").write_text("group-cluster-token-one")
+    (tmp_path / "two").write_text("group-cluster-token-two")
+
+    def write(name: str, token: str, interval: float, cluster: str = "") -> Path:
+        other = "r" if name == "h" else "h"
+        path = tmp_path / f"{name}.toml"
+        path.write_text(
+            f"listen = '127.0.0.1:{ports[name]}'\nnode = '{name}'\n"
+            f"log_dir = '{tmp_path / name / 'logs'}'\nstate_dir = '{tmp_path / name}'\n"
+            f"[[engines]]\nname = 'g'\nkind = '{manifest}'\nmanaged = true\n"
+            f"model = 'big-model'\nhost = '127.0.0.1'\nport = {engine_port}\n"
+            "stop_grace_s = 3\n[engines.probes.ready]\ninterval_s = 0.25\ntimeout_s = 0.25\n"
+            "[engines.group]\nranks = ['h', 'r']\n"
+            f"dist_port = {dist_port}\nrank_lost_grace_s = 2\n"
+            + ("" if cluster else
+               f"[[peers]]\nurl = 'http://127.0.0.1:{ports[other]}'\nname = '{other}'\n")
+            + f"[cluster]\ntoken_file = '{token}'\ninterval_s = {interval}\n{cluster}")
+        return path
+
+    def report(running: Running) -> Any:
+        assert running.groups is not None
+        return running.groups.runners["g"].status(trio.current_time()).report
+
+    with trio.fail_after(60):
+        r = await nursery.start(service.run, load_settings(str(write("r", "one", 0.5))))
+        h = await nursery.start(service.run, load_settings(str(write("h", "one", 0.5))))
+        await until(lambda: getattr(report(h), "state", None) == "ready")
+        epoch = report(h).epoch
+        write("h", "two", 0.3)
+        write("r", "two", 0.3)
+        changes = [await h.reloader.reload("test"), await r.reloader.reload("test")]
+        reloaded = trio.current_time()
+        rank = await heard(h, "r", "fresh", where=lambda e: e.received_at > reloaded
+                           and any(g.name == "g" for g in e.advert.groups))
+        after = report(h)
+        write("h", "two", 0.3, "backend = 'etcd'\netcd_url = 'http://127.0.0.1:1'\n")
+        with pytest.raises(ConfigError) as refused:
+            await h.reloader.reload("test")
+    assert [c.sections for c in changes] == [("peers",), ("peers",)]
+    assert (after.state, after.epoch, after.ranks_ready) == ("ready", epoch, 1), after
+    assert rank.advert.ttl_s == 0.3 * 3
+    assert "multi-node group runs on this node" in str(refused.value)
