@@ -448,7 +448,9 @@ def switch_peers(reloader: Reloader, cluster: ClusterSettings | None) -> None:
     and the readers (the router's peer routes, the cluster's /v1/models, /metrics, the
     event journal, the peers' routes of the API) drop it; turned on: a new broker starts
     and the readers take its table. The cluster token goes to everything that presents
-    or checks it (routed requests, requests passed on, a group's head)."""
+    or checks it (routed requests, requests passed on, a group's head). (The advert
+    route's longer keep-alive and the OpenAPI document's peers routes stay as at the
+    start: a restart brings them.)"""
     broker, api = reloader.peers, reloader.api
     if broker is not None and cluster is not None:
         broker.reconfigure(cluster)
@@ -470,6 +472,9 @@ def switch_peers(reloader: Reloader, cluster: ClusterSettings | None) -> None:
                 api.metrics.peers = table
             api.mounts = (tuple(m for m in api.mounts if not m.paths & PEER_PATHS)
                           + tuple(() if broker is None else broker.mounts))
+            for mount in api.mounts:  # (the dashboard asks only for the routes there are)
+                if isinstance(mount.handler, HistoryView):
+                    mount.handler.mounts = api.mounts
     token = None if cluster is None else cluster.token
     reloader.router.cluster_token = token
     if api is not None:

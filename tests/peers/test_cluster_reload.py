@@ -158,8 +158,9 @@ async def test_a_cluster_token_changed_on_both_nodes_keeps_the_peers(
 async def test_peers_turned_on_off_and_on_again(nursery: trio.Nursery, tmp_path: Path) -> None:
     """Node a starts without [cluster] (b pushes to it in vain); a reload turns peers on:
     a lists b's model and b hears a. Off: b's model leaves a's cluster listing at once,
-    /v1/peers is gone and b sees a leave. On again: b's model comes back and b hears a
-    under a new boot. Before, each reload was refused (peers turned on or off)."""
+    /v1/peers is gone (and the dashboard knows it) and b sees a leave. On again: b's
+    model comes back and b hears a under a new boot. Before, each reload was refused
+    (peers turned on or off)."""
     nodes = Nodes(tmp_path)
     with trio.fail_after(60):
         b = await nodes.start(nursery, "b", nodes.write("b", ("a",)))
@@ -169,12 +170,20 @@ async def test_peers_turned_on_off_and_on_again(nursery: trio.Nursery, tmp_path:
         nodes.write("a", ("b",))
         turned_on = await a.reloader.reload("test")
         await lists(nodes, a, "a")
+        on_history = (await get(nodes.url("a") + "/v1/history")).json()
         first = await heard(b, "a", "fresh")
         boot = first.advert.boot_id
         nodes.write("a", token=None)
         turned_off = await a.reloader.reload("test")
         off_listed = await cluster_models(nodes, "a")
         off_peers = await get(nodes.url("a") + "/v1/peers")
+
+
+        async def no_peers_route() -> bool:  # (its answer is kept for up to a second)
+            doc = (await get(nodes.url("a") + "/v1/history")).json()
+            return not doc["routes"]["peers"]
+
+        await until(no_peers_route)
         off_adverts = await get(nodes.url("a") + "/v1/peers/adverts", **advert_push(
             (tmp_path / "one").read_text()))
         await heard(b, "a", "left")
@@ -186,6 +195,7 @@ async def test_peers_turned_on_off_and_on_again(nursery: trio.Nursery, tmp_path:
     assert turned_on.sections == turned_off.sections == ("peers",)
     assert MODEL not in off_listed
     assert off_peers.status_code == 404 and off_adverts.status_code == 404
+    assert on_history["routes"]["peers"]  # the dashboard asks for /v1/peers (then not)
     assert again.advert.boot_id != boot
 
 
