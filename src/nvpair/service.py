@@ -69,6 +69,7 @@ class Running(msgspec.Struct, frozen=False):
     runners: dict[str, EngineRunner]
     traffic: Traffic
     stop: Callable[[], None]
+    #: the peers broker of the start (a reload turning peers on or off: ``reloader.peers``)
     peers: Broker | None = None
     procs: orphans.EngineProcs | None = None
     #: the API's open client connections (nvpair.http.server).
