@@ -344,8 +344,8 @@ class Reloader:
         if "keys" in change.sections and (not self.settings.keys) != (not new.keys):
             refused.append("keys turned on or off: the API's authentication changes only "
                            "at a start; restart nvpair")
-        if "peers" in change.sections and (why := peers_refusal(self, new)) is not None:
-            refused.append(why)
+        if "peers" in change.sections:
+            refused += peers_refusals(self, new)
         if self.activator is None and any(e.activation == "on_demand" for e in new.engines):
             refused.append("the first on-demand engine needs nvpair's activation, made at a "
                            "start; restart nvpair")
@@ -399,8 +399,10 @@ class Reloader:
         self.router.models.queue = new.activation  # (a model slot's queue limits)
         if self.activator is not None:
             self.activator.reconfigure(new.engines, new.activation, new.memory)
-        if "peers" in change.sections:
+        if "peers" in change.sections:  # turned on or off, and the token's readers
             switch_peers(self, new.cluster)
+        if self.peers is not None and new.cluster is not None and "peers" in change.sections:
+            self.peers.reconfigure(new.cluster)
         if self.keys is not None and "keys" in change.sections:
             self.keys.replace(new.keys)
         if self.api is not None:
@@ -435,27 +437,27 @@ class Reloader:
 PEER_PATHS = frozenset({PEERS_PATH, ADVERTS_PATH})
 
 
-def peers_refusal(reloader: Reloader, new: Settings) -> str | None:
-    """Why a reload cannot take ``new``'s ``[cluster]`` table (None: it can)."""
+def peers_refusals(reloader: Reloader, new: Settings) -> list[str]:
+    """Why a reload cannot take ``new``'s ``[cluster]`` table (none: it can)."""
     if reloader.peers is None or new.cluster is None:  # turned on or off: always live
-        return None
-    return reloader.peers.refusal(new.cluster, groups=bool(reloader.groups.runners))
+        return []
+    why = reloader.peers.refusal(new.cluster, groups=bool(reloader.groups.runners))
+    return [] if why is None else [why]
 
 
 def switch_peers(reloader: Reloader, cluster: ClusterSettings | None) -> None:
     """A reload's ``[cluster]`` table, applied (docs/peers.md, "Reload"). Sync, so every
-    reader switches at once and none waits: a running broker takes the new settings in
-    place (its table stays); peers turned off: the broker leaves the cluster and stops,
-    and the readers (the router's peer routes, the cluster's /v1/models, /metrics, the
-    event journal, the peers' routes of the API) drop it; turned on: a new broker starts
-    and the readers take its table. The cluster token goes to everything that presents
-    or checks it (routed requests, requests passed on, a group's head). (The advert
+    reader switches at once and none waits. Peers turned off: the broker leaves the
+    cluster and stops, and the readers (the router's peer routes, the cluster's
+    /v1/models, /metrics, the event journal, the peers' routes of the API) drop it;
+    turned on: a new broker starts and the readers take its table. A broker that runs
+    on takes the rest in place (``Broker.reconfigure``, its table kept). The cluster
+    token goes to everything that presents or checks it (routed requests, requests
+    passed on, a group's head). (The advert
     route's longer keep-alive and the OpenAPI document's peers routes stay as at the
     start: a restart brings them.)"""
     broker, api = reloader.peers, reloader.api
-    if broker is not None and cluster is not None:
-        broker.reconfigure(cluster)
-    else:
+    if (broker is None) != (cluster is None):
         if broker is not None:
             broker.stop()
         broker = None if cluster is None else Broker(cluster, reloader.board,

@@ -101,6 +101,8 @@ class Broker:
         changed etcd backend is replaced: the old one is cancelled and its lease left to
         expire (within its TTL): at the same URL and prefix the new lease takes the key
         over with its first put, so watchers see no gap."""
+        if cluster == self.cluster:
+            return
         old, self.cluster = self.cluster, cluster
         etcd = cluster.etcd
         ttl = float(etcd.lease_ttl_s) if etcd is not None else cluster.ttl_s
