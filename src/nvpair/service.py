@@ -17,6 +17,7 @@ from hypercorn.config import Config as HypercornConfig
 from nvpair import __version__
 from nvpair.base.boundary import Part
 from nvpair.base.logs import RateCap
+from nvpair.config.cluster import ClusterSettings
 from nvpair.config.diff import ConfigDiff, diff
 from nvpair.config.settings import EngineSpec, Settings, load_settings, url_host
 from nvpair.errors import ConfigError, NvpairError
@@ -24,6 +25,7 @@ from nvpair.http.api import RELOAD_PATH, Api
 from nvpair.http.asgi import Mount, Receive, Scope, Send, error_doc, send_json, send_wrong_method
 from nvpair.http.control import Control
 from nvpair.http.dashboard import Dashboard, HistoryView
+from nvpair.http.groups import GroupsView
 from nvpair.http.keys import Keyring
 from nvpair.http.metrics import Metrics
 from nvpair.http.server import Connections, Limits, connection_cap
@@ -34,6 +36,7 @@ from nvpair.peers.feed import PeerFeed
 from nvpair.peers.groups import Groups
 from nvpair.peers.push import keep_alive_for
 from nvpair.peers.receiver import ADVERTS_PATH
+from nvpair.peers.status import PEERS_PATH
 from nvpair.probing.prober import node_probe_rate
 from nvpair.probing.sweep import Sweep
 from nvpair.router import ROUTED_PATHS, Router, Traffic
@@ -66,6 +69,7 @@ class Running(msgspec.Struct, frozen=False):
     runners: dict[str, EngineRunner]
     traffic: Traffic
     stop: Callable[[], None]
+    #: the peers broker of the start (a reload turning peers on or off: ``reloader.peers``)
     peers: Broker | None = None
     procs: orphans.EngineProcs | None = None
     #: the API's open client connections (nvpair.http.server).
@@ -205,7 +209,7 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
         mounts.extend(peers.mounts)
     mounts.extend(groups.mounts)
     events = Journal(board, node=settings.node, max_streams=settings.max_streams,
-                     peers=None if peers is None else PeerFeed(peers.table),
+                     peers=PeerFeed(None if peers is None else peers.table),
                      groups=groups if groups.runners else None)
     reloader.events, reloader.peers = events, peers
     parts = frozenset({"router"} if settings.router.enabled else set()) | (
@@ -261,6 +265,8 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
                                                    connections=connections,
                                                    task_status=task_status)
                 )
+                # where peers a reload turns on run (docs/peers.md, "Reload")
+                reloader.start_peers = partial(start_broker, http, binds[0], shutdown)
                 # The engines start once the API listens, a few at a time (see
                 # start_engines). Until its runner runs, reads show an engine as it
                 # starts ("starting").
@@ -313,6 +319,8 @@ class Reloader:
         self.api: Api | None = None
         #: the peers broker (None: peers are not enabled)
         self.peers: Broker | None = None
+        #: runs a broker a reload made (peers turned on), once the API listens
+        self.start_peers: Callable[[Broker], None] | None = None
         self._lock = trio.Lock()
         #: reloads applied, and refused, since nvpair started
         self.applied = self.refused = 0
@@ -352,11 +360,7 @@ class Reloader:
             refused.append("a multi-node group ([engines.group]) changed: groups change "
                            "only at a start; restart nvpair")
         if "peers" in change.sections:
-            if self.peers is None or new.cluster is None:
-                refused.append("peers turned on or off: the peers broker starts only at a "
-                               "start; restart nvpair")
-            elif (why := self.peers.refusal(new.cluster)) is not None:
-                refused.append(why)
+            refused += peers_refusals(self, new)
         if self.activator is None and any(e.activation == "on_demand" for e in new.engines):
             refused.append("the first on-demand engine needs nvpair's activation, made at a "
                            "start; restart nvpair")
@@ -410,6 +414,8 @@ class Reloader:
         self.router.models.queue = new.activation  # (a model slot's queue limits)
         if self.activator is not None:
             self.activator.reconfigure(new.engines, new.activation, new.memory)
+        if "peers" in change.sections:  # turned on or off, and the token's readers
+            switch_peers(self, new.cluster)
         if self.peers is not None and new.cluster is not None and "peers" in change.sections:
             self.peers.reconfigure(new.cluster)
         if self.keys is not None and "keys" in change.sections:
@@ -463,6 +469,67 @@ class Reloader:
         """A removed engine, once stopped: off the board (unless added back meanwhile)."""
         if all(e.name != name for e in self.settings.engines):
             self.board.publish(tuple(e for e in self.board.current.engines if e.name != name))
+
+
+#: the API's routes of the peers broker
+PEER_PATHS = frozenset({PEERS_PATH, ADVERTS_PATH})
+
+
+def peers_refusals(reloader: Reloader, new: Settings) -> list[str]:
+    """Why a reload cannot take ``new``'s ``[cluster]`` table (none: it can)."""
+    if reloader.peers is None or new.cluster is None:  # turned on or off: always live
+        return []
+    why = reloader.peers.refusal(new.cluster, groups=bool(reloader.groups.runners))
+    return [] if why is None else [why]
+
+
+def switch_peers(reloader: Reloader, cluster: ClusterSettings | None) -> None:
+    """A reload's ``[cluster]`` table, applied (docs/peers.md, "Reload"). Sync, so every
+    reader switches at once and none waits. Peers turned off: the broker leaves the
+    cluster and stops, and the readers (the router's peer routes, the cluster's
+    /v1/models, /metrics, the event journal, the peers' routes of the API) drop it;
+    turned on: a new broker starts and the readers take its table. A broker that runs
+    on takes the rest in place (``Broker.reconfigure``, its table kept). The cluster
+    token goes to everything that presents or checks it (routed requests, requests
+    passed on, a group's head). (The advert
+    route's longer keep-alive and the OpenAPI document's peers routes stay as at the
+    start: a restart brings them.)"""
+    broker, api = reloader.peers, reloader.api
+    if (broker is None) != (cluster is None):
+        if broker is not None:
+            broker.stop()
+        broker = None if cluster is None else Broker(cluster, reloader.board,
+                                                     reloader.settings.node)
+        if broker is not None and reloader.start_peers is not None:
+            reloader.start_peers(broker)
+        reloader.peers = broker
+        table = None if broker is None else broker.table
+        reloader.router.peers = table
+        if reloader.events is not None and isinstance(reloader.events.peers, PeerFeed):
+            reloader.events.peers.switch(table)
+        if api is not None:
+            api.cluster = table
+            if api.metrics is not None:
+                api.metrics.peers = table
+            api.mounts = (tuple(m for m in api.mounts if not m.paths & PEER_PATHS)
+                          + tuple(() if broker is None else broker.mounts))
+            for mount in api.mounts:  # (the dashboard asks only for the routes there are)
+                if isinstance(mount.handler, HistoryView):
+                    mount.handler.mounts = api.mounts
+    token = None if cluster is None else cluster.token
+    reloader.router.cluster_token = token
+    if api is not None:
+        api.cluster_token = token.encode() if token else None
+        for mount in api.mounts:
+            if isinstance(mount.handler, GroupsView):
+                mount.handler.token = token
+
+
+def start_broker(nursery: trio.Nursery, bound_url: str, shutdown: trio.Event,
+                 broker: Broker) -> None:
+    """Run a broker a reload made beside the API, until nvpair shuts down or a reload
+    turns peers off (``Broker.stop``)."""
+    nursery.start_soon(broker.run, bound_url, shutdown)
 
 
 def _updated(engine: EngineState, spec: EngineSpec) -> EngineState:

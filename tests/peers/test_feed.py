@@ -43,3 +43,26 @@ async def test_peer_events_come_from_the_table(autojump_clock) -> None:
         [stale] = peer_events(journal)
         assert stale["state"] == "stale"
         nursery.cancel_scope.cancel()
+
+
+async def test_the_journal_follows_peers_turned_on_and_off(autojump_clock) -> None:
+    """A reload turns peers on (the feed switches to a table) and off (to none): the
+    journal, made while there were none, tells each peer, then that it is forgotten."""
+    feed = PeerFeed(None)
+    journal = Journal(Board(()), node="me", peers=feed)
+    stream, _ = journal.subscribe(types=frozenset({"peer"}))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(journal.run)
+        table = PeerTable("me")
+        table.receive(advert("a", models=("m1",)), 200, trio.current_time())
+        feed.switch(table)
+        with trio.fail_after(1):
+            await stream.wait()
+        [on] = peer_events(journal)
+        feed.switch(None)
+        with trio.fail_after(1):
+            await stream.wait()
+        [off] = peer_events(journal)
+        nursery.cancel_scope.cancel()
+    assert (on["node"], on["state"], on["models"]) == ("a", "fresh", ["m1"])
+    assert (off["node"], off["state"]) == ("a", "forgotten")

@@ -248,6 +248,13 @@ class Advertiser:
         self.url = url
         self.refresh(trio.current_time())
 
+    def set_ttl(self, ttl_s: float) -> None:
+        """A reload changed the TTL peers hold this node to: a new advert says so."""
+        if ttl_s != self.ttl_s:
+            self.ttl_s = ttl_s
+            self._built = self._content = None  # (the TTL is no part of the content)
+            self.refresh(trio.current_time())
+
     def refresh(self, now: float) -> bool:
         """Rebuild the advert if its content changed; True if it did (seq grew). With the
         listing and URL as last time this returns at once, whatever the number of models."""

@@ -67,6 +67,7 @@ class Pusher:
         self.done = trio.Event()
         self._loop_scope = trio.CancelScope()
         self._leaving = False
+        self._stopped = False
         self._http: httpx2.AsyncClient | None = None
         self._in_flight = False
         self.part = Part(f"peer {target.url}", self._publish, initial_s=interval,
@@ -93,16 +94,17 @@ class Pusher:
         """Push until cancelled or until ``leave()``; then send the leave advert.
 
         Started value: None, once the client exists. After ``leave()``, one leave advert
-        is sent (at most ``LEAVE_BUDGET_S``) and it returns. Cancellation: closes the
-        connection (shielded, at most 1 s) without a leave advert. ``done`` is set when
-        it ends either way. Raises: nothing but Cancelled: a failed push is the link's
-        state, any other failure its ``fault``, retried with backoff.
+        is sent (at most ``LEAVE_BUDGET_S``) and it returns; after ``stop()`` it returns.
+        Cancellation: closes the connection (shielded, at most 1 s) without a leave
+        advert. ``done`` is set when it ends either way. Raises: nothing but Cancelled: a
+        failed push is the link's state, any other failure its ``fault``, retried with
+        backoff.
         """
         self._http = self.client()
         # new for each run (the broker runs its senders again after a failure; a scope is
         # entered once); a leave() asked for before still counts
         self._loop_scope = trio.CancelScope()
-        if self._leaving:
+        if self._leaving or self._stopped:
             self._loop_scope.cancel(reason="nvpair is leaving the cluster")
         if self.done.is_set():
             self.done = trio.Event()
@@ -124,6 +126,12 @@ class Pusher:
         """Stop the regular pushes and send one leave advert (sync; see ``done``)."""
         self._leaving = True
         self._loop_scope.cancel(reason="nvpair is leaving the cluster")
+
+    def stop(self) -> None:
+        """Stop the pushes without a leave advert: a reload replaced this sender with one
+        for the same peer, which goes on with this node's advert (sync; see ``done``)."""
+        self._stopped = True
+        self._loop_scope.cancel(reason="a reload replaced this sender")
 
     async def _loop(self) -> None:
         deadline = trio.current_time() + self.rng.uniform(0, self.interval)

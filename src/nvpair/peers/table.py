@@ -15,6 +15,7 @@ Everything here is sync: receivers, senders and readers call it between checkpoi
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -36,6 +37,10 @@ REASONS_SHOWN = 5
 #: gone and left peers stay in /v1/peers this long, then they are forgotten.
 FORGET_AFTER_S = 600.0
 RETIRED_BOOTS = 8
+#: where each table's version starts: apart by 2**32, so that no two tables of one process
+#: ever show the same version (peers turned off and on by reloads make a new table, and a
+#: reader's answer cached under the old table's version must not pass for the new one's)
+_FIRST_VERSIONS = itertools.count(1, 1 << 32)
 
 
 class Link:
@@ -155,7 +160,7 @@ class PeerTable:
         self.links: list[Link] = []
         self._by_node: dict[str, Link] = {}
         self._by_url: dict[str, Link] = {}
-        self._changes = Changes(1)
+        self._changes = Changes(next(_FIRST_VERSIONS))
         self._next_transition = float("inf")
         #: model id -> nodes that ever listed it (so a model gone for now is 503, not 404)
         self.seen: dict[str, set[str]] = {}
@@ -181,6 +186,13 @@ class PeerTable:
         if link in self.links:
             self.links.remove(link)
             self._links_changed()
+
+    def clear(self) -> None:
+        """Forget every peer heard from (a reload moved the source of adverts: another
+        backend, or another etcd URL or prefix). The links stay. Sync."""
+        if self.entries or self.seen:
+            self.entries, self.seen = {}, {}
+            self._changed()
 
     def _links_changed(self) -> None:
         self._by_node = {link.node: link for link in self.links if link.node is not None}

@@ -343,26 +343,30 @@ class GroupRunner:
         """Run until cancelled. Started value: None, at once. Cancellation stops this
         node's group process (its signal, grace, SIGKILL, shielded). Raises: nothing but
         Cancelled (a failure is the group's ``error``, retried with backoff)."""
-        async with trio.open_nursery() as reaper:
-            self._reaper = reaper
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                nursery.start_soon(self._forward_peers)
-                if self.group.rank == 0:  # the head's readiness is its engine's probes
-                    nursery.start_soon(self._forward_board)
-                    if self.spec.on_exit == "keep":
-                        log.info("group %s: on_exit = keep keeps the ranks' processes; the "
-                                 "head's stops with nvpair (a new head restarts its group)",
-                                 self.spec.name)
-                elif self.keep:
-                    self._adopt_kept()
-                task_status.started()
-                try:
-                    await self.part.supervise(self._loop)
-                finally:
-                    if self._client is not None:
-                        with trio.CancelScope(shield=True):
-                            await self._client.aclose()
+        try:
+            async with trio.open_nursery() as reaper:
+                self._reaper = reaper
+                async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
+                    nursery.start_soon(self._forward_peers)
+                    if self.group.rank == 0:  # the head's readiness is its engine's probes
+                        nursery.start_soon(self._forward_board)
+                        if self.spec.on_exit == "keep":
+                            log.info("group %s: on_exit = keep keeps the ranks' processes; "
+                                     "the head's stops with nvpair (a new head restarts its "
+                                     "group)", self.spec.name)
+                    elif self.keep:
+                        self._adopt_kept()
+                    task_status.started()
+                    try:
+                        await self.part.supervise(self._loop)
+                    finally:
+                        if self._client is not None:
+                            with trio.CancelScope(shield=True):
+                                await self._client.aclose()
+        finally:  # once the process's output is read to its end: its epoch's log file
+            if self.log is not None:
+                self.log.close()
 
     async def _forward_peers(self) -> None:
         version = self.peers.version
