@@ -456,3 +456,50 @@ async def test_a_bug_while_a_reload_is_applied_is_the_reloads_never_the_services
             assert r.status_code == 200, r.text
             await wait_state(running.board, "new", "ready", within=40)
         assert running.board.current.engine("e1").state == "ready"  # type: ignore[union-attr]
+
+
+async def test_the_first_on_demand_engine_comes_with_a_reload(nursery, tmp_path) -> None:
+    """A config with no on-demand engine gains one: the reload takes it (it was refused:
+    activation was made only at a start), the engine rests cold, and a request for its
+    model starts it and is answered."""
+    node = Node(tmp_path)
+    node.write(["e0"])
+    with trio.fail_after(90):
+        running = await nursery.start(service.run, load_settings(str(node.path)))
+        await wait_state(running.board, "e0", "ready", within=40)
+        node.write(["e0", "new"])
+        node.path.write_text(node.path.read_text().replace(
+            "model = 'model-new'\nmanaged = true\n",
+            "model = 'model-new'\nmanaged = true\nactivation = 'on_demand'\n"))
+        change = await running.reloader.reload("test")
+        await wait_state(running.board, "new", "cold", within=10)
+        async with httpx2.AsyncClient(base_url=running.url, timeout=60) as client:
+            r = await client.post(CHAT, headers=JSON, content=payload("model-new", 2))
+        up = running.board.current.engine("new")
+    assert change.summary() == "reload: 1 added (new), 1 unchanged"
+    assert r.status_code == 200 and "data:" in r.text, r.text
+    assert up is not None and up.state == "ready" and up.pid is not None
+
+
+async def test_idle_unload_set_by_a_reload_unloads(nursery, tmp_path) -> None:
+    """idle_unload_s given by a reload to an on-demand engine that had none: the engine,
+    idle, is drained to cold (the idle look was timed, and switched off, at the start)."""
+    node = Node(tmp_path)
+    on_demand = ("model = 'model-e0'\nmanaged = true\n",
+                 "model = 'model-e0'\nmanaged = true\nactivation = 'on_demand'\n")
+    node.write(["e0"])
+    node.path.write_text(node.path.read_text().replace(*on_demand))
+    with trio.fail_after(90):
+        running = await nursery.start(service.run, load_settings(str(node.path)))
+        await wait_state(running.board, "e0", "cold", within=10)
+        async with httpx2.AsyncClient(base_url=running.url, timeout=60) as client:
+            r = await client.post(CHAT, headers=JSON, content=payload("model-e0", 2))
+        assert r.status_code == 200, r.text
+        up = await wait_state(running.board, "e0", "ready")
+        node.path.write_text(node.path.read_text().replace(
+            "activation = 'on_demand'\n", "activation = 'on_demand'\nidle_unload_s = 1\n"))
+        change = await running.reloader.reload("test")
+        with trio.fail_after(10):  # (1 s idle, looked at every 0.25 s from the reload)
+            cold = await wait_state(running.board, "e0", "cold", where=lambda e: e.since > up.since)
+    assert change.summary() == "reload: 1 updated (e0: idle_unload_s), 0 unchanged"
+    assert "idle for" in (cold.activity or "") or cold.pid is None, cold

@@ -175,10 +175,10 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
     cluster_token = None if settings.cluster is None else settings.cluster.token
     groups.attach(board, peers, procs)
     sleepers = Sleepers(settings.engines, board, traffic)  # wake and sleep (docs/sleep.md)
-    activator = None  # engines on demand (docs/on-demand.md)
-    if any(spec.activation == "on_demand" for spec in settings.engines):
-        activator = Activator(board, settings.engines, runners, traffic, settings.activation,
-                              settings.memory, sleepers)
+    # engines on demand (docs/on-demand.md): made with none too, so that a reload may add
+    # the first (inert without one: everything it does is for an on-demand engine)
+    activator = Activator(board, settings.engines, runners, traffic, settings.activation,
+                          settings.memory, sleepers)
     # traces of routed requests (docs/observability.md); a reload may switch them
     export, exporter = SpanExport(), exporter_for(settings)
     export.switch(exporter)
@@ -244,8 +244,7 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
         outer.start_soon(looplag.from_env)  # opt-in: NVPAIR_LOOP_LAG_FILE (benchmarks)
         await outer.start(export.run)
         await outer.start(router.run)
-        if activator is not None:
-            await outer.start(activator.run)
+        await outer.start(activator.run)
         outer.start_soon(Part("events journal").supervise, events.run)  # a bug: retried
         outer.start_soon(Part("history").supervise, history.run)
         # a changed key file is read again (rotation); none: a look costs nothing
@@ -361,9 +360,6 @@ class Reloader:
                            "only at a start; restart nvpair")
         if "peers" in change.sections:
             refused += peers_refusals(self, new)
-        if self.activator is None and any(e.activation == "on_demand" for e in new.engines):
-            refused.append("the first on-demand engine needs nvpair's activation, made at a "
-                           "start; restart nvpair")
         if refused:
             raise ConfigError(f"{new.source}: {'; '.join(refused)}")
         return change

@@ -301,7 +301,7 @@ class Activator:
         self._swap_why: dict[str, str] = {}
         self._part = Part("activation", logger=log)
         self._nursery: trio.Nursery | None = None
-        self._wake = trio.Event()
+        self._reconfigured = trio.Event()
 
     # -- the relay's side -----------------------------------------------------------------
 
@@ -334,6 +334,8 @@ class Activator:
                                 config.max_swap_wait_s)
         for queue in self.queues.values():
             queue.waiting.age_s = config.priority_age_s
+        reconfigured, self._reconfigured = self._reconfigured, trio.Event()
+        reconfigured.set()
 
     def asleep(self, name: str) -> bool:
         """On-demand engine ``name`` sleeps (or wakes): a request for it waits in its
@@ -873,18 +875,17 @@ class Activator:
         Started value: None, once requests may be admitted. Cancellation ends the
         activations (their waiters' requests are cancelled with the router). Raises:
         nothing but Cancelled (a bug in a pass is the boundary's, logged, retried)."""
-        idle = [s.idle_unload_s for s in self.specs.values() if s.idle_unload_s > 0]
-        every = min([IDLE_CHECK_S, *(s / 4 for s in idle)])
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
             try:
-                while True:
-                    await trio.sleep(every)
+                while True:  # (the engines' idle_unload_s as configured now: a reload's)
+                    idle = [s.idle_unload_s for s in self.specs.values() if s.idle_unload_s > 0]
+                    with trio.move_on_after(min([IDLE_CHECK_S, *(s / 4 for s in idle)])):
+                        await self._reconfigured.wait()  # (a reload: the look is timed anew)
                     with self._part.guard():
                         self.remember()
-                        if idle:
-                            self.unload_idle(trio.current_time())
+                        self.unload_idle(trio.current_time())
             finally:
                 self._nursery = None
 
