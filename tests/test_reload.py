@@ -9,6 +9,7 @@ at all: any request it gets is one the reload made.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -503,3 +504,30 @@ async def test_idle_unload_set_by_a_reload_unloads(nursery, tmp_path) -> None:
             cold = await wait_state(running.board, "e0", "cold", where=lambda e: e.since > up.since)
     assert change.summary() == "reload: 1 updated (e0: idle_unload_s), 0 unchanged"
     assert "idle for" in (cold.activity or "") or cold.pid is None, cold
+
+
+async def test_nvpair_reload_that_removes_the_key_says_how(nursery, tmp_path) -> None:
+    """``nvpair reload`` sends the key of the config it is about to apply: one without
+    keys is refused by the running nvpair (401), and the error says how to ask it
+    (NVPAIR_TOKEN holding the running key, which then applies it)."""
+    (tmp_path / "admin").write_text("admin-token-0123456789")
+    node = Node(tmp_path)
+    node.write(["e0"], tail="token_file = 'admin'\n")
+    text = node.path.read_text()
+    node.path.write_text("token_file = 'admin'\n" + text.replace("token_file = 'admin'\n", ""))
+    with trio.fail_after(60):
+        running = await nursery.start(service.run, load_settings(str(node.path)))
+        node.write(["e0"])  # (keys off)
+        cli = [sys.executable, "-m", "nvpair", "reload", "--url", running.url]
+        env = {k: v for k, v in os.environ.items() if k != "NVPAIR_TOKEN"}
+        refused = await trio.run_process(cli, capture_stdout=True, capture_stderr=True,
+                                         check=False, env=env)
+        env["NVPAIR_TOKEN"] = "admin-token-0123456789"
+        done = await trio.run_process(cli, capture_stdout=True, capture_stderr=True,
+                                      check=False, env=env)
+    lines = refused.stderr.decode().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1, refused
+    assert "401" in lines[0] and "NVPAIR_TOKEN" in lines[0] and "SIGHUP" in lines[0]
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.decode() == "reload: 1 unchanged; keys applied\n"
+    assert running.reloader.applied == 1

@@ -165,9 +165,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"{args.name}: {cmd} accepted ({doc.get('operation')}); state {doc.get('state')}")
         return 0
     if cmd == "reload":  # (a bad config: the server's one line, exit 2, nothing changed)
-        doc = call(args, "POST", "/v1/admin/reload", timeout=60.0)
-        print(doc["summary"])
-        return 0
+        return reload(args)
     if cmd == "logs":
         return follow_logs(args)
     if cmd == "memory":
@@ -179,6 +177,23 @@ def _run(args: argparse.Namespace) -> int:
 
         return groups.run(args)
     raise ConfigError(f"unknown command {cmd}")
+
+
+def reload(args: argparse.Namespace) -> int:
+    """``nvpair reload``: its summary line. The key it sends is the config's (or
+    ``NVPAIR_TOKEN``), so a reload that changes the admin key is refused by the running
+    nvpair, which knows only the old one: the error says how to ask it then."""
+    status, doc = answer(args, "POST", "/v1/admin/reload", timeout=60.0)
+    if status == 401:
+        raise InputError("POST /v1/admin/reload: 401: the running nvpair did not take the "
+                         "key sent (the config's admin key, or NVPAIR_TOKEN); a reload that "
+                         "changes or removes that key is asked with the running one: give it "
+                         "in NVPAIR_TOKEN, or send nvpair SIGHUP (systemctl reload nvpair)")
+    if status >= 400:
+        message = doc.get("error", {}).get("message") if isinstance(doc, dict) else None
+        raise InputError(f"POST /v1/admin/reload: {status}: {message or doc}")
+    print(doc["summary"])
+    return 0
 
 
 def wake(args: argparse.Namespace) -> Any:
