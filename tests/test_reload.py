@@ -511,6 +511,7 @@ async def test_nvpair_reload_that_removes_the_key_says_how(nursery, tmp_path) ->
     keys is refused by the running nvpair (401), and the error says how to ask it
     (NVPAIR_TOKEN holding the running key, which then applies it)."""
     (tmp_path / "admin").write_text("admin-token-0123456789")
+    (tmp_path / "admin").chmod(0o600)
     node = Node(tmp_path)
     node.write(["e0"], tail="token_file = 'admin'\n")
     text = node.path.read_text()
