@@ -14,9 +14,12 @@ import httpx2
 import pytest
 import trio
 import trio.testing
+from tests.managed import fast_manifest, free_port, wait_state
 from tests.router.script_engine import JSON, ScriptEngine
 from tests.router.test_relay import CHAT, body
 from tests.router.test_relay import start as start_routed
+from tests.test_reload import engine as reload_engine
+from tests.test_reload import sim
 
 from nvpair import service
 from nvpair.base.logformat import ACCESS
@@ -197,3 +200,37 @@ async def test_log_format_and_access_log_switch_from_the_next_line(
     assert [a["request_id"] for a in in_file] == ["r-3"]  # in the format now in force
     tail = out.getvalue()[len(text) + len(after):]
     assert "r-3" not in tail and "r-4" not in tail  # (in the file, then off)
+
+
+async def test_log_dir_moves_an_engines_log_and_keeps_its_process(nursery, tmp_path) -> None:
+    """A managed simulator's log moves to the new log_dir: its next line (the simulator's
+    own, asked for on its control port) lands there, the process is the same, and the file
+    before ends with a line saying where the log went."""
+    manifest = fast_manifest(tmp_path, "vllm")
+    port, control = free_port(), free_port()
+    path = tmp_path / "nvpair.toml"
+
+    def write_node(logs: str) -> None:
+        path.write_text(f"listen = '127.0.0.1:0'\nlog_dir = '{tmp_path / logs}'\n"
+                        f"state_dir = '{tmp_path / 'state'}'\n"
+                        + reload_engine("e0", manifest, port, sim(port, control)))
+
+    write_node("logs")
+    with trio.fail_after(60):
+        running = await nursery.start(service.run, load_settings(str(path)))
+        ready = await wait_state(running.board, "e0", "ready", within=40)
+        runner = running.runners["e0"]
+        assert runner.log is not None
+        write_node("moved")
+        r = await reload(running.url)
+        assert r.status_code == 200, r.text
+        assert r.json()["sections"] == ["log_dir"]
+        async with httpx2.AsyncClient(timeout=5) as client:  # the simulator says a line
+            await client.delete(f"http://127.0.0.1:{control}/__sim/fault")
+        while not any("fault cleared" in line for line in runner.log.lines):
+            await runner.log.changed.wait()
+    old, new = tmp_path / "logs" / "e0.log", tmp_path / "moved" / "e0.log"
+    assert "fault cleared" in new.read_text() and "fault cleared" not in old.read_text()
+    assert old.read_text().splitlines()[-1] == f"[nvpair] this log continues in {new}"
+    assert running.board.current.engine("e0").pid == ready.pid
+    assert running.runners["e0"] is runner

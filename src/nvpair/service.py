@@ -287,10 +287,7 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
         outer.cancel_scope.cancel(reason="nvpair is shutting down")
 
 #: sections of the config a reload cannot apply yet, and why (besides config.diff.REFUSED)
-NOT_LIVE = {
-    "log_dir": "log_dir changed: each engine's log stays open where it was started "
-               "(and kept engines write to theirs themselves); restart nvpair",
-}
+NOT_LIVE: dict[str, str] = {}
 
 
 class Reloader:
@@ -363,6 +360,7 @@ class Reloader:
                            "only at a start; restart nvpair")
         if "peers" in change.sections:
             refused += peers_refusals(self, new)
+        refused += log_dir_refusals(self, change)
         if refused:
             raise ConfigError(f"{new.source}: {'; '.join(refused)}")
         return change
@@ -433,6 +431,9 @@ class Reloader:
             apply_limits(self, new)
         if "log" in change.sections:
             apply_logs(self.settings, new)
+        if "log_dir" in change.sections:
+            for runner in self.fleet.runners.values():
+                runner.move_log(new.log_dir)
         self.settings = new
 
     def _apply_access(self, new: Settings) -> None:
@@ -484,6 +485,16 @@ def apply_limits(reloader: Reloader, new: Settings) -> None:
         reloader.connections.change(limits(new))
     if reloader.events is not None:
         reloader.events.max_streams = new.max_streams
+
+
+def log_dir_refusals(reloader: Reloader, change: ConfigDiff) -> list[str]:
+    """Why a reload cannot move the engines' logs (none: it can). A multi-node group's
+    epoch logs are named after the directory of the start in what the groups' status
+    tells, epoch by epoch: they move with a restart only."""
+    if "log_dir" in change.sections and reloader.groups.runners:
+        return ["log_dir changed: a multi-node group's epoch logs stay where nvpair "
+                "started; restart nvpair"]
+    return []
 
 
 def apply_logs(old: Settings, new: Settings) -> None:
