@@ -526,9 +526,9 @@ def switch_peers(reloader: Reloader, cluster: ClusterSettings | None) -> None:
     turned on: a new broker starts and the readers take its table. A broker that runs
     on takes the rest in place (``Broker.reconfigure``, its table kept). The cluster
     token goes to everything that presents or checks it (routed requests, requests
-    passed on, a group's head). (The advert
-    route's longer keep-alive and the OpenAPI document's peers routes stay as at the
-    start: a restart brings them.)"""
+    passed on, a group's head). (The advert route's longer keep-alive follows in
+    ``apply_limits``; the OpenAPI document's peers routes stay as at the start: a
+    restart brings them.)"""
     broker, api = reloader.peers, reloader.api
     if (broker is None) != (cluster is None):
         if broker is not None:
