@@ -14,6 +14,7 @@ import httpx2
 import pytest
 import trio
 import trio.testing
+from tests.group.nodes import vllm_manifest
 from tests.managed import fast_manifest, free_port, wait_state
 from tests.router.script_engine import JSON, ScriptEngine
 from tests.router.test_relay import CHAT, body
@@ -234,3 +235,37 @@ async def test_log_dir_moves_an_engines_log_and_keeps_its_process(nursery, tmp_p
     assert old.read_text().splitlines()[-1] == f"[nvpair] this log continues in {new}"
     assert running.board.current.engine("e0").pid == ready.pid
     assert running.runners["e0"] is runner
+
+
+async def test_log_dir_is_refused_on_a_node_running_a_part_of_a_group(
+        nursery, tmp_path) -> None:
+    """The head of a two-node group (its rank's node need not run): a reload moving
+    log_dir is refused whole with its reason (the groups' status names the epoch logs by
+    the directory of the start), and the logs stay."""
+    manifest = vllm_manifest(tmp_path / "group.json")
+    port, other, engine_port, dist_port = (free_port() for _ in range(4))
+    (tmp_path / "token").write_text("group-cluster-token-one")
+    path = tmp_path / "h.toml"
+
+    def write_node(logs: str) -> None:
+        path.write_text(
+            f"listen = '127.0.0.1:{port}'\nnode = 'h'\n"
+            f"log_dir = '{tmp_path / logs}'\nstate_dir = '{tmp_path / 'state'}'\n"
+            f"[[engines]]\nname = 'g'\nkind = '{manifest}'\nmanaged = true\n"
+            f"model = 'big-model'\nhost = '127.0.0.1'\nport = {engine_port}\n"
+            "[engines.group]\nranks = ['h', 'r']\n"
+            f"dist_port = {dist_port}\n"
+            f"[[peers]]\nurl = 'http://127.0.0.1:{other}'\nname = 'r'\n"
+            f"[cluster]\ntoken_file = '{tmp_path / 'token'}'\n")
+
+    write_node("logs")
+    with trio.fail_after(30):
+        running = await nursery.start(service.run, load_settings(str(path)))
+        assert running.groups is not None and running.groups.runners
+        write_node("moved")
+        r = await reload(running.url)
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == (
+        f"{path}: log_dir changed: a multi-node group's epoch logs stay where nvpair "
+        "started; restart nvpair"), r.text
+    assert running.reloader is not None and running.reloader.settings.log_dir == tmp_path / "logs"
