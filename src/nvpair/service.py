@@ -476,8 +476,8 @@ class Reloader:
 
 
 def apply_limits(reloader: Reloader, new: Settings) -> None:
-    """The API's connection limits of ``new`` (docs/api.md, "Limits"), from now on: every
-    deadline a connection sets from here on takes them (``Connections.change``: a cap
+    """The API's connection limits of ``new`` (docs/api.md, "Connections"), from now on:
+    every deadline a connection sets from here on takes them (``Connections.change``: a cap
     lowered below the open count closes none), and new event streams count against the
     new ``max_streams`` (the open ones stay). The advert route's longer keep-alive
     follows ``[cluster]``'s interval, so peers turned on or off change it too."""

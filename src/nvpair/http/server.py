@@ -146,9 +146,9 @@ class Connections:
         return len(self._open)
 
     def change(self, limits: Limits) -> None:
-        """The limits from now on (a reload; docs/api.md, "Limits"). Each connection reads
-        them at its next read or its next idle period; the cap is ``connection_cap`` of the
-        new ``max_connections``. A cap lowered below the open count closes nothing now:
+        """The limits from now on (a reload; docs/api.md, "Connections"). Each connection
+        reads them at its next read or its next idle period; the cap is ``connection_cap``
+        of the new ``max_connections``. A cap lowered below the open count closes nothing now:
         new clients wait, or idle connections make room for them, as at the cap. A raised
         one admits a client waiting at once."""
         self.limits = limits
