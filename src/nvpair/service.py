@@ -15,6 +15,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 
 from nvpair import __version__
+from nvpair.base import logsetup
 from nvpair.base.boundary import Part
 from nvpair.base.logs import RateCap
 from nvpair.config.cluster import ClusterSettings
@@ -257,6 +258,7 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
             await engines.start(fleet.run)
             async with trio.open_nursery() as http:
                 connections = Connections(connection_cap(settings.max_connections))
+                reloader.connections = connections
                 binds = await http.start(
                     lambda task_status: serve_http(api, hypercorn_config(settings),
                                                    limits(settings),
@@ -285,11 +287,7 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
         outer.cancel_scope.cancel(reason="nvpair is shutting down")
 
 #: sections of the config a reload cannot apply yet, and why (besides config.diff.REFUSED)
-NOT_LIVE = {
-    "http": "the API's connection limits changed (keep_alive_s, max_connections, "
-            "max_streams, header_timeout_s, body_timeout_s): restart nvpair",
-    "log": "log_dir, log_format or access_log changed: restart nvpair",
-}
+NOT_LIVE: dict[str, str] = {}
 
 
 class Reloader:
@@ -326,6 +324,8 @@ class Reloader:
         #: the trace export, switched when [tracing] changes; the dashboard (its auth)
         self.export: SpanExport | None = None
         self.dashboard: Dashboard | None = None
+        #: the API's client connections, whose limits a reload changes (``apply_limits``)
+        self.connections: Connections | None = None
 
     async def reload(self, why: str) -> ConfigDiff:
         """Read the config, check it and apply what changed; returns what changed.
@@ -360,6 +360,7 @@ class Reloader:
                            "only at a start; restart nvpair")
         if "peers" in change.sections:
             refused += peers_refusals(self, new)
+        refused += log_dir_refusals(self, change)
         if refused:
             raise ConfigError(f"{new.source}: {'; '.join(refused)}")
         return change
@@ -426,6 +427,13 @@ class Reloader:
             for runner in self.fleet.runners.values():
                 if runner.log is not None:
                     runner.log.set_rate(RateCap(new.log_lines_per_s, new.log_bytes_per_s))
+        if {"http", "peers"} & set(change.sections):
+            apply_limits(self, new)
+        if "log" in change.sections:
+            apply_logs(self.settings, new)
+        if "log_dir" in change.sections:
+            for runner in self.fleet.runners.values():
+                runner.move_log(new.log_dir)
         self.settings = new
 
     def _apply_access(self, new: Settings) -> None:
@@ -467,6 +475,37 @@ class Reloader:
             self.board.publish(tuple(e for e in self.board.current.engines if e.name != name))
 
 
+def apply_limits(reloader: Reloader, new: Settings) -> None:
+    """The API's connection limits of ``new`` (docs/api.md, "Connections"), from now on:
+    every deadline a connection sets from here on takes them (``Connections.change``: a cap
+    lowered below the open count closes none), and new event streams count against the
+    new ``max_streams`` (the open ones stay). The advert route's longer keep-alive
+    follows ``[cluster]``'s interval, so peers turned on or off change it too."""
+    if reloader.connections is not None:
+        reloader.connections.change(limits(new))
+    if reloader.events is not None:
+        reloader.events.max_streams = new.max_streams
+
+
+def log_dir_refusals(reloader: Reloader, change: ConfigDiff) -> list[str]:
+    """Why a reload cannot move the engines' logs (none: it can). A multi-node group's
+    epoch logs are named after the directory of the start in what the groups' status
+    tells, epoch by epoch: they move with a restart only."""
+    if "log_dir" in change.sections and reloader.groups.runners:
+        return ["log_dir changed: a multi-node group's epoch logs stay where nvpair "
+                "started; restart nvpair"]
+    return []
+
+
+def apply_logs(old: Settings, new: Settings) -> None:
+    """``log_format`` and ``access_log`` of ``new``, from the next line on
+    (``nvpair.base.logsetup``: only the handlers nvpair itself installed are switched)."""
+    if new.log_format != old.log_format:
+        logsetup.switch_format(new.log_format)
+    if new.access_log != old.access_log:
+        logsetup.switch_access(new.access_log)
+
+
 #: the API's routes of the peers broker
 PEER_PATHS = frozenset({PEERS_PATH, ADVERTS_PATH})
 
@@ -487,9 +526,9 @@ def switch_peers(reloader: Reloader, cluster: ClusterSettings | None) -> None:
     turned on: a new broker starts and the readers take its table. A broker that runs
     on takes the rest in place (``Broker.reconfigure``, its table kept). The cluster
     token goes to everything that presents or checks it (routed requests, requests
-    passed on, a group's head). (The advert
-    route's longer keep-alive and the OpenAPI document's peers routes stay as at the
-    start: a restart brings them.)"""
+    passed on, a group's head). (The advert route's longer keep-alive follows in
+    ``apply_limits``; the OpenAPI document's peers routes stay as at the start: a
+    restart brings them.)"""
     broker, api = reloader.peers, reloader.api
     if (broker is None) != (cluster is None):
         if broker is not None:

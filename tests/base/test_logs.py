@@ -134,6 +134,23 @@ def test_a_log_dir_that_cannot_be_made_keeps_lines_in_memory() -> None:
     assert log.tail(5).lines[0].startswith("[nvpair] cannot write /proc/no-such-dir/e.log: ")
 
 
+def test_a_moved_log_writes_on_in_the_new_file_and_says_so_in_both(tmp_path: Path) -> None:
+    old, new = tmp_path / "a" / "e.log", tmp_path / "b" / "e.log"
+    log = EngineLog(old)
+    log.write("one")
+    log.move(new)
+    log.write("two")
+    assert old.read_text().splitlines() == ["one", f"[nvpair] this log continues in {new}"]
+    assert new.read_text().splitlines() == [f"[nvpair] this log continues here (before: {old})",
+                                            "two"]
+    assert log.tail(5).lines[0] == "one" and log.tail(5).lines[-1] == "two"  # (the ring)
+    log.move(Path("/proc/no-such-dir/e.log"))  # cannot be made: in memory from here on
+    log.write("three")
+    assert "three" not in new.read_text() and log.tail(1).lines == ["three"]
+    assert log.tail(2).lines[0].startswith("[nvpair] cannot write /proc/no-such-dir/e.log: ")
+    log.close()
+
+
 async def test_wide_characters_before_a_secret_do_not_let_a_cut_leak_it() -> None:
     secret = "sk-" + "S" * 29
     log = EngineLog(None, redact=(secret,))

@@ -486,3 +486,27 @@ async def test_at_shutdown_an_idle_connection_closes_at_once_a_busy_one_after_it
             await idle.aclose()
             await busy.aclose()
         nursery.cancel_scope.cancel()
+
+
+async def test_a_cap_raised_live_admits_a_waiting_client_at_once(nursery, app) -> None:
+    """At the cap of 1 with its connection busy, a second client waits; ``change`` to a
+    cap of 2 (a reload) admits it while the first is still held. Before, nothing could
+    change the cap of a running server."""
+    connections = Connections(cap=1)
+    port = await start(nursery, app, Limits(max_connections=1), connections)
+    with trio.fail_after(5):
+        busy = await trio.open_tcp_stream("127.0.0.1", port)
+        await busy.send_all(b"GET /hold HTTP/1.1\r\nhost: x\r\n\r\n")
+        await app.arrived.wait()
+        second = await trio.open_tcp_stream("127.0.0.1", port)
+        await second.send_all(REQUEST)
+        with trio.move_on_after(0.3):
+            got = await second.receive_some(4096)
+            pytest.fail(f"a second connection was served beyond the cap of 1: {got!r}")
+        connections.change(Limits(max_connections=2))
+        assert (await get(second, b"")).endswith(b"ok")
+        assert not app.release.is_set() and connections.high_water == 2
+        app.release.set()
+        assert (await get(busy, b"")).endswith(b"ok")
+        for stream in (busy, second):
+            await stream.aclose()

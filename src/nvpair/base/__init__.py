@@ -16,6 +16,8 @@ The modules:
   for `/metrics`.
 * ``logformat``: nvpair's own log lines as text or JSON, with the request and engine a line
   is about (`about`).
+* ``logsetup``: where nvpair's log and the access log go (`install`); a reload switches
+  them (`switch_format`, `switch_access`).
 * ``otlp``: finished spans (`Span`) and the OTLP protobuf they are exported as, written by
   hand (`encode_span`, `encode_request`).
 * ``words``: counts and durations in words (``3 requests``, ``4.2 s``) for lines people

@@ -182,6 +182,27 @@ class EngineLog:
             bucket.rate = per_s
             bucket.tokens = min(bucket.tokens, float(per_s))
 
+    def move(self, path: Path) -> None:
+        """Lines from now on go to ``path`` (a reload's ``log_dir``), opened at once. The
+        file before gets a last line saying where the log went, and is closed and left
+        where it is with its lines; the ring is kept (a follower misses nothing). A path
+        that cannot be opened is said (a warning, and a line in the ring), and the lines
+        stay in memory only, as when the log began."""
+        if path == self.path:
+            return
+        before = self.path
+        if self._file is not None:
+            self._to_file([f"[nvpair] this log continues in {path}"])
+            self.close()
+        self.path = path
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = path.open("ab")
+        except OSError as exc:
+            self._file_failed(exc)
+            return
+        self.write(f"[nvpair] this log continues here (before: {before})")
+
     @property
     def changed(self) -> trio.Event:
         """An event set when the next line is written."""

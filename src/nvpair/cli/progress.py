@@ -11,6 +11,7 @@ from typing import TextIO
 import trio
 import trio.lowlevel
 
+from nvpair.base import logsetup
 from nvpair.cli.table import STATE_COLOURS, paint, use_colour
 from nvpair.state.snapshot import Board, EngineState
 
@@ -30,6 +31,23 @@ def state_line(e: EngineState) -> str:
 
 async def print_transitions(board: Board, stream: TextIO = sys.stderr) -> None:
     """Print one line per engine state change (optional engines only once they answer)."""
+    await each_transition(board, printer(board, stream))
+
+
+async def follow_transitions(board: Board, stream: TextIO = sys.stderr) -> None:
+    """``nvpair serve``'s: each change printed, or logged as a line of nvpair's log while
+    that is JSON (``log_format``: stderr then holds JSON lines only; a reload may switch
+    it, and the next change follows)."""
+    say_printed = printer(board, stream)
+
+    def say(e: EngineState, before: str | None) -> None:
+        (log_line if logsetup.current_format() == "json" else say_printed)(e, before)
+
+    await each_transition(board, say)
+
+
+def printer(board: Board, stream: TextIO) -> Callable[[EngineState, str | None], None]:
+    """Prints a change as a line for people: time, engine, state (coloured on a tty)."""
     colour = use_colour(stream)
     width = max((len(e.name) for e in board.current.engines), default=8)
 
@@ -42,18 +60,14 @@ async def print_transitions(board: Board, stream: TextIO = sys.stderr) -> None:
             line += f"  {paint(detail, 'dim', colour)}"
         print(line, file=stream, flush=True)
 
-    await each_transition(board, say)
+    return say
 
 
-async def log_transitions(board: Board) -> None:
-    """The same changes as lines of nvpair's log (``log_format = "json"``: stderr holds
-    JSON lines only), each with its engine and the event ``state``."""
-    def say(e: EngineState, before: str | None) -> None:
-        detail = state_line(e)
-        log.info("%s -> %s%s", before or "-", e.state, f": {detail}" if detail else "",
-                 extra={"engine": e.name, "event": "state"})
-
-    await each_transition(board, say)
+def log_line(e: EngineState, before: str | None) -> None:
+    """Logs a change as a line of nvpair's log, with its engine and the event ``state``."""
+    detail = state_line(e)
+    log.info("%s -> %s%s", before or "-", e.state, f": {detail}" if detail else "",
+             extra={"engine": e.name, "event": "state"})
 
 
 async def each_transition(board: Board,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import logging.handlers
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -13,8 +12,8 @@ from typing import TextIO
 import trio
 
 from nvpair import service
-from nvpair.base.logformat import ACCESS, formatter
-from nvpair.cli.progress import log_transitions, print_transitions
+from nvpair.base import logsetup
+from nvpair.cli.progress import follow_transitions
 from nvpair.config.settings import Settings
 from nvpair.http.server import raise_fd_limit
 
@@ -22,31 +21,9 @@ from nvpair.http.server import raise_fd_limit
 def setup_logging(settings: Settings, stream: TextIO | None = None) -> None:
     """nvpair's log on stderr in the configured format (``log_format``), and the access
     log (``access_log``): off, into nvpair's log, or a file of its own (in the same format;
-    a ``WatchedFileHandler``, so logrotate may move it)."""
-    form = formatter(settings.log_format)
-    handler = logging.StreamHandler(stream or sys.stderr)
-    handler.setFormatter(form)
-    root = logging.getLogger()
-    for old in root.handlers[:]:
-        root.removeHandler(old)
-    root.addHandler(handler)
-    root.setLevel(logging.INFO)
-    logging.getLogger("httpx2").setLevel(logging.WARNING)
-    logging.getLogger("httpcore2").setLevel(logging.WARNING)
-    access = logging.getLogger(ACCESS)
-    for old in access.handlers[:]:
-        access.removeHandler(old)
-        old.close()
-    access.propagate = settings.access_log == "log"
-    if settings.access_log is None:
-        access.setLevel(logging.WARNING)  # (the router then skips building its line)
-        return
-    access.setLevel(logging.INFO)
-    if isinstance(settings.access_log, Path):
-        settings.access_log.parent.mkdir(parents=True, exist_ok=True)
-        to_file = logging.handlers.WatchedFileHandler(settings.access_log, encoding="utf-8")
-        to_file.setFormatter(form)
-        access.addHandler(to_file)
+    a ``WatchedFileHandler``, so logrotate may move it). A reload switches both
+    (``nvpair.base.logsetup``)."""
+    logsetup.install(settings.log_format, settings.access_log, stream)
 
 
 def run_serve(settings: Settings, *, load: Callable[[], Settings] | None = None,
@@ -72,9 +49,9 @@ def run_serve(settings: Settings, *, load: Callable[[], Settings] | None = None,
               f"status: {url}/v1/engines  (Ctrl-C to stop)", file=sys.stderr, flush=True)
 
     try:
-        trio.run(lambda: service.main(  # (JSON: the transitions as log lines)
+        trio.run(lambda: service.main(
             settings, announce=announce, load=load, watch_config=watch_config,
-            watch=log_transitions if settings.log_format == "json" else print_transitions))
+            watch=follow_transitions))
     except (OSError, ExceptionGroup) as exc:
         error = os_error(exc)
         if error is None:

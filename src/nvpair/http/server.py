@@ -36,6 +36,11 @@ worker that decide how long a client connection lives:
     ``FD_RESERVE``). At the cap, when a new client is waiting, the connection idle the
     longest is closed to admit it (as nginx reuses keep-alive connections); when none is
     idle, accepting waits until one is (the kernel's backlog holds new clients).
+  - **Limits changed live** (a reload, ``Connections.change``): every deadline a
+    connection sets from then on (its next read, its next idle period) takes the new
+    limits; an idle period already under way keeps the deadline it began with. A cap
+    lowered below the connections open closes none of them: new clients are held (or
+    admitted by closing idle ones) as at the cap, until the count is under it.
   - **Out of file descriptors** (EMFILE and kin on accept): the oldest idle connection is
     closed to make room; with none idle, accepting backs off (0.1 s doubling to 2 s). It is
     logged as one line at most once a minute (trio's own loop logs a traceback every 0.1 s).
@@ -124,10 +129,13 @@ def connection_cap(max_connections: int) -> int:
 
 
 class Connections:
-    """The open client connections: counted, and the idle ones ordered oldest first."""
+    """The open client connections: counted, and the idle ones ordered oldest first; and
+    the limits each of them reads at every deadline it sets (``change``)."""
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
+        #: what every connection's deadlines are read from (``serve`` sets its own)
+        self.limits = Limits(max_connections=cap)
         #: the most connections open at once so far.
         self.high_water = 0
         self._open: set[Connection] = set()
@@ -136,6 +144,16 @@ class Connections:
 
     def __len__(self) -> int:
         return len(self._open)
+
+    def change(self, limits: Limits) -> None:
+        """The limits from now on (a reload; docs/api.md, "Connections"). Each connection
+        reads them at its next read or its next idle period; the cap is ``connection_cap``
+        of the new ``max_connections``. A cap lowered below the open count closes nothing now:
+        new clients wait, or idle connections make room for them, as at the cap. A raised
+        one admits a client waiting at once."""
+        self.limits = limits
+        self.cap = connection_cap(limits.max_connections)
+        self._wake()
 
     def opened(self, conn: Connection) -> None:
         self._open.add(conn)
@@ -246,11 +264,10 @@ class Connection(TCPServer):
     """One client connection: hypercorn's, closed when its client closes it (see module)."""
 
     def __init__(self, app: AppWrapper, config: HypercornConfig, context: WorkerContext,
-                 state: LifespanState, stream: trio.SocketStream, *, limits: Limits,
+                 state: LifespanState, stream: trio.SocketStream, *,
                  connections: Connections) -> None:
         super().__init__(_WatchPath(app, self), config, context, state,
                          stream)  # type: ignore[arg-type]
-        self.limits = limits
         self.connections = connections
         self.last_path: str | None = None
         self._opened = trio.current_time()
@@ -260,6 +277,11 @@ class Connection(TCPServer):
         self._timer = IdleTimer(self._keep_alive, context.terminated.wait,
                                 self._initiate_server_close)
         self.idle_task = self._timer  # type: ignore[assignment]  # (hypercorn calls it too)
+
+    @property
+    def limits(self) -> Limits:
+        """The limits now (a reload may change them: ``Connections.change``)."""
+        return self.connections.limits
 
     def evict(self) -> None:
         """Close the socket now (the connection's task then ends on its own)."""
@@ -337,8 +359,8 @@ class Connection(TCPServer):
 
     def _keep_alive(self) -> float:
         """How long this connection may idle now (its last request's path decides)."""
-        return self.limits.keep_alive_paths.get(self.last_path or "",
-                                                self.config.keep_alive_timeout)
+        limits = self.limits
+        return limits.keep_alive_paths.get(self.last_path or "", limits.keep_alive_s)
 
 
 async def serve(app: Any, config: HypercornConfig, limits: Limits, *,
@@ -348,8 +370,8 @@ async def serve(app: Any, config: HypercornConfig, limits: Limits, *,
     """Serve the ASGI ``app`` like ``hypercorn.trio.serve`` (plain HTTP, one worker), with
     ``Connection`` for each client and the cap of ``limits`` (see the module).
 
-    ``config.keep_alive_timeout`` is set from ``limits``. ``connections`` (for tests) is the
-    registry to count connections in.
+    ``config.keep_alive_timeout`` is set from ``limits``. ``connections`` is the registry to
+    count connections in, given its limits (``Connections.change`` changes them live).
 
     Started value: the bound URLs (``http://HOST:PORT``), once every socket listens.
     Returns once ``shutdown_trigger`` has returned: the listeners close, idle connections
@@ -365,13 +387,14 @@ async def serve(app: Any, config: HypercornConfig, limits: Limits, *,
     wrapped = wrap_app(app, config.wsgi_max_body_size, "asgi")
     registry = (connections if connections is not None
                 else Connections(connection_cap(limits.max_connections)))
+    registry.limits = limits
     lifespan_state: LifespanState = {}
     lifespan = Lifespan(wrapped, config, lifespan_state)
     context = WorkerContext(None)
 
     def connection(stream: trio.SocketStream) -> Connection:
         return Connection(wrapped, config, context, ConnectionState(lifespan_state.copy()),
-                          stream, limits=limits, connections=registry)
+                          stream, connections=registry)
 
     async with trio.open_nursery() as lifespan_nursery:
         await lifespan_nursery.start(lifespan.handle_lifespan)
@@ -428,6 +451,12 @@ async def _accept(listener: trio.SocketListener, handlers: trio.Nursery,
                 backoff = min(2 * backoff, ACCEPT_BACKOFF_MAX_S)
             continue
         backoff = ACCEPT_BACKOFF_S
+        if len(registry) >= registry.cap:  # a reload lowered the cap while accept waited
+            try:
+                await registry.make_room()
+            except BaseException:
+                stream.socket.close()
+                raise
         conn = connection(stream)
         registry.opened(conn)
         handlers.start_soon(conn.run)

@@ -418,6 +418,14 @@ class EngineRunner:
                        transport=self.transport, memory=self.memory,
                        probe_rate=self.probe_rate)
 
+    def move_log(self, log_dir: Path) -> None:
+        """Its log from now on in ``log_dir`` (a reload's): the process is left alone, its
+        next lines land in the new file (``EngineLog.move``). (A kept engine's own output
+        file, in the state directory, stays where it is: nvpair follows it and copies
+        what it reads into this log.)"""
+        if self.log is not None:
+            self.log.move(log_dir / f"{self.spec.name}.log")
+
     def update(self, spec: EngineSpec) -> None:
         """Take ``spec`` in place (a reload changed what nvpair does about this engine, not
         its process): the process is left alone; the probes begin again with it when
