@@ -3,11 +3,13 @@ marked ``integration``) and nvpair's simulator (``[sim]``): which requests wake 
 restart its idle timer. nvpair's probes rely on the answer (docs/sleep.md): ``/health``,
 ``/props`` and ``/v1/models`` must never wake it; ``GET /slots`` is a task, so it wakes it
 (nvpair's wake call), as does a generation. And nvpair over it: adopted without
-``sleep = true``, a sleeping server is listed ``sleeping``, and a chat wakes it.
+``sleep = true``, a sleeping server is listed ``sleeping``, and a chat wakes it; one asleep
+before nvpair starts (a kept engine the next nvpair adopts) is never listed ``ready`` first.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import httpx2
@@ -112,3 +114,30 @@ async def test_nvpair_lists_an_adopted_sleeping_server_sleeping_without_sleep_tr
             e = running.board.current.engine("g")
             assert e is not None and (health := e.probe("health")) is not None
             assert health.path == "/props"  # (the sleeping probe, without sleep = true)
+
+
+async def test_a_server_asleep_before_nvpair_starts_is_never_listed_ready(
+        llama_server_factory: ServerFactory, nursery: trio.Nursery, tmp_path: Path) -> None:
+    """Asleep when nvpair comes (as a kept engine is when the next nvpair adopts it, docs/
+    lifecycle.md): listed ``sleeping`` from the first, not ``ready`` until the next health
+    probe (2 s here, 5 s by the manifest): the identity answer (``/props``) that confirms
+    who answers says it sleeps too. It stays asleep."""
+    extra = ["--sleep-idle-seconds", str(IDLE_S)]
+    async with llama_server_factory(extra=extra) as server, server.client() as direct:
+        await until_asleep(direct)
+        config = tmp_path / "nvpair.toml"
+        config.write_text(
+            f"listen = '127.0.0.1:0'\n[[engines]]\nname = 'g'\nkind = 'llamacpp'\n"
+            f"port = {server.port}\nmodel = '{DEFAULT_ALIAS}'\n"
+            "[engines.probes.health]\ninterval_s = 2\ntimeout_s = 1\n")
+        with trio.fail_after(60):
+            running = await nursery.start(service.run, load_settings(str(config)))
+            await wait_state(running.board, "g", "sleeping", where=lambda e: bool(e.models))
+            async with httpx2.AsyncClient(base_url=running.url) as client:
+                listed = (await client.get("/v1/engines")).json()  # (the journal caught up)
+        # every state it was shown in: the event journal's (GET /v1/events)
+        shown = [json.loads(e.data)["state"] for e in running.events.ring
+                 if e.type == "engine" and e.engine == "g"]
+        assert [e["state"] for e in listed["engines"]] == ["sleeping"], listed
+        assert "ready" not in shown and shown[-1] == "sleeping", shown
+        assert await is_sleeping(direct), "nvpair woke it"

@@ -125,6 +125,8 @@ class Prober:
         #: backoff (up to the identity interval), never at each one
         self._identity_backoff = self._new_identity_backoff()
         self._identity_retry_at = float("-inf")
+        #: what the last identity answer said of the engine's sleep (``_sleeping``)
+        self._identity_sleeping: bool | None = None
 
     def _new_identity_backoff(self) -> Backoff | None:
         ident, ready = self.spec.probes.identity, self.spec.probes.ready
@@ -250,6 +252,7 @@ class Prober:
         if spec is None:
             return None
         outcome, answer = await self.probe("identity")
+        self._identity_sleeping = self._sleeping("identity", answer) if outcome.ok else None
         now = trio.current_time()
         if answer is None:
             return partial(after_identity, spec=self.spec, outcome=outcome, now=now,
@@ -298,12 +301,19 @@ class Prober:
                     and trio.current_time() >= self._identity_retry_at):
                 # Confirm who answers before listing it: a wrong engine is never listed.
                 identified = await self.identify()
+            sleeping = self._sleeping(probe, answer)
+            if identified is not None and sleeping is None:
+                # Turning ready: where the identity answer is the sleeping probe's
+                # (llama-server's /props), it says whether the engine sleeps already (one
+                # adopted asleep, a kept one the next nvpair adopts), so it is never
+                # listed ready until the next health probe, up to 5 s later.
+                sleeping = self._identity_sleeping
             spec = self._by_name[probe]
             now = trio.current_time()
             sleep = self.spec.sleep
             liveness = partial(after_liveness, probe=probe, spec=spec, outcome=outcome,
                                now=now, needs_identity=self.spec.probes.identity is not None,
-                               sleeping=self._sleeping(probe, answer),
+                               sleeping=sleeping,
                                sleep_probe=sleep is not None and sleep.probe_path is not None)
             # one publish for the tick: the identity result, then the liveness outcome
             after = self.board.update(name, liveness if identified is None
@@ -323,11 +333,13 @@ class Prober:
                 await wakes.sleep_until(wake, grid)
 
     def _sleeping(self, probe: str, answer: probes.Answer | None) -> bool | None:
-        """What a health answer says of the engine's sleep, when the health probe asks
-        the sleeping probe's path (``sleep = true``; docs/sleep.md); None: it does not say."""
+        """What a health or identity answer says of the engine's sleep, when that probe
+        asks the sleeping probe's path (``sleep = true``; docs/sleep.md); None: it does
+        not say."""
         sleep = self.spec.sleep
-        if (sleep is None or sleep.probe_path is None or answer is None or probe != "health"
-                or self._paths["health"] != sleep.probe_path):
+        if (sleep is None or sleep.probe_path is None or answer is None
+                or probe not in ("health", "identity")
+                or self._paths[probe] != sleep.probe_path):
             return None
         return probes.sleeping(answer.body, sleep.sleeping_pointer)
 
