@@ -104,7 +104,7 @@ class Groups:
         """The settings the rest of nvpair runs: a group's engine is adopted on its head
         (the group runner starts its process; the engine's runner probes and lists it),
         and absent on its ranks (never listed or routed to)."""
-        if not self.specs:
+        if all(s.group is None for s in settings.engines):
             return settings
         engines = tuple(msgspec.structs.replace(s, managed=False) if s.group is not None
                         else s for s in settings.engines
@@ -179,6 +179,10 @@ class Groups:
     @staticmethod
     async def _run(part: _Part, *, task_status: trio.TaskStatus[None]
                    = trio.TASK_STATUS_IGNORED) -> None:
+        """Run one group's part (its runner, and its key watch) until its scope or the
+        whole is cancelled. Started value: None, once its runner has started.
+        Cancellation: as ``GroupRunner.run`` (its process stopped, unless kept). Raises:
+        nothing but Cancelled."""
         try:
             with part.scope:
                 async with trio.open_nursery() as nursery:
