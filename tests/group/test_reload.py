@@ -26,8 +26,9 @@ def ready(doc: dict[str, Any]) -> bool:
 
 
 def args_manifest(path: Path) -> Path:
-    """``sim_manifest``'s, with ``--load-s {load_s}`` (default 0.3) in both roles."""
-    base = json.loads(sim_manifest(path).read_text())
+    """``sim_manifest``'s, with ``--load-s {load_s}`` (default 0.3) in both roles, and a
+    head that streams 20 tokens a second."""
+    base = json.loads(sim_manifest(path, head_extra=("--token-rate", "20")).read_text())
     for role in base["group"]["roles"].values():
         argv = role["start"]["argv"]
         argv[argv.index("--load-s") + 1] = "{load_s}"
@@ -167,3 +168,51 @@ async def test_a_group_added_on_both_nodes_starts_and_removed_leaves_nothing(
                            what="no engine")
         said = head.log.read_text()
         assert "group g: removed (reload)" in said, said[-3000:]
+
+
+async def test_the_heads_stream_in_flight_ends_before_a_reload_restarts_or_removes_it(
+        tmp_path: Path) -> None:
+    """Nothing generating is cut: the head admits no new request and its epoch runs on
+    until the routed stream in flight has ended (40 tokens at 20 a second)."""
+    async with two_nodes(tmp_path) as (cluster, group):
+        head, rank = group.nodes
+        doc = await group.wait(ready, within=30, what="the group ready")
+        for step in ("restart", "remove"):
+            epoch, head_pid = doc["epoch"], doc["ranks"][0]["pid"]
+            chunks: list[bytes] = []
+            streaming = trio.Event()
+
+            async def stream() -> None:
+                body = {"model": "big-model", "max_tokens": 40, "stream": True,
+                        "messages": [{"role": "user", "content": "hi"}]}
+                async with cluster.client.stream("POST", head.url + "/v1/chat/completions",
+                                                 json=body, timeout=30) as r:
+                    assert r.status_code == 200
+                    async for chunk in r.aiter_bytes():
+                        chunks.append(chunk)
+                        streaming.set()
+
+            async with trio.open_nursery() as n:
+                n.start_soon(stream)
+                await streaming.wait()
+                if step == "restart":
+                    group.write(args="load_s = 0.2")
+                    assert (await reload(cluster, head))["restart"] == {"g": ["args"]}
+                else:
+                    group.write(group=False)
+                    assert (await reload(cluster, head))["removed"] == {"g": []}
+                engines = await cluster.json(head, "/v1/engines")
+                assert [e["admitting"] for e in engines["engines"]] == [False], engines
+                mid = await group.doc()  # the stream runs: its epoch and process too
+                assert (mid["epoch"], mid["ranks"][0]["pid"]) == (epoch, head_pid), mid
+            body = b"".join(chunks)
+            assert body.rstrip().endswith(b"data: [DONE]"), body[-200:]
+            assert body.count(b'"content"') >= 40, body  # every token: not cut
+            if step == "restart":
+                assert (await reload(cluster, rank))["restart"] == {"g": ["args"]}
+                doc = await group.wait(lambda d, epoch=epoch: ready(d) and d["epoch"] > epoch,
+                                       within=30, what="the new epoch ready")
+                assert doc["ranks"][0]["pid"] != head_pid
+        await until(lambda: head_pid not in group_processes(), 15)
+        await cluster.wait(head, "/v1/engines", lambda d: d["engines"] == [], within=10,
+                           what="the head's engine gone")

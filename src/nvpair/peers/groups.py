@@ -219,8 +219,7 @@ class Groups:
                     self._nursery.start_soon(self._run, part)
 
     def _remove(self, name: str, removed: Callable[[str], None]) -> None:
-        part = self._parts.pop(name)
-        del self.runners[name]
+        part = self._parts.pop(name)  # (listed until it has stopped: GET /v1/groups)
         if part.watch is not None:
             self.watches.remove(part.watch)
         self.leaving.add(name)
@@ -234,6 +233,8 @@ class Groups:
         part.scope.cancel(reason="removed from the config (reload)")
         await part.ended.wait()
         self.reports.drop(name)
+        if self.runners.get(name) is part.runner:
+            del self.runners[name]
         self.leaving.discard(name)
         log.info("group %s: removed (reload): this node's part has stopped", name)
         with Part(f"group {name}: reload").guard():
