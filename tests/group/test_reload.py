@@ -185,7 +185,8 @@ async def test_the_heads_stream_in_flight_ends_before_a_reload_restarts_or_remov
             chunks: list[bytes] = []
             streaming = trio.Event()
 
-            async def stream() -> None:
+            async def stream(chunks: list[bytes] = chunks,
+                             streaming: trio.Event = streaming) -> None:
                 body = {"model": "big-model", "max_tokens": 40, "stream": True,
                         "messages": [{"role": "user", "content": "hi"}]}
                 async with cluster.client.stream("POST", head.url + "/v1/chat/completions",
