@@ -175,6 +175,7 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
     peers = None if settings.cluster is None else Broker(settings.cluster, board, settings.node)
     cluster_token = None if settings.cluster is None else settings.cluster.token
     groups.attach(board, peers, procs)
+    groups.traffic = traffic  # (a group's restart or removal waits for its head's requests)
     sleepers = Sleepers(settings.engines, board, traffic)  # wake and sleep (docs/sleep.md)
     # engines on demand (docs/on-demand.md): made with none too, so that a reload may add
     # the first (inert without one: everything it does is for an on-demand engine)
@@ -211,7 +212,7 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
     mounts.extend(groups.mounts)
     events = Journal(board, node=settings.node, max_streams=settings.max_streams,
                      peers=PeerFeed(None if peers is None else peers.table),
-                     groups=groups if groups.runners else None)
+                     groups=groups)  # (a reload may add the first group)
     reloader.events, reloader.peers = events, peers
     parts = frozenset({"router"} if settings.router.enabled else set()) | (
         frozenset() if peers is None else {"peers"}) | (
@@ -349,15 +350,14 @@ class Reloader:
             return change
 
     def check(self, new: Settings) -> ConfigDiff:
-        """What ``new`` changes; raises ConfigError for what a reload cannot change."""
-        groups = tuple(e for e in new.engines if e.group is not None)
-        new = self.groups.local(new)
-        change = diff(self.settings, new)
+        """What ``new`` changes; raises ConfigError for what a reload cannot change.
+
+        Judged on the whole config (a group's part on a rank is no engine of the local
+        settings, yet its change is named as an engine's)."""
+        change = diff(self.groups.settings, new)
         refused = list(change.refused)
         refused += [NOT_LIVE[s] for s in change.sections if s in NOT_LIVE]
-        if groups != tuple(self.groups.specs):  # (a rank's part is not in the local ones)
-            refused.append("a multi-node group ([engines.group]) changed: groups change "
-                           "only at a start; restart nvpair")
+        refused += group_refusals(self.groups, new)
         if "peers" in change.sections:
             refused += peers_refusals(self, new)
         refused += log_dir_refusals(self, change)
@@ -368,7 +368,12 @@ class Reloader:
     def apply(self, new: Settings, change: ConfigDiff) -> None:
         """Apply ``change`` (from ``check``): sync, so no reader sees half of it; the drains
         of restarted and removed engines go on in the fleet."""
+        whole = new
         new = self.groups.local(new)
+        # the engines as this node runs them (a group's head: adopted; a rank's: none)
+        full, change = change, diff(self.settings, new)
+        heads = {e.name for e in self.groups.specs if e.group is not None
+                 and e.group.rank == 0}
         specs = {e.name: e for e in new.engines}
         rate = node_probe_rate(new.engines)
         moved = [e.name for e in change.engines if e.verdict in ("restart", "removed")]
@@ -394,6 +399,8 @@ class Reloader:
                 assert spec is not None
                 self.fleet.replace(e.name, partial(self._runner, spec, new, rate),
                                    then=self._restarted)
+            elif e.verdict == "removed" and e.name in heads:
+                pass  # (once its group has stopped: the head drains first, Groups.apply)
             elif e.verdict == "removed":
                 self.fleet.remove(e.name, then=partial(self._forget, e.name))
         for spec in added:
@@ -415,6 +422,10 @@ class Reloader:
             switch_peers(self, new.cluster)
         if self.peers is not None and new.cluster is not None and "peers" in change.sections:
             self.peers.reconfigure(new.cluster)
+        self.groups.apply(whole, list(full.engines), self.peers, removed=self._group_removed)
+        if self.api is not None and self.groups.runners and not any(
+                isinstance(m.handler, GroupsView) for m in self.api.mounts):
+            self.api.mounts = (*self.api.mounts, *self.groups.mounts)  # (the first group)
         if self.keys is not None and "keys" in change.sections:
             self.keys.replace(new.keys)
         if self.api is not None:
@@ -469,6 +480,12 @@ class Reloader:
         self.board.update(spec.name, lambda _old: initial_state(spec))
         self.router.reconfigure(self.settings.engines, self.settings.router, (spec.name,))
 
+    def _group_removed(self, name: str) -> None:
+        """A removed group's part has stopped here: on its head, its engine (adopted)
+        leaves the fleet and the board, as any removed engine."""
+        if name in self.fleet.runners and all(e.name != name for e in self.settings.engines):
+            self.fleet.remove(name, then=partial(self._forget, name))
+
     def _forget(self, name: str) -> None:
         """A removed engine, once stopped: off the board (unless added back meanwhile)."""
         if all(e.name != name for e in self.settings.engines):
@@ -504,6 +521,32 @@ def apply_logs(old: Settings, new: Settings) -> None:
         logsetup.switch_format(new.log_format)
     if new.access_log != old.access_log:
         logsetup.switch_access(new.access_log)
+
+
+def group_refusals(groups: Groups, new: Settings) -> list[str]:
+    """What of ``new``'s groups a reload cannot take (none: it can): an engine that turns
+    from a group's into a single node's or back, or whose node turns from the group's head
+    into a rank or back, under the same name (its old part must be gone before the new
+    one binds its ports: remove it in one reload, add it in the next), and a group added
+    back while its removal still drains."""
+    out = []
+    before = {e.name: e for e in groups.settings.engines}
+    for spec in new.engines:
+        old = before.get(spec.name)
+        if spec.group is not None and spec.name in groups.leaving:
+            out.append(f"group {spec.name} is still being removed (its head drains): "
+                       "reload again once it is gone from /v1/groups")
+        if old is None or (old.group is None and spec.group is None):
+            continue
+        if (old.group is None) != (spec.group is None):
+            out.append(f"engine {spec.name} turns {'into' if old.group is None else 'from'} "
+                       "a multi-node group: remove it in one reload and add it in the next")
+        elif old.group is not None and spec.group is not None and (
+                (old.group.rank == 0) != (spec.group.rank == 0)):
+            out.append(f"group {spec.name}: this node turns from its "
+                       f"{old.group.role} into a {spec.group.role}: remove the group in one "
+                       "reload and add it in the next")
+    return out
 
 
 #: the API's routes of the peers broker

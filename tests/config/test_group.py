@@ -192,3 +192,51 @@ def test_on_exit_of_a_group_that_nvpair_does_not_manage_is_still_refused(
         tmp_path: Path) -> None:
     message = error(tmp_path, extra="on_exit = 'keep'\n")
     assert "engines[0].on_exit: needs managed = true" in message, message
+
+
+@pytest.mark.parametrize(("node", "change", "verdict", "fields"), [
+    # the rank's command (tp is in SGLang's rank argv): a new epoch on every node
+    ("spark-1", ("tp = 4", "tp = 8"), "restart", ("args",)),
+    ("spark-2", ("tp = 4", "tp = 8"), "restart", ("args",)),
+    # the head's own argument: the head restarts the group; a rank's process is the same
+    ("spark-1", ("tp = 4", "tp = 4\nserved_name = 'x'"), "restart", ("args",)),
+    ("spark-2", ("tp = 4", "tp = 4\nserved_name = 'x'"), "update", ("args",)),
+    # an arg no template uses, a timing of the group: in place
+    ("spark-2", ("tp = 4", "tp = 4\nunused = 1"), "update", ("args",)),
+    ("spark-1", ("dist_port = 50000", "dist_port = 50000\nfence_after_s = 9"), "update",
+     ("group",)),
+    ("spark-2", ("dist_port = 50000", "dist_port = 50000\nrestart_backoff = {initial_s = 1}"),
+     "update", ("group",)),
+    # what every node runs: its ranks, its port
+    ("spark-2", ("dist_port = 50000", "dist_port = 50001"), "restart", ("group",)),
+    ("spark-1", ('"spark-3"]', '"spark-3", "spark-4"]'), "restart", ("group",)),
+])
+def test_a_reload_restarts_a_group_only_for_what_it_runs(
+        tmp_path: Path, monkeypatch, node: str, change: tuple[str, str], verdict: str,
+        fields: tuple[str, ...]) -> None:
+    from nvpair.config.diff import EngineChange, diff
+    monkeypatch.delenv(RANK_ENV, raising=False)
+    old = settings(tmp_path, node=node)
+    text = config(tmp_path, node=node).replace(*change)
+    new = resolve(decode_config(text.encode(), "n.toml"), "n.toml", tmp_path)
+    assert diff(old, new).engines == (EngineChange("big", verdict, fields),)
+    assert diff(old, old).engines == (EngineChange("big", "unchanged"),)
+
+
+def test_the_definition_is_what_every_node_runs_alike(tmp_path: Path, monkeypatch) -> None:
+    """The head's and a rank's configs give the same definition (each node's own address
+    left out); a change of the rank's command line gives another."""
+    from nvpair.config.group import definition
+    from nvpair.config.settings import placeholder_values
+    monkeypatch.delenv(RANK_ENV, raising=False)
+
+    def of(text: str) -> str:
+        spec = resolve(decode_config(text.encode(), "n.toml"), "n.toml", tmp_path).engines[0]
+        assert spec.group is not None
+        return definition(spec.group, spec.manifest, placeholder_values(spec))
+
+    base = config(tmp_path)
+    head = of(base.replace('model = "m"', 'model = "m"\nhost = "10.0.0.1"')
+              .replace('node = "spark-2"', 'node = "spark-1"'))
+    assert of(base) == head == of(base.replace('node = "spark-2"', 'node = "spark-3"'))
+    assert of(base.replace("tp = 4", "tp = 8")) != head

@@ -99,31 +99,43 @@ class Group:
         hosts = hosts or [(f"127.0.0.{i + 1}", None) for i in range(count)]
         self.nodes = [cluster.add(Node(f"n{i}", hosts[i][0], self.port, tmp, None,
                                        netns=hosts[i][1])) for i in range(count)]
-        for node in self.nodes:
+        self.manifest, self.etcd_url, self.grace_s, self.top = manifest, etcd_url, grace_s, top
+        self.write(group_extra=group_extra)
+
+    def write(self, *, group: bool = True, group_extra: str = "", args: str = "",
+              engines: str = "", nodes: list[Node] | None = None) -> None:
+        """Write each node's config (``nodes``: only these): the group ``g`` unless
+        ``group`` is false, ``args`` lines in its ``[engines.args]``, ``engines``: more
+        ``[[engines]]`` tables before it (a reload's edit)."""
+        for node in nodes or self.nodes:
             peers = [o for o in self.nodes if o is not node]
-            lines = [(top or {}).get(self.nodes.index(node), "")]
+            lines = [(self.top or {}).get(self.nodes.index(node), "")]
             if not node.host.startswith("127."):  # off loopback: the API wants a token
                 (node.dir / "user-token").write_text(USER_TOKEN)
                 lines.append(f"token_file = '{node.dir / 'user-token'}'")
             lines += [f"listen = '{node.host}:{node.port}'", f"node = '{node.name}'",
-                     f"log_dir = '{node.dir / 'logs'}'", f"state_dir = '{node.dir / 'state'}'",
-                     "[[engines]]", "name = 'g'", f"kind = '{manifest}'", "managed = true",
-                     "model = 'big-model'", f"host = '{node.host}'",
-                     f"port = {self.engine_port}", "stop_grace_s = 3",
-                     "[engines.probes.ready]", "interval_s = 0.25", "timeout_s = 0.25",
-                     "[engines.probes.health]", "interval_s = 1", "timeout_s = 1",
-                     "[engines.group]",
-                     f"ranks = [{', '.join(repr(n.name) for n in self.nodes)}]",
-                     f"dist_port = {self.dist_port}", f"rank_lost_grace_s = {grace_s}",
-                     "restart_backoff = {initial_s = 0.5, max_s = 2}", group_extra]
-            if etcd_url is not None:
-                lines += ["[cluster]", "backend = 'etcd'", f"etcd_url = '{etcd_url}'",
+                      f"log_dir = '{node.dir / 'logs'}'",
+                      f"state_dir = '{node.dir / 'state'}'", engines]
+            if group:
+                lines += ["[[engines]]", "name = 'g'", f"kind = '{self.manifest}'",
+                          "managed = true", "model = 'big-model'", f"host = '{node.host}'",
+                          f"port = {self.engine_port}", "stop_grace_s = 3",
+                          "[engines.args]", args,
+                          "[engines.probes.ready]", "interval_s = 0.25", "timeout_s = 0.25",
+                          "[engines.probes.health]", "interval_s = 1", "timeout_s = 1",
+                          "[engines.group]",
+                          f"ranks = [{', '.join(repr(n.name) for n in self.nodes)}]",
+                          f"dist_port = {self.dist_port}",
+                          f"rank_lost_grace_s = {self.grace_s}",
+                          "restart_backoff = {initial_s = 0.5, max_s = 2}", group_extra]
+            if self.etcd_url is not None:
+                lines += ["[cluster]", "backend = 'etcd'", f"etcd_url = '{self.etcd_url}'",
                           "etcd_lease_ttl_s = 3", "etcd_prefix = 'nvpair/test/nodes/'"]
                 node.config.write_text("\n".join(lines) + "\n")
                 continue
             for other in peers:
                 lines += ["[[peers]]", f"url = '{other.url}'", f"name = '{other.name}'"]
-            lines += ["[cluster]", "interval_s = 1", f"token_file = '{cluster.token_file}'"]
+            lines += ["[cluster]", "interval_s = 1", f"token_file = '{self.cluster.token_file}'"]
             node.config.write_text("\n".join(lines) + "\n")
 
     @property

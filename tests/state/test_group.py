@@ -257,6 +257,7 @@ HEAD = Report(name="g", rank=0, epoch=5, state="forming", run=True, go=True)
     (HEAD, "gone", 31.0, None, 5, (None, False, False)),
     (None, "none", None, 5, 5, (None, False, True)),  # a head never heard of
     (HEAD, "left", 1.0, 5, 5, (None, False, False)),  # the head's nvpair stopped
+    (None, "fresh", 0.1, 5, 5, (None, False, False)),  # heard, without it: removed there
 ])
 def test_reconcile(head, peer, silent, running, started, expected) -> None:
     d = reconcile(head, peer, silent, running, started, fence_after_s=30.0)

@@ -6,7 +6,8 @@ An engine is one of:
 
 * ``unchanged``: not touched at all (same process, same probes on the same schedule);
 * ``restart``: what its process is changed (its kind, address, command line, environment,
-  group, activation): drained, stopped and started again;
+  group, activation): drained, stopped and started again (a multi-node group: a new
+  epoch, ``group_change``);
 * ``update``: something nvpair does about it changed (probes, priority, limits, aliases,
   on-demand and stop settings): taken in place, its process left alone;
 * ``added`` or ``removed``.
@@ -23,13 +24,14 @@ from typing import Literal
 import msgspec
 
 from nvpair.config.command import CommandError, build_command
+from nvpair.config.group import definition, role_manifest, role_values
 from nvpair.config.settings import EngineSpec, Settings, placeholder_values
 
 Verdict = Literal["unchanged", "restart", "update", "added", "removed"]
 
 #: what makes an engine another engine for nvpair: a change restarts it (adopted: nvpair
 #: forgets the old one and adopts the new one; it never signals it)
-IDENTITY = ("kind", "host", "port", "managed", "group", "activation")
+IDENTITY = ("kind", "host", "port", "managed", "activation")
 #: besides IDENTITY, what goes into a managed engine's command line (the argv decides)
 PROCESS = ("model", "command", "args", "env", "api_key", "api_key_file", "sleep",
            "sleep_flags", "idle_sleep_s", "sleep_level", "manifest")
@@ -144,6 +146,8 @@ def engine_change(old: EngineSpec, new: EngineSpec | None) -> EngineChange:
     if old == new:
         return EngineChange(old.name, "unchanged")
     fields = tuple(f for f in old.__struct_fields__ if getattr(old, f) != getattr(new, f))
+    if old.group is not None or new.group is not None:
+        return group_change(old, new, fields)
     identity = tuple(f for f in fields if f in IDENTITY)
     if identity:
         return EngineChange(old.name, "restart", identity)
@@ -154,6 +158,44 @@ def engine_change(old: EngineSpec, new: EngineSpec | None) -> EngineChange:
     if old.managed and started:
         return EngineChange(old.name, "restart", started)
     return EngineChange(old.name, "update", fields)
+
+
+def group_change(old: EngineSpec, new: EngineSpec, fields: tuple[str, ...]) -> EngineChange:
+    """A multi-node group's verdict on this node: ``restart`` (a new epoch) when what its
+    processes run changed here (the group's ``definition``, this node's rank, or this
+    node's own command line: the head's, or the rank's and its ``on_exit``), else
+    ``update`` (its timings, backoff, fencing, probes: taken in place). The head's engine
+    as the fleet runs it (adopted, ``managed`` false) restarts only for its address or
+    kind: its process is the group runner's."""
+    if old.group is None or new.group is None or old.group.rank != new.group.rank:
+        return EngineChange(old.name, "restart", ("group",))
+    identity = tuple(f for f in fields if f in IDENTITY)
+    if identity:
+        return EngineChange(old.name, "restart", identity)
+    if old.managed and group_process(old) != group_process(new):
+        named = tuple(f for f in fields if f in (*PROCESS, *STARTED_WITH, "group")
+                      and f != "manifest")
+        return EngineChange(old.name, "restart", named or ("manifest",))
+    return EngineChange(old.name, "update", fields)
+
+
+def group_process(spec: EngineSpec) -> tuple[object, ...]:
+    """What a group's processes are, as this node starts them: the group's definition,
+    this node's rank, its role's command line (sample addresses, as ``nvpair check``
+    builds it) and, on a rank, how its output goes (``on_exit``)."""
+    group = spec.group
+    assert group is not None
+    values = placeholder_values(spec)
+    role = group.my_role
+    try:
+        argv, env = build_command(role_manifest(spec.manifest, role), None, role_values(
+            group, role, values, rank=group.rank, dist_host="127.0.0.1",
+            rank_hosts=["127.0.0.1"] * group.nnodes))
+    except CommandError:
+        argv, env = [], {}
+    return (definition(group, spec.manifest, values), group.rank, tuple(argv),
+            tuple(sorted({**env, **spec.env}.items())),
+            spec.on_exit if group.rank else None)
 
 
 def command_line(spec: EngineSpec) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:

@@ -7,6 +7,7 @@ is the head) and each node finds its own rank from its ``node`` name, or from
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Mapping
 from typing import Annotated, Literal
@@ -145,6 +146,32 @@ def resolve_group(group: GroupConfig, *, engine: str, manifest: Manifest, manage
         except CommandError as exc:
             raise ConfigError(f"{where}: role {name}: {exc}") from None
     return settings
+
+
+#: what stands for a node's own address in a definition (each node has its own)
+_ANY_HOST = "<host>"
+
+
+def definition(group: GroupSettings, manifest: Manifest, values: Mapping[str, object]) -> str:
+    """What every node of a group must agree on, as a short digest: its ranks and
+    rendezvous port and the command line a rank runs (the rank role's argv and the
+    manifest's environment, from the engine's values, with each node's own address left
+    out). The head's own arguments are not in it (a rank's process does not change with
+    them), nor anything a node sets for itself (its ``env``, ``on_exit``, the timings).
+    A reload that changes it on one node leaves the group to wait until the others agree
+    (docs/groups.md, "Reload")."""
+    from nvpair.config.command import build_command
+
+    own = {**values, "host": _ANY_HOST}
+    sample = role_values(group, group.member, own, rank=1, dist_host=_ANY_HOST,
+                         rank_hosts=[_ANY_HOST] * group.nnodes)
+    try:
+        argv, env = build_command(role_manifest(manifest, group.member), None, sample)
+    except CommandError:
+        argv, env = [], {}
+    blob = msgspec.json.encode([group.ranks, group.dist_port, group.start_order, argv,
+                                sorted(env.items())])
+    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def role_manifest(manifest: Manifest, role: GroupRole) -> Manifest:

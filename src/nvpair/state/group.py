@@ -64,6 +64,9 @@ class Report(msgspec.Struct, frozen=True, omit_defaults=True):
     #: a rank: its process outlives its nvpair (``on_exit = "keep"``), so its nvpair's
     #: leave is not the process's end (the head waits ``grace_s`` for it, as for silence)
     kept: bool = False
+    #: the group's definition as this node's config says it (``config.group.definition``):
+    #: a rank starts a process only for a head whose definition is its own
+    config: Annotated[str, msgspec.Meta(max_length=64)] | None = None
 
 
 def coarse(n: int) -> int:
@@ -318,14 +321,15 @@ def start(h: Head, now: float) -> Head:
         restarts=(), reason=None, keep_ranks=False, history=_begin(h, now, epoch))
 
 
-def restart(h: Head, now: float) -> Head:
-    """A person asks for a new epoch now: no backoff and no budget spent."""
+def restart(h: Head, now: float, reason: str = "restart requested") -> Head:
+    """A person (or a reload, ``reason``) asks for a new epoch now: no backoff and no
+    budget spent."""
     if h.state in ("stopped", "failed"):
         return start(h, now)
     return msgspec.structs.replace(
         h, epoch=h.epoch + 1, state="down", since=now, next_start_at=now,
-        reason="restart requested", ready_since=None, lost_since=None, keep_ranks=False,
-        history=_end(h, now, "restart requested"))
+        reason=reason, ready_since=None, lost_since=None, keep_ranks=False,
+        history=_end(h, now, reason))
 
 
 def head_may_run(h: Head, members: tuple[Member, ...], policy: Policy,
@@ -374,6 +378,10 @@ def reconcile(head: Report | None, head_peer: str, head_silent_s: float | None,
     """
     if head_peer == "left":
         return Decision(None, reason="the head left (its nvpair stopped)")
+    if head is None and head_peer in ("fresh", "one-way"):
+        # the head is heard and runs no such group (a reload removed it there): it never
+        # will for this epoch, so nothing runs for it
+        return Decision(None, reason="the head runs no such group (not in its config)")
     if head is None or head_peer not in ("fresh", "one-way"):
         silent = head_silent_s is None or head_silent_s > fence_after_s
         if running_epoch is not None and silent:

@@ -36,12 +36,13 @@ from nvpair.base.boundary import Part, failure_line
 from nvpair.base.changes import Changes
 from nvpair.base.logs import DEFAULT_RATE, EngineLog, RateCap
 from nvpair.config.command import build_command, engine_env
-from nvpair.config.group import GroupSettings, role_manifest, role_values
+from nvpair.config.group import GroupSettings, definition, role_manifest, role_values
 from nvpair.config.settings import EngineSpec, placeholder_values
 from nvpair.state import group as machine
-from nvpair.state.group import GroupTag, Head, KeyView, Member, Policy, Proc, Report
+from nvpair.state.group import RUNNING, GroupTag, Head, KeyView, Member, Policy, Proc, Report
 from nvpair.state.snapshot import Board
 from nvpair.supervision.kept import output_path
+from nvpair.supervision.lifecycle import DRAIN_POLL_S
 from nvpair.supervision.memproc import MemorySourceError, parse_listening, read_status
 from nvpair.supervision.orphans import EngineProcs, Kept, Record, command_digest
 from nvpair.supervision.process import EngineProcess, Stopping, describe_exit, run_engine_process
@@ -128,6 +129,13 @@ class Reports:
         for listener in self.listeners:
             listener()
 
+    def drop(self, name: str) -> None:
+        """Group ``name`` is no longer on this node (a reload removed it)."""
+        if self.items.pop(name, None) is not None:
+            self.changes.bump()
+            for listener in self.listeners:
+                listener()
+
     def all(self) -> tuple[Report, ...]:
         return tuple(self.items[k] for k in sorted(self.items))
 
@@ -202,6 +210,11 @@ class Slot:
         self.head_boot: str | None = None
         #: a kept process a previous nvpair left (``on_exit = "keep"``), adopted
         self.adopted = False
+        #: started from a config a reload has changed since (a rank stops it once its
+        #: head's definition of the group agrees with the new one)
+        self.stale = False
+        #: why it was stopped, for the head (a rank's report)
+        self.stop_reason: str | None = None
         #: an adopted process's readiness is known: its first look answered, or as many
         #: looks as the failure threshold did not (until then it reports ``unknown``)
         self.looked = False
@@ -238,6 +251,18 @@ class Status(msgspec.Struct, frozen=True):
     memory: tuple[int | None, ...] = ()
 
 
+def policy_of(spec: EngineSpec) -> Policy:
+    """The head's state machine's settings from a group's engine."""
+    g = spec.group
+    assert g is not None
+    return Policy(
+        ranks=g.nnodes - 1, grace_s=g.rank_lost_grace_s,
+        startup_budget_s=spec.startup_budget_s, initial_s=g.backoff.initial_s,
+        max_s=g.backoff.max_s, reset_after_s=g.backoff.reset_after_s,
+        max_count=g.max_restarts.count, per_s=g.max_restarts.per_s, restart=g.restart,
+        start_order=g.start_order)
+
+
 class GroupRunner:
     """Runs this node's role of one group until cancelled."""
 
@@ -255,13 +280,20 @@ class GroupRunner:
         self.log_rate = log_rate  # (the config's log_lines_per_s, log_bytes_per_s)
         self.procs = procs
         self.state_dir = state_dir
-        g = self.group
-        self.policy = Policy(
-            ranks=g.nnodes - 1, grace_s=g.rank_lost_grace_s,
-            startup_budget_s=spec.startup_budget_s, initial_s=g.backoff.initial_s,
-            max_s=g.backoff.max_s, reset_after_s=g.backoff.reset_after_s,
-            max_count=g.max_restarts.count, per_s=g.max_restarts.per_s, restart=g.restart,
-            start_order=g.start_order)
+        self.policy = policy_of(spec)
+        #: the group's definition as this node's config says it (in its report)
+        self.config = definition(self.group, spec.manifest, placeholder_values(spec))
+        #: routed requests in flight on the head's engine (the router's count; a reload's
+        #: restart of the group, or its removal, waits for them: nothing generating is cut)
+        self.in_flight: Callable[[], int] = lambda: 0
+        #: the head: a reload's restart waits for the requests in flight (admits none)
+        self._draining = False
+        self._renew_epoch: int | None = None
+        #: a reload removed the group: the head admits nothing and stops it; a rank stops
+        #: its process
+        self._retiring = False
+        #: why this node's part waits (its config and the head's disagree), in words
+        self.note: str | None = None
         self.head: Head | None = None
         self.slot: Slot | None = None
         #: a rank whose process outlives its nvpair (``on_exit = "keep"``, with a state
@@ -301,6 +333,80 @@ class GroupRunner:
     def poke(self) -> None:
         """Look at the group again now (something it reads changed)."""
         self._wake.bump()
+
+    # -- a reload (docs/groups.md, "Reload") ------------------------------------------------
+
+    def respec(self, spec: EngineSpec, *, restart: bool) -> None:
+        """Take a reload's ``spec`` of this group (the same role). In place (``restart``
+        false): its timings, backoff, fencing and probes, from the next look on. With
+        ``restart``: what runs changes. The head drains its engine (admits nothing new;
+        the routed requests in flight finish) and then starts a new epoch, as
+        ``POST .../restart`` does; a rank stops its process once its head's definition of
+        the group is its own (the head's restart ends the epoch anyway), and starts the
+        next epoch's with the new command. Sync."""
+        assert spec.group is not None and (spec.group.rank == 0) == (self.group.rank == 0)
+        old_url = self.spec.url
+        self.spec, self.group, self.policy = spec, spec.group, policy_of(spec)
+        self.keep = (spec.on_exit == "keep" and self.group.rank != 0
+                     and self.procs.dir is not None)
+        self.config = definition(self.group, spec.manifest, placeholder_values(spec))
+        if spec.url != old_url and self._client is not None and self._nursery is not None:
+            client, self._client = self._client, None
+            self._nursery.start_soon(client.aclose)
+        if restart and self.group.rank != 0 and self.slot is not None:
+            self.slot.stale = True
+        elif restart and self.head is not None and (self.head.state in RUNNING
+                                                    or self.head.keep_ranks):
+            self._renew_epoch = self.head.epoch
+            if not self._draining and self._nursery is not None:
+                self._draining = True
+                self._nursery.start_soon(self._renew)
+        self._wake.bump()
+
+    async def _renew(self) -> None:
+        """The head, after a reload changed what runs: once no routed request is in
+        flight on its engine, a new epoch (unless one began meanwhile: it runs the new
+        config already)."""
+        try:
+            await self._drained()
+            h = self.head
+            if h is not None and h.epoch == self._renew_epoch and (
+                    h.state in RUNNING or h.keep_ranks):
+                self.head = machine.restart(h, trio.current_time(),
+                                            "its config changed (reload)")
+                self._save_epoch(self.head.epoch)
+                log.info("group %s: its config changed (reload): epoch %d", self.spec.name,
+                         self.head.epoch)
+        finally:
+            self._draining = False
+            self._wake.bump()
+
+    async def _drained(self) -> None:
+        """Until no routed request is in flight on the head's engine (the router's count,
+        looked at on each change of the group and every ``DRAIN_POLL_S``)."""
+        while self.in_flight() > 0:
+            version = self._wake.version
+            with trio.move_on_after(DRAIN_POLL_S):
+                await self._wake.wait_changed(version)
+
+    async def retire(self) -> None:
+        """A reload removed the group: the head admits nothing new, waits for the routed
+        requests in flight, then stops the group (its ranks are told to stop); a rank
+        stops its process (a kept one too). Returns once this node's process has ended."""
+        self._retiring = True
+        self._wake.bump()
+        if self.group.rank == 0:
+            await self._drained()
+            if self.head is not None:
+                self.head = machine.stop(self.head)
+        self.held = True
+        self._wake.bump()
+        while self.slot is not None and not self.slot.done:
+            version = self._wake.version
+            if not self.slot.stopping:
+                self._stop(self.slot)
+            with trio.move_on_after(TICK_S):
+                await self._wake.wait_changed(version)
 
     def _failed(self, reason: str | None) -> None:
         self.error = reason
@@ -410,9 +516,12 @@ class GroupRunner:
 
     def _member_list(self, now: float) -> tuple[Member, ...]:
         out = []
+        other = []
         for rank, node in enumerate(self.group.ranks[1:], start=1):
             heard = self.peers.heard(node, self.spec.name, now)
             r = heard.report
+            if r is not None and r.config is not None and r.config != self.config:
+                other.append(f"rank {rank} ({node})")
             if heard.peer == "left" and r is not None and r.rank == rank and not r.kept:
                 # its nvpair said goodbye: its process is stopping, no grace to wait out
                 # (a kept one runs on: silent, its grace applies)
@@ -424,6 +533,10 @@ class GroupRunner:
                 known = r.state if r.state in _RANK_STATES else "unknown"
                 out.append(Member(rank, node, known, r.epoch, r.exit))  # type: ignore[arg-type]
             self._note(rank, out[-1].state, now)
+        self.note = None if not other else (
+            f"{', '.join(other)}: its config of group {self.spec.name} differs from this "
+            "node's (another definition: ranks, dist_port or the rank's command line); it "
+            "starts no process until they agree (reload it)")
         return tuple(out)
 
     def _note(self, rank: int, state: str, now: float) -> None:
@@ -469,12 +582,14 @@ class GroupRunner:
         slot = self.slot
         if slot is not None and slot.alive:
             own = msgspec.structs.replace(own, pid=slot.pid)
-        own = msgspec.structs.replace(own, memory_bytes=self._memory_now())
+        own = msgspec.structs.replace(own, memory_bytes=self._memory_now(),
+                                      config=self.config)
         if self.claim is not None and self._claimed != h.epoch:  # not this head's epoch yet
             own = msgspec.structs.replace(own, run=False, go=False)
         self.reports.set(own)
-        self._admit(h.state == "ready", GroupTag(self.spec.name, h.epoch, own.ranks_ready,
-                                                 self.group.nnodes - 1))
+        self._admit(h.state == "ready" and not self._draining and not self._retiring,
+                    GroupTag(self.spec.name, h.epoch, own.ranks_ready,
+                             self.group.nnodes - 1))
         return machine.wake_at(h, self.policy)
 
     async def _claim(self, epoch: int) -> None:
@@ -536,7 +651,21 @@ class GroupRunner:
         if (running is not None and slot is not None and heard.boot is not None
                 and heard.peer != "left" and slot.head_boot != heard.boot):
             running = -1  # started for another boot of the head: never its epoch
-        if self._adopted_digest is not None and head is not None and running is not None:
+        # the head's definition of the group and this node's (a reload on one node and not
+        # yet on the other): a process runs on for the head's epoch, none starts
+        agree = head is None or head.config is None or head.config == self.config
+        self.note = None if agree else (
+            f"this node's config of group {self.spec.name} differs from its head's "
+            f"({self.group.head_node}: ranks, dist_port or the rank's command line); no "
+            "process starts until they agree (reload the one not yet reloaded)")
+        if (running is not None and slot is not None and slot.stale and agree
+                and head is not None):
+            log.info("group %s: rank %d's config changed (reload): its process is stopped; "
+                     "the next epoch's runs the new command", self.spec.name, self.group.rank)
+            slot.stop_reason = "stopped: its config changed (reload)"
+            running = -1  # (as a process of another epoch: stopped, the next one starts)
+        if (self._adopted_digest is not None and head is not None and running is not None
+                and agree):
             # the first word of the head: its host is known, so is the rank's command now
             if self._adopted_digest != self._rank_digest(heard.host):
                 log.info("group %s: rank %d's command changed while nvpair was down: its "
@@ -554,6 +683,8 @@ class GroupRunner:
             d = machine.apply_key(d, self.key_view(), self.group.head_node, running)
         if self.held:
             d = machine.Decision(None, reason="held stopped on this node")
+        elif d.start and not agree:
+            d = machine.Decision(None, reason=self.note)
         if slot is not None and running is not None and d.epoch != running:
             if d.fenced:
                 log.warning("group %s: %s", self.spec.name, d.reason)
@@ -563,7 +694,7 @@ class GroupRunner:
         if d.start and d.epoch is not None and (slot is None or slot.done):
             self.fenced = False
             self._start(d.epoch, self._rank_values(heard.host), heard.boot)
-        report = self._rank_report(head)
+        report = msgspec.structs.replace(self._rank_report(head, agree), config=self.config)
         self.reports.set(msgspec.structs.replace(report, memory_bytes=self._memory_now())
                          if report.pid is not None else report)
         wake = float("inf")
@@ -583,7 +714,7 @@ class GroupRunner:
                                     None, self._rank_values(head_host))
         return command_digest(argv, {**extra, **self.spec.env})
 
-    def _rank_report(self, head: Report | None) -> Report:
+    def _rank_report(self, head: Report | None, agree: bool = True) -> Report:
         slot = self.slot
         epoch = head.epoch if head is not None else (slot.epoch if slot is not None else 0)
         name, rank = self.spec.name, self.group.rank
@@ -600,7 +731,10 @@ class GroupRunner:
         if slot is not None and not slot.stopping and slot.epoch == epoch:
             return Report(name=name, rank=rank, epoch=epoch, state="down", exit=slot.exit,
                           exit_code=slot.exit_code)
-        return Report(name=name, rank=rank, epoch=epoch, state="stopped")
+        why = None if agree else "waits: its config of the group differs from the head's"
+        if why is None and slot is not None and slot.epoch == epoch:
+            why = slot.stop_reason
+        return Report(name=name, rank=rank, epoch=epoch, state="stopped", exit=why)
 
     # -- processes -------------------------------------------------------------------------
 
@@ -796,7 +930,8 @@ class GroupRunner:
         return Status(name=self.spec.name, node=self.node, rank=self.group.rank,
                       role=self.group.role, ranks=self.group.ranks, head=self.head,
                       members=self.members, report=self.reports.items.get(self.spec.name),
-                      detail=tuple(detail), error=self.error or self.claim_error,
+                      detail=tuple(detail),
+                      error=self.error or self.claim_error or self.note,
                       head_report=None if self.heard_head is None else self.heard_head.report,
                       head_proc=self._proc().state if self.group.rank == 0 else "none",
                       memory=tuple(memory),
