@@ -532,3 +532,26 @@ async def test_nvpair_reload_that_removes_the_key_says_how(nursery, tmp_path) ->
     assert done.returncode == 0, done.stderr
     assert done.stdout.decode() == "reload: 1 unchanged; keys applied\n"
     assert running.reloader.applied == 1
+
+
+async def test_the_router_turned_on_and_the_api_document_follow_a_reload(nursery,
+                                                                          tmp_path) -> None:
+    """``[router] enabled`` turned on by a reload mounts the router (a chat request was
+    404, now answered), and /openapi.json names the engine and model the reload added."""
+    node = Node(tmp_path)
+    node.write(["e0"], tail="[router]\nenabled = false\n")
+    with trio.fail_after(60):
+        running = await nursery.start(service.run, load_settings(str(node.path)))
+        await wait_state(running.board, "e0", "ready", within=40)
+        async with httpx2.AsyncClient(base_url=running.url, timeout=30) as client:
+            off = await client.post(CHAT, headers=JSON, content=payload("model-e0", 1))
+            doc_before = (await client.get("/openapi.json")).text
+            node.write(["e0", "new"])
+            change = await running.reloader.reload("test")
+            await wait_state(running.board, "new", "ready", within=40)
+            on = await client.post(CHAT, headers=JSON, content=payload("model-new", 1))
+            doc_after = (await client.get("/openapi.json")).text
+    assert change.sections == ("router",)
+    assert off.status_code == 404 and on.status_code == 200, (off.text, on.text)
+    assert "model-new" not in doc_before and "/v1/chat/completions" not in doc_before
+    assert "model-new" in doc_after and "/v1/chat/completions" in doc_after

@@ -214,14 +214,8 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
                      peers=PeerFeed(None if peers is None else peers.table),
                      groups=groups)  # (a reload may add the first group)
     reloader.events, reloader.peers = events, peers
-    parts = frozenset({"router"} if settings.router.enabled else set()) | (
-        frozenset() if peers is None else {"peers"}) | (
-        frozenset({"groups"}) if groups.mounts else frozenset())
     api = reloader.api = Api(board, node=settings.node, keys=keys, events=events,
-              spec=document_json(parts, tuple(spec.name for spec in settings.engines),
-                                 tuple(dict.fromkeys(m for spec in settings.engines
-                                                     for m in (spec.model, *spec.aliases)
-                                                     if m))),
+              spec=api_document(settings, peers is not None, bool(groups.mounts)),
               controller=Control(runners, board, settings.node, sleepers), mounts=mounts,
               cluster=None if peers is None else peers.table, cluster_token=cluster_token,
               allowed_hosts=settings.allowed_hosts,
@@ -445,6 +439,8 @@ class Reloader:
         if "log_dir" in change.sections:
             for runner in self.fleet.runners.values():
                 runner.move_log(new.log_dir)
+        if not full.empty:
+            apply_routes(self, new)
         self.settings = new
 
     def _apply_access(self, new: Settings) -> None:
@@ -490,6 +486,33 @@ class Reloader:
         """A removed engine, once stopped: off the board (unless added back meanwhile)."""
         if all(e.name != name for e in self.settings.engines):
             self.board.publish(tuple(e for e in self.board.current.engines if e.name != name))
+
+
+def api_document(settings: Settings, peers: bool, groups: bool) -> bytes:
+    """``/openapi.json``: the routes this node serves (the router's, the peers', the
+    groups'), its engines' names and its models (at a start, and again at each reload)."""
+    parts = frozenset({"router"} if settings.router.enabled else set()) | (
+        frozenset({"peers"}) if peers else frozenset()) | (
+        frozenset({"groups"}) if groups else frozenset())
+    return document_json(parts, tuple(spec.name for spec in settings.engines),
+                         tuple(dict.fromkeys(m for spec in settings.engines
+                                             for m in (spec.model, *spec.aliases) if m)))
+
+
+def apply_routes(reloader: Reloader, new: Settings) -> None:
+    """The API's routes as ``new`` has them: the router's mounted or taken away with
+    ``[router] enabled`` (a request already routed goes on: only the next one is not
+    matched), and ``/openapi.json`` made again (engines, models, peers and groups)."""
+    api = reloader.api
+    if api is None:
+        return
+    routed = any(m.handler is reloader.router for m in api.mounts)
+    if new.router.enabled and not routed:
+        api.mounts = (*api.mounts, Mount(handler=reloader.router, paths=ROUTED_PATHS,
+                                         peer_auth=True, routed=True))
+    elif routed and not new.router.enabled:
+        api.mounts = tuple(m for m in api.mounts if m.handler is not reloader.router)
+    api.spec = api_document(new, reloader.peers is not None, bool(reloader.groups.runners))
 
 
 def apply_limits(reloader: Reloader, new: Settings) -> None:
