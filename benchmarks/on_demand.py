@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.procs import PY, ROOT, Procs, free_port, get_json, machine, request, start_nvpair
+from nvpair.state.transitions import AWAITED_READY_INTERVAL_S
 
 LOAD_S = 2.0
 #: the swap scenario's engines: a load as a small model's reload, a wake as vLLM's level 1
@@ -299,7 +300,8 @@ def run(quick: bool) -> dict[str, Any]:
                  "engine_alone_start_s": [round(x, 3) for x in alone],
                  "engine_warm_first_byte_ms": round(statistics.median(warm_od) * 1000, 2),
                  "overhead_ms": round(overhead * 1000, 1),
-                 "ready_probe": "the manifest's (2 s; 0.25 s while requests wait)",
+                 "ready_probe": ("the manifest's (2 s; "
+                                 f"{AWAITED_READY_INTERVAL_S} s while requests wait)"),
                  "fast": {"ready_probe": "0.05 s",
                           "first_byte_s": [round(x, 3) for x in cold["od_fast"]],
                           "overhead_ms": round(overhead_fast * 1000, 1)}},

@@ -206,7 +206,7 @@ def liveness_probe(state: State) -> LivenessProbe:
 #: the ready probe's interval at most while routed requests wait for the engine to start
 #: (``EngineState.queued``, the activation queue's count on the board): a cold request
 #: then waits at most this long after the engine is ready, not the manifest's interval
-AWAITED_READY_INTERVAL_S = 0.25
+AWAITED_READY_INTERVAL_S = 0.1
 
 
 class NextTick(NamedTuple):
