@@ -281,10 +281,6 @@ async def run(settings: Settings, *, procs: orphans.EngineProcs | None = None,
             engines.cancel_scope.cancel(reason="nvpair is shutting down")
         outer.cancel_scope.cancel(reason="nvpair is shutting down")
 
-#: sections of the config a reload cannot apply yet, and why (besides config.diff.REFUSED)
-NOT_LIVE: dict[str, str] = {}
-
-
 class Reloader:
     """Reads the config again and applies what changed to the running parts
     (docs/lifecycle.md, "Reload"): ``nvpair reload``, SIGHUP, ``POST /v1/admin/reload``
@@ -297,7 +293,7 @@ class Reloader:
 
     def __init__(self, settings: Settings, *, fleet: Fleet, board: Board, router: Router,
                  traffic: Traffic, memory: MemoryWatch, sleepers: Sleepers,
-                 activator: Activator | None, keys: Keyring | None, sweep: Sweep,
+                 activator: Activator, keys: Keyring | None, sweep: Sweep,
                  groups: Groups,
                  runner_for: Callable[[EngineSpec, Settings, float], EngineRunner],
                  load: Callable[[], Settings] | None = None) -> None:
@@ -350,7 +346,6 @@ class Reloader:
         settings, yet its change is named as an engine's)."""
         change = diff(self.groups.settings, new)
         refused = list(change.refused)
-        refused += [NOT_LIVE[s] for s in change.sections if s in NOT_LIVE]
         refused += group_refusals(self.groups, new)
         if "peers" in change.sections:
             refused += peers_refusals(self, new)
@@ -410,8 +405,7 @@ class Reloader:
         self.sleepers.specs = {s.name: s for s in new.engines if s.sleep is not None}
         self.sleepers.engines = {s.name: s for s in new.engines}
         self.router.models.queue = new.activation  # (a model slot's queue limits)
-        if self.activator is not None:
-            self.activator.reconfigure(new.engines, new.activation, new.memory)
+        self.activator.reconfigure(new.engines, new.activation, new.memory)
         if "peers" in change.sections:  # turned on or off, and the token's readers
             switch_peers(self, new.cluster)
         if self.peers is not None and new.cluster is not None and "peers" in change.sections:
@@ -419,7 +413,7 @@ class Reloader:
         self.groups.apply(whole, list(full.engines), self.peers, removed=self._group_removed)
         if self.api is not None and self.groups.runners and not any(
                 isinstance(m.handler, GroupsView) for m in self.api.mounts):
-            self.api.mounts = (*self.api.mounts, *self.groups.mounts)  # (the first group)
+            remount(self.api, (*self.api.mounts, *self.groups.mounts))  # (the first group)
         if self.keys is not None and "keys" in change.sections:
             self.keys.replace(new.keys)
         if self.api is not None:
@@ -499,6 +493,15 @@ def api_document(settings: Settings, peers: bool, groups: bool) -> bytes:
                                              for m in (spec.model, *spec.aliases) if m)))
 
 
+def remount(api: Api, mounts: tuple[Mount, ...]) -> None:
+    """The API's routes from now on, and the dashboard's view of them (its history
+    says which optional routes there are, so the page asks only for those)."""
+    api.mounts = mounts
+    for mount in mounts:
+        if isinstance(mount.handler, HistoryView):
+            mount.handler.mounts = mounts
+
+
 def apply_routes(reloader: Reloader, new: Settings) -> None:
     """The API's routes as ``new`` has them: the router's mounted or taken away with
     ``[router] enabled`` (a request already routed goes on: only the next one is not
@@ -508,10 +511,10 @@ def apply_routes(reloader: Reloader, new: Settings) -> None:
         return
     routed = any(m.handler is reloader.router for m in api.mounts)
     if new.router.enabled and not routed:
-        api.mounts = (*api.mounts, Mount(handler=reloader.router, paths=ROUTED_PATHS,
-                                         peer_auth=True, routed=True))
+        remount(api, (*api.mounts, Mount(handler=reloader.router, paths=ROUTED_PATHS,
+                                         peer_auth=True, routed=True)))
     elif routed and not new.router.enabled:
-        api.mounts = tuple(m for m in api.mounts if m.handler is not reloader.router)
+        remount(api, tuple(m for m in api.mounts if m.handler is not reloader.router))
     api.spec = api_document(new, reloader.peers is not None, bool(reloader.groups.runners))
 
 
@@ -593,8 +596,7 @@ def switch_peers(reloader: Reloader, cluster: ClusterSettings | None) -> None:
     on takes the rest in place (``Broker.reconfigure``, its table kept). The cluster
     token goes to everything that presents or checks it (routed requests, requests
     passed on, a group's head). (The advert route's longer keep-alive follows in
-    ``apply_limits``; the OpenAPI document's peers routes stay as at the start: a
-    restart brings them.)"""
+    ``apply_limits``, the OpenAPI document in ``apply_routes``.)"""
     broker, api = reloader.peers, reloader.api
     if (broker is None) != (cluster is None):
         if broker is not None:
@@ -612,11 +614,8 @@ def switch_peers(reloader: Reloader, cluster: ClusterSettings | None) -> None:
             api.cluster = table
             if api.metrics is not None:
                 api.metrics.peers = table
-            api.mounts = (tuple(m for m in api.mounts if not m.paths & PEER_PATHS)
-                          + tuple(() if broker is None else broker.mounts))
-            for mount in api.mounts:  # (the dashboard asks only for the routes there are)
-                if isinstance(mount.handler, HistoryView):
-                    mount.handler.mounts = api.mounts
+            remount(api, tuple(m for m in api.mounts if not m.paths & PEER_PATHS)
+                    + tuple(() if broker is None else broker.mounts))
     token = None if cluster is None else cluster.token
     reloader.router.cluster_token = token
     if api is not None:

@@ -158,6 +158,10 @@ async def test_a_group_added_on_both_nodes_starts_and_removed_leaves_nothing(
         assert [m["id"] for m in models["data"]] == ["big-model"]
         own = await group.wait(ready, within=10, what="the rank's view", node=rank)
         assert own["role"] == "rank"
+        # the dashboard learns of the groups' route the reload mounted
+        for node in group.nodes:
+            history = await cluster.json(node, "/v1/history?points=1")
+            assert history["routes"]["groups"] is True, history["routes"]
         # removed on both: no process left, gone from /v1/groups and the head's engines
         group.write(group=False)
         for node in (head, rank):

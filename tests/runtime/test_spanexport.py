@@ -134,3 +134,32 @@ async def test_a_switch_sends_the_next_spans_to_the_new_exporter_and_ends_the_ol
                 await trio.to_thread.run_sync(thread.join, 5.0)
     assert export.dropped == 4 and export.exported == 5 and export.used
     assert old.ended and new.ended and [s.name for s in second.spans] == ["new1", "new2"]
+
+
+class NoThread(SpanExporter):
+    """An exporter whose worker cannot start (a process at its thread limit raises
+    RuntimeError from Thread.start)."""
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        raise RuntimeError("can't start new thread")
+
+
+async def test_an_exporter_that_fails_is_the_exports_failure_not_nvpairs(nursery) -> None:
+    """An exporter switched to by a reload that fails to run ends in its task: the export's
+    nursery (the service's) goes on, the spans handed over are counted as dropped, and the
+    next switch to a working exporter delivers."""
+    receiver = Receiver()
+    await nursery.start(receiver.serve)
+    export = SpanExport()
+    await nursery.start(export.run)
+    with trio.fail_after(10):
+        broken = NoThread(receiver.url, [])
+        export.switch(broken)
+        while export.current is broken:  # (its task ran and failed)
+            await trio.sleep(0)
+        export.add(spans(2))
+        export.switch(SpanExporter(receiver.url, [], flush_s=0.05))
+        export.add(spans(3, "ok"))
+        got = await receiver.wait_for(lambda s: len(s) == 3)
+    assert [s.name for s in got] == ["ok1", "ok2", "ok3"] and export.dropped == 2

@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 
 import trio
 
+from nvpair.base.boundary import Part
 from nvpair.base.otlp import Attrs, Span, encode_request, encode_span
 
 log = logging.getLogger("nvpair.tracing")
@@ -299,9 +300,13 @@ class SpanExport:
                 self._nursery = None
 
     async def _run(self, exporter: SpanExporter) -> None:
-        """Run ``exporter`` until the switch that replaced it, or cancellation."""
+        """Run ``exporter`` until the switch that replaced it, or cancellation. A failure
+        of it (its thread could not start, a bug) is the trace export's, logged; spans
+        handed to it meanwhile are counted as dropped, and nvpair goes on."""
         try:
-            with self._runs[exporter]:
+            with self._runs[exporter], Part("tracing: export", logger=log).guard():
                 await exporter.run()
         finally:
             del self._runs[exporter]
+            if exporter is self.current:  # (its buffer is no longer read)
+                self.current = None
