@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 
 import trio
+import trio.testing
 from tests.otlp_receiver import Receiver, attrs
 from tests.ports import free_port
 
@@ -156,8 +157,8 @@ async def test_an_exporter_that_fails_is_the_exports_failure_not_nvpairs(nursery
     with trio.fail_after(10):
         broken = NoThread(receiver.url, [])
         export.switch(broken)
-        while export.current is broken:  # (its task ran and failed)
-            await trio.sleep(0)
+        await trio.testing.wait_all_tasks_blocked()  # (its task ran and failed)
+        assert export.current is None
         export.add(spans(2))
         export.switch(SpanExporter(receiver.url, [], flush_s=0.05))
         export.add(spans(3, "ok"))
